@@ -1,0 +1,39 @@
+# The two quick-start commands: `make run` and `make test`. Each creates .venv
+# when it is missing and installs the project into it.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+DATA ?= var/cluster
+
+.PHONY: run test bench venv dev-install package-check clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+# Installed markers: reinstall when pyproject.toml changes.
+$(VENV)/.installed-run: $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install -q -e '.[dev,spark]'
+	touch $@ $(VENV)/.installed-run
+
+venv: $(VENV)/.installed-run
+
+run: $(VENV)/.installed-run
+	$(BIN)/delaymq cluster --data $(DATA)
+
+test: $(VENV)/.installed-dev
+	PYTHONSAFEPATH=1 $(BIN)/python -m pytest -q
+	$(MAKE) package-check
+
+package-check: $(VENV)/.installed-dev
+	$(BIN)/python tests/packaging/check_wheel.py
+
+bench: $(VENV)/.installed-dev
+	PYTHONSAFEPATH=1 $(BIN)/delaymq bench all
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info var
