@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DATA ?= var/cluster
 
-.PHONY: run test bench venv dev-install package-check clean
+.PHONY: run test bench venv clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,10 +27,7 @@ run: $(VENV)/.installed-run
 
 test: $(VENV)/.installed-dev
 	PYTHONSAFEPATH=1 $(BIN)/python -m pytest -q
-	$(MAKE) package-check
 
-package-check: $(VENV)/.installed-dev
-	$(BIN)/python tests/packaging/check_wheel.py
 
 bench: $(VENV)/.installed-dev
 	PYTHONSAFEPATH=1 $(BIN)/delaymq bench all

@@ -1,0 +1,57 @@
+"""``delaymq bench``: benchmarks that print figures (never pass/fail).
+
+Each suite returns rows of (name, value, unit); this module only prints them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+Row = tuple[str, float, str]
+
+#: suite name -> (module, function, does it take a scratch directory)
+SUITES: dict[str, tuple[str, str, bool]] = {
+    "codec": ("delaymq.protocol.bench", "bench_codec", False),
+    "log": ("delaymq.storage.bench", "bench_log_append", True),
+}
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="run benchmarks and print their figures",
+        description="Run benchmarks and print their figures. 'all' runs every suite.",
+    )
+    parser.add_argument("suite", choices=["all", *SUITES], nargs="?", default="all")
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="scratch directory for on-disk benchmarks (default: a temporary one)",
+    )
+    parser.set_defaults(func=run)
+
+
+def print_rows(title: str, rows: list[Row]) -> None:
+    print(f"\n== {title}")
+    width = max((len(name) for name, _, _ in rows), default=10)
+    for name, value, unit in rows:
+        print(f"  {name:<{width}}  {value:>14,.1f} {unit}")
+
+
+def run(args: argparse.Namespace) -> int:
+    names = list(SUITES) if args.suite == "all" else [args.suite]
+    for name in names:
+        module_name, function_name, wants_dir = SUITES[name]
+        function: Callable[..., list[Row]] = getattr(importlib.import_module(module_name), function_name)
+        if wants_dir:
+            with tempfile.TemporaryDirectory(dir=args.dir, prefix=f"delaymq-bench-{name}-") as scratch:
+                rows = function(Path(scratch))
+        else:
+            rows = function()
+        print_rows(name, rows)
+    return 0
