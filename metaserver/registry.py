@@ -1,0 +1,601 @@
+"""The metaserver's registry: server groups, heartbeats, eviction, states, routes.
+
+A sans-IO object: the network server feeds it requests and the epoch ms of each,
+and it never reads a clock. Time inside it never runs backwards: an earlier
+``now_ms`` than one already seen is taken as the latest seen.
+
+Rules, each chosen so a route answer is safe to act on:
+
+- A server is known by (group, address) and heartbeats with ``register`` (all
+  fields again) or ``heartbeat`` (group and address only). A group's kind is
+  fixed by its first server; a server of another kind is refused.
+- A server is *evicted* once it has been silent for ``evict_after_ms`` or more
+  (``now - last_heartbeat >= evict_after_ms``), and back at its next heartbeat.
+  Evicted servers stay known (``status`` shows them with their age) until
+  ``forget``.
+- A group's master is the server that claimed mastership last (registered as
+  master when it was new or a slave). A second server claiming master therefore
+  takes over, and the old one, still claiming, is not routed even as a slave.
+  A group is routed while its master is live; its live slaves come with it.
+- ``version`` changes exactly when the view behind every route answer changes.
+  Each change sets it to ``max(version + 1, now_ms)``, so a metaserver restored
+  from an older snapshot, or started empty, never hands out a version that an
+  earlier run used for other routes.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from delaymq.metaserver.routes import (
+    GroupState,
+    RouteAnswer,
+    RouteKind,
+    RoutedGroup,
+    ServerKind,
+    routable,
+    select,
+)
+
+GROUP_NAME_MAX = 128
+HOST_MAX = 255
+SOFTWARE_VERSION_MAX = 64
+# Only the record format's own cap: the configured subject limit is the
+# protocol's to enforce, and the metaserver must not refuse what it allows.
+SUBJECT_MAX_BYTES = 0xFFFF
+PORT_MIN, PORT_MAX = 1, 65535
+DEFAULT_EVICT_AFTER_MS = 30_000
+DEFAULT_HEARTBEAT_INTERVAL_MS = 5_000
+SNAPSHOT_FORMAT = 1
+
+_GROUP_NAME = re.compile(r"[A-Za-z0-9._-]+")
+_E = TypeVar("_E", bound=enum.Enum)
+
+
+class Role(enum.StrEnum):
+    """What a server says it is within its group."""
+
+    MASTER = "master"
+    SLAVE = "slave"
+
+
+class RegistryError(ValueError):
+    """A refused request or snapshot; ``field`` names what was wrong."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+# -- validation ---------------------------------------------------------------
+
+
+def _show(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _text(field: str, value: object, limit: int) -> str:
+    if not isinstance(value, str):
+        raise RegistryError(field, f"must be a string, got {type(value).__name__}")
+    if not value:
+        raise RegistryError(field, "must not be empty")
+    if len(value) > limit:
+        raise RegistryError(field, f"is {len(value)} characters, limit {limit}")
+    return value
+
+
+def _choice(field: str, kind: type[_E], value: object) -> _E:
+    try:
+        return kind(value)
+    except (ValueError, TypeError):
+        allowed = ", ".join(repr(member.value) for member in kind)
+        raise RegistryError(field, f"unknown {field} {_show(value)}, expected one of {allowed}") from None
+
+
+def _count(field: str, value: object, *, minimum: int = 0) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise RegistryError(field, f"must be an integer, got {type(value).__name__}")
+    if value < minimum:
+        raise RegistryError(field, f"is {value}, must be at least {minimum}")
+    return value
+
+
+def check_group_name(value: object, field: str = "group") -> str:
+    """1..128 characters of A-Z a-z 0-9 . _ -"""
+    name = _text(field, value, GROUP_NAME_MAX)
+    if not _GROUP_NAME.fullmatch(name):
+        raise RegistryError(field, f"{_show(name)} may use only A-Z a-z 0-9 . _ -")
+    return name
+
+
+def check_address(value: object, field: str = "address") -> str:
+    """``host:port`` (IPv6 hosts in brackets), port 1..65535 written plainly."""
+    address = _text(field, value, HOST_MAX + 6)
+    host, colon, port = address.rpartition(":")
+    if not colon or not host:
+        raise RegistryError(field, f"{_show(address)} is not host:port")
+    bracketed = host.startswith("[") and host.endswith("]")
+    bare = host[1:-1] if bracketed else host
+    if not bare or (":" in bare and not bracketed) or any(c.isspace() or c in "[]/" for c in bare):
+        raise RegistryError(field, f"{_show(address)} has a bad host (IPv6 goes in brackets)")
+    if len(host) > HOST_MAX:
+        raise RegistryError(field, f"host is {len(host)} characters, limit {HOST_MAX}")
+    if not (port.isascii() and port.isdigit()) or port != str(int(port)):
+        raise RegistryError(field, f"{_show(address)} has port {_show(port)}, not a plain number")
+    if not PORT_MIN <= int(port) <= PORT_MAX:
+        raise RegistryError(field, f"port {port} is outside {PORT_MIN}..{PORT_MAX}")
+    return address
+
+
+@dataclass(frozen=True, slots=True)
+class ServerInfo:
+    """A register request, checked and normalised when built."""
+
+    group: str
+    kind: ServerKind
+    role: Role
+    address: str
+    software_version: str
+
+    def __post_init__(self) -> None:
+        check_group_name(self.group)
+        object.__setattr__(self, "kind", _choice("kind", ServerKind, self.kind))
+        object.__setattr__(self, "role", _choice("role", Role, self.role))
+        check_address(self.address)
+        _text("software_version", self.software_version, SOFTWARE_VERSION_MAX)
+
+    @classmethod
+    def from_dict(cls, request: Mapping[str, Any]) -> ServerInfo:
+        """From a decoded request; unknown keys are ignored (newer servers may send more)."""
+        if not isinstance(request, Mapping):
+            raise RegistryError("request", f"must be a mapping, got {type(request).__name__}")
+        fields = ("group", "kind", "role", "address", "software_version")
+        for key in fields:
+            if key not in request:
+                raise RegistryError(key, "is missing")
+        return cls(*(request[key] for key in fields))
+
+
+# -- answers ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatReply:
+    """What a server learns at each heartbeat."""
+
+    state: GroupState
+    master: str | None  # address of the group's master, None if it has none
+    route_version: int  # changed since last time: routes are worth asking again
+    heartbeat_interval_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class StatusRow:
+    """One server, for ``delaymq status``. ``role`` is what it claims; ``is_master``
+    whether it is the master routes point at."""
+
+    group: str
+    kind: ServerKind
+    role: Role
+    address: str
+    state: GroupState
+    software_version: str
+    seconds_since_heartbeat: float
+    evicted: bool
+    is_master: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RegistryStatistics:
+    """Counts as of the latest time the registry was given."""
+
+    groups: int
+    servers: int
+    routed_groups: int
+    evicted_groups: int  # groups whose master is silent (masterless ones are not counted)
+    evicted_servers: int
+    version: int
+    changes: int
+    dirty: bool
+
+
+# -- the registry -------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Server:
+    role: Role
+    software_version: str
+    last_heartbeat_ms: int
+    master_claim: int  # order of its latest claim of mastership; 0 while a slave
+
+
+@dataclass(slots=True)
+class _Group:
+    kind: ServerKind
+    state: GroupState
+    servers: dict[str, _Server]
+
+    def master(self) -> str | None:
+        best: str | None = None
+        best_claim = 0
+        for address, server in self.servers.items():
+            if server.role is Role.MASTER and server.master_claim > best_claim:
+                best, best_claim = address, server.master_claim
+        return best
+
+
+class Registry:
+    """Server groups and the routes to them. Not thread-safe: one task drives it."""
+
+    def __init__(
+        self,
+        *,
+        evict_after_ms: int = DEFAULT_EVICT_AFTER_MS,
+        heartbeat_interval_ms: int = DEFAULT_HEARTBEAT_INTERVAL_MS,
+    ) -> None:
+        self._evict_after_ms = _count("evict_after_ms", evict_after_ms, minimum=1)
+        self._heartbeat_interval_ms = _count("heartbeat_interval_ms", heartbeat_interval_ms, minimum=1)
+        if heartbeat_interval_ms >= evict_after_ms:
+            raise RegistryError(
+                "heartbeat_interval_ms",
+                f"is {heartbeat_interval_ms}, must be below evict_after_ms ({evict_after_ms})",
+            )
+        self._groups: dict[str, _Group] = {}
+        self._now_ms = 0
+        self._claims = 0
+        self._version = 0
+        self._view: tuple[RoutedGroup, ...] = ()
+        self._view_stale = False
+        self._next_expiry_ms: int | None = None  # no live server expires before this
+        self._answers: dict[RouteKind, RouteAnswer] = {}
+        self._changes = 0
+        self._persisted_changes = 0
+
+    # -- servers --------------------------------------------------------------
+
+    def register(self, info: ServerInfo | Mapping[str, Any], *, now_ms: int) -> HeartbeatReply:
+        """Register a server or heartbeat with all its fields."""
+        if not isinstance(info, ServerInfo):
+            info = ServerInfo.from_dict(info)
+        group = self._groups.get(info.group)
+        if group is not None and group.kind is not info.kind:
+            raise RegistryError(
+                "kind", f"group {info.group!r} is a {group.kind} group, {info.address} says {info.kind}"
+            )
+        now = self._advance(now_ms)
+        if group is None:
+            group = self._groups[info.group] = _Group(info.kind, GroupState.RW, {})
+        server = group.servers.get(info.address)
+        if server is None:
+            claim = self._claim() if info.role is Role.MASTER else 0
+            group.servers[info.address] = _Server(info.role, info.software_version, now, claim)
+            self._content_changed()
+        else:
+            self._beat(server, now)
+            if server.role is not info.role:
+                server.role = info.role
+                server.master_claim = self._claim() if info.role is Role.MASTER else 0
+                self._content_changed()
+            if server.software_version != info.software_version:
+                server.software_version = info.software_version
+                self._changes += 1  # persisted, but no route shows it
+        self._refresh(now)
+        return self._reply(group)
+
+    def heartbeat(self, group: str, address: str, *, now_ms: int) -> HeartbeatReply:
+        """The light heartbeat of a registered server: (group, address) only."""
+        found = self._group(group)
+        server = found.servers.get(check_address(address))
+        if server is None:
+            raise RegistryError("address", f"{address} is not registered in group {group!r}: register first")
+        now = self._advance(now_ms)
+        self._beat(server, now)
+        self._refresh(now)
+        return self._reply(found)
+
+    def forget(self, group: str, address: str) -> None:
+        """Admin: drop a server for good (a group left with none is dropped too)."""
+        found = self._group(group)
+        if check_address(address) not in found.servers:
+            raise RegistryError("address", f"{address} is not registered in group {group!r}")
+        del found.servers[address]
+        if not found.servers:
+            del self._groups[group]
+        self._content_changed()
+        self._refresh(self._now_ms)
+
+    def set_state(self, group: str, state: GroupState | str) -> None:
+        """Admin: RW, R (read-only) or NRW. Kept across re-registration and restarts."""
+        found = self._group(group)
+        new = _choice("state", GroupState, state)
+        if found.state is not new:
+            found.state = new
+            self._content_changed()
+            self._refresh(self._now_ms)
+
+    # -- queries --------------------------------------------------------------
+
+    def route(self, route: RouteKind | str, *, now_ms: int, subject: str | None = None) -> RouteAnswer:
+        """The groups for one route; ``subject`` is required for scheduler-delivery."""
+        kind = _choice("route", RouteKind, route)
+        if subject is not None or kind is RouteKind.SCHEDULER_DELIVERY:
+            _check_subject(subject)
+        now = self._advance(now_ms)
+        self._refresh(now)
+        answer = self._answers.get(kind)
+        if answer is None:
+            answer = self._answers[kind] = select(kind, self._view, self._version)
+        return answer
+
+    def expire(self, now_ms: int) -> bool:
+        """Notice evictions due by ``now_ms``; true if the routes changed."""
+        before = self._version
+        self._refresh(self._advance(now_ms))
+        return self._version != before
+
+    @property
+    def version(self) -> int:
+        """The route version as of the latest time given (see ``route``)."""
+        return self._version
+
+    def status(self, now_ms: int) -> list[StatusRow]:
+        """Every known server, sorted by group then address."""
+        now = self._advance(now_ms)
+        self._refresh(now)
+        rows = []
+        for name in sorted(self._groups):
+            group = self._groups[name]
+            master = group.master()
+            for address in sorted(group.servers):
+                server = group.servers[address]
+                rows.append(
+                    StatusRow(
+                        group=name,
+                        kind=group.kind,
+                        role=server.role,
+                        address=address,
+                        state=group.state,
+                        software_version=server.software_version,
+                        seconds_since_heartbeat=(now - server.last_heartbeat_ms) / 1000,
+                        evicted=not self._alive(server, now),
+                        is_master=address == master,
+                    )
+                )
+        return rows
+
+    def statistics(self) -> RegistryStatistics:
+        now = self._now_ms
+        self._refresh(now)
+        evicted_groups = 0
+        for group in self._groups.values():
+            master = group.master()
+            if master is not None and not self._alive(group.servers[master], now):
+                evicted_groups += 1
+        return RegistryStatistics(
+            groups=len(self._groups),
+            servers=sum(len(g.servers) for g in self._groups.values()),
+            routed_groups=len(self._view),
+            evicted_groups=evicted_groups,
+            evicted_servers=sum(
+                not self._alive(s, now) for g in self._groups.values() for s in g.servers.values()
+            ),
+            version=self._version,
+            changes=self._changes,
+            dirty=self.dirty,
+        )
+
+    # -- persistence ----------------------------------------------------------
+
+    @property
+    def changes(self) -> int:
+        """Count of changes to what ``snapshot`` holds (servers, roles, states), not heartbeats."""
+        return self._changes
+
+    @property
+    def dirty(self) -> bool:
+        """True if something worth persisting changed since ``mark_persisted``."""
+        return self._changes != self._persisted_changes
+
+    def mark_persisted(self, changes: int) -> None:
+        """Record that the snapshot taken when ``changes`` was read is now durable.
+
+        Read ``changes``, take ``snapshot()``, write it (in a thread), then call
+        this: changes made during the write keep the registry dirty.
+        """
+        _count("changes", changes)
+        if changes > self._changes:
+            raise RegistryError("changes", f"is {changes}, only {self._changes} changes were made")
+        self._persisted_changes = max(self._persisted_changes, changes)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything but heartbeat times, as plain msgpack-able data."""
+        return {
+            "format": SNAPSHOT_FORMAT,
+            "version": self._version,
+            "master_claims": self._claims,
+            "groups": [
+                {
+                    "group": name,
+                    "kind": group.kind.value,
+                    "state": group.state.value,
+                    "servers": [
+                        {
+                            "address": address,
+                            "role": server.role.value,
+                            "software_version": server.software_version,
+                            "master_claim": server.master_claim,
+                        }
+                        for address, server in sorted(group.servers.items())
+                    ],
+                }
+                for name, group in sorted(self._groups.items())
+            ],
+        }
+
+    @classmethod
+    def restore(
+        cls,
+        snapshot: Mapping[str, Any],
+        now_ms: int,
+        *,
+        evict_after_ms: int = DEFAULT_EVICT_AFTER_MS,
+        heartbeat_interval_ms: int = DEFAULT_HEARTBEAT_INTERVAL_MS,
+    ) -> Registry:
+        """Rebuild from ``snapshot()`` so a restarted metaserver answers routes at once.
+
+        Heartbeat times are not persisted: every server counts as heard from at
+        ``now_ms`` and gets a full ``evict_after_ms`` of grace. The last known
+        routes are answered at once; servers that are really gone drop out after
+        the grace period, exactly as if they had stopped just now. The version
+        moves past the snapshot's, since the answers may differ from the last
+        ones handed out (servers evicted then are routed now).
+        """
+        registry = cls(evict_after_ms=evict_after_ms, heartbeat_interval_ms=heartbeat_interval_ms)
+        now = registry._advance(now_ms)
+        data = _mapping("snapshot", snapshot)
+        if data.get("format") != SNAPSHOT_FORMAT:
+            raise RegistryError(
+                "snapshot.format", f"is {_show(data.get('format'))}, this code reads {SNAPSHOT_FORMAT}"
+            )
+        saved_version = _count("snapshot.version", data.get("version"))
+        claims = _count("snapshot.master_claims", data.get("master_claims"))
+        groups = data.get("groups")
+        if not isinstance(groups, list):
+            raise RegistryError("snapshot.groups", "must be a list")
+        for i, raw in enumerate(groups):
+            where = f"snapshot.groups[{i}]"
+            entry = _mapping(where, raw)
+            name = check_group_name(entry.get("group"), f"{where}.group")
+            if name in registry._groups:
+                raise RegistryError(f"{where}.group", f"{name!r} appears twice")
+            group = _Group(
+                _choice(f"{where}.kind", ServerKind, entry.get("kind")),
+                _choice(f"{where}.state", GroupState, entry.get("state")),
+                {},
+            )
+            servers = entry.get("servers")
+            if not isinstance(servers, list) or not servers:
+                raise RegistryError(f"{where}.servers", "must be a non-empty list")
+            for j, raw_server in enumerate(servers):
+                at = f"{where}.servers[{j}]"
+                item = _mapping(at, raw_server)
+                address = check_address(item.get("address"), f"{at}.address")
+                role = _choice(f"{at}.role", Role, item.get("role"))
+                claim = _count(f"{at}.master_claim", item.get("master_claim"), minimum=1 if role is Role.MASTER else 0)
+                version = _text(f"{at}.software_version", item.get("software_version"), SOFTWARE_VERSION_MAX)
+                group.servers[address] = _Server(role, version, now, claim if role is Role.MASTER else 0)
+                claims = max(claims, claim)
+            registry._groups[name] = group
+        registry._claims = claims
+        registry._view, registry._next_expiry_ms = registry._build_view(now)
+        registry._version = max(saved_version + 1, now)
+        return registry
+
+    # -- internals ------------------------------------------------------------
+
+    def _advance(self, now_ms: int) -> int:
+        self._now_ms = max(self._now_ms, _count("now_ms", now_ms))
+        return self._now_ms
+
+    def _group(self, name: str) -> _Group:
+        group = self._groups.get(check_group_name(name))
+        if group is None:
+            raise RegistryError("group", f"unknown group {name!r}")
+        return group
+
+    def _claim(self) -> int:
+        self._claims += 1
+        return self._claims
+
+    def _alive(self, server: _Server, now: int) -> bool:
+        return now - server.last_heartbeat_ms < self._evict_after_ms
+
+    def _beat(self, server: _Server, now: int) -> None:
+        if not self._alive(server, now):
+            self._view_stale = True  # back from eviction
+        server.last_heartbeat_ms = now
+
+    def _content_changed(self) -> None:
+        self._changes += 1
+        self._view_stale = True
+
+    def _reply(self, group: _Group) -> HeartbeatReply:
+        return HeartbeatReply(group.state, group.master(), self._version, self._heartbeat_interval_ms)
+
+    def _refresh(self, now: int) -> None:
+        """Rebuild the view if something changed or a server may have expired."""
+        if not self._view_stale and (self._next_expiry_ms is None or now < self._next_expiry_ms):
+            return
+        view, self._next_expiry_ms = self._build_view(now)
+        self._view_stale = False
+        if view != self._view:
+            self._view = view
+            self._version = max(self._version + 1, now)
+            self._answers.clear()
+
+    def _build_view(self, now: int) -> tuple[tuple[RoutedGroup, ...], int | None]:
+        view = []
+        next_expiry: int | None = None
+        for name in sorted(self._groups):
+            group = self._groups[name]
+            for server in group.servers.values():
+                if self._alive(server, now):
+                    expiry = server.last_heartbeat_ms + self._evict_after_ms
+                    next_expiry = expiry if next_expiry is None else min(next_expiry, expiry)
+            master = group.master()
+            if master is None or not self._alive(group.servers[master], now):
+                continue
+            if not routable(group.kind, group.state):
+                continue  # e.g. NRW: no answer shows it, so its changes bump nothing
+            slaves = tuple(
+                sorted(
+                    address
+                    for address, server in group.servers.items()
+                    if server.role is Role.SLAVE and self._alive(server, now)
+                )
+            )
+            view.append(RoutedGroup(name, group.kind, group.state, master, slaves))
+        return tuple(view), next_expiry
+
+
+def _check_subject(value: object) -> None:
+    subject = _text("subject", value, SUBJECT_MAX_BYTES)
+    try:
+        size = len(subject.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise RegistryError("subject", "is not valid UTF-8 text") from None
+    if size > SUBJECT_MAX_BYTES:
+        raise RegistryError("subject", f"is {size} UTF-8 bytes, limit {SUBJECT_MAX_BYTES}")
+
+
+def _mapping(field: str, value: object) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise RegistryError(field, f"must be a mapping, got {type(value).__name__}")
+    return value
+
+
+__all__ = [
+    "DEFAULT_EVICT_AFTER_MS",
+    "DEFAULT_HEARTBEAT_INTERVAL_MS",
+    "GROUP_NAME_MAX",
+    "GroupState",
+    "HeartbeatReply",
+    "Registry",
+    "RegistryError",
+    "RegistryStatistics",
+    "Role",
+    "RouteAnswer",
+    "RouteKind",
+    "RoutedGroup",
+    "ServerInfo",
+    "ServerKind",
+    "StatusRow",
+    "check_address",
+    "check_group_name",
+]
