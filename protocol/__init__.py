@@ -1,1 +1,75 @@
-"""delaymq.protocol."""
+"""delaymq.protocol: the sans-IO wire codec (frames, message records, limits, errors).
+
+Fed bytes, it hands out frames and checked record batches; it never does I/O.
+The message record format is the same on the wire and in every log.
+"""
+
+from delaymq.protocol.commands import Command, command_name
+from delaymq.protocol.envelope import RecordKind
+from delaymq.protocol.errors import (
+    LocalProtocolError,
+    PeerError,
+    ProtocolError,
+    RemoteProtocolError,
+)
+from delaymq.protocol.frames import (
+    FRAME_HEADER_SIZE,
+    Frame,
+    FrameDecoder,
+    FrameKind,
+    encode_frame,
+    error_response,
+    oneway,
+    request,
+    response_error,
+    response_to,
+)
+from delaymq.protocol.limits import DEFAULT_LIMITS, Limits
+from delaymq.protocol.records import (
+    Message,
+    MessageBatch,
+    MessageHeader,
+    decode_batch,
+    decode_message,
+    encode_batch,
+    encode_message,
+    new_message_id,
+    rewrite_delivery,
+    scan_batch,
+    tag_bit,
+    tags_mask,
+)
+
+__all__ = [
+    "DEFAULT_LIMITS",
+    "FRAME_HEADER_SIZE",
+    "Command",
+    "Frame",
+    "FrameDecoder",
+    "FrameKind",
+    "Limits",
+    "LocalProtocolError",
+    "Message",
+    "MessageBatch",
+    "MessageHeader",
+    "PeerError",
+    "ProtocolError",
+    "RecordKind",
+    "RemoteProtocolError",
+    "command_name",
+    "decode_batch",
+    "decode_message",
+    "encode_batch",
+    "encode_frame",
+    "encode_message",
+    "error_response",
+    "new_message_id",
+    "oneway",
+    "request",
+    "response_error",
+    "response_to",
+    "rewrite_delivery",
+    "scan_batch",
+    "tag_bit",
+    "tags_mask",
+]

@@ -1,0 +1,78 @@
+"""Size limits of frames and message records, shared by both ends of the wire.
+
+A producer checks them before it sends (``LocalProtocolError``), a server checks
+them on every record it receives (``RemoteProtocolError``), so a refusal always
+names the field and the limit it broke. Each limit is configurable; the record
+layout itself caps some of them (see ``Limits.__post_init__``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KiB = 1024
+MiB = 1024 * KiB
+
+#: The default horizon of a delayed message: two (leap) years ahead.
+TWO_YEARS_MS = 2 * 366 * 86_400_000
+
+# Caps set by the widths of the record and frame header fields.
+_U8 = 0xFF
+_U16 = 0xFFFF
+_U32 = 0xFFFF_FFFF
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Limits:
+    """Every limit of the codec, in bytes unless said otherwise.
+
+    ``max_subject``, ``max_id`` and ``max_tag`` count UTF-8 bytes, not
+    characters; ``max_properties`` is the size of the msgpack encoding;
+    ``horizon_ms`` is how far past "now" a ``deliver_at`` may lie (checked by
+    ``scan_batch`` when it is given ``now_ms``).
+    """
+
+    max_frame: int = 64 * MiB
+    max_body: int = 4 * MiB
+    max_subject: int = 255
+    max_id: int = 64
+    max_tags: int = 16
+    max_tag: int = 64
+    max_properties: int = 64 * KiB
+    horizon_ms: int = TWO_YEARS_MS
+
+    def __post_init__(self) -> None:
+        caps = {
+            "max_frame": _U32,
+            "max_body": _U32,
+            "max_subject": _U16,
+            "max_id": _U16,
+            "max_tags": _U8,
+            "max_tag": _U8,
+            "max_properties": _U32,
+            "horizon_ms": 1 << 62,
+        }
+        for name, cap in caps.items():
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= cap:
+                raise ValueError(f"Limits.{name} must be an int from 1 to {cap}, not {value!r}")
+        # 255 tags of (1 + 255) bytes still fit the u16 tag-section length.
+
+    @property
+    def max_record(self) -> int:
+        """The largest record payload these limits allow (header and all fields)."""
+        from delaymq.protocol.records import MESSAGE_HEADER_SIZE
+
+        return (
+            MESSAGE_HEADER_SIZE
+            + self.max_id
+            + self.max_subject
+            + self.max_tags * (1 + self.max_tag)
+            + self.max_properties
+            + self.max_body
+        )
+
+
+DEFAULT_LIMITS = Limits()
+
+__all__ = ["DEFAULT_LIMITS", "KiB", "Limits", "MiB", "TWO_YEARS_MS"]

@@ -1,0 +1,916 @@
+"""The message record: the one format of a message on the wire and in every log.
+
+A message is the payload of an envelope record (``delaymq.protocol.envelope``)
+of kind ``RecordKind.MESSAGE``; the envelope's CRC covers it. A batch is records
+end to end, so a server checks a batch with ``scan_batch`` and appends the very
+same bytes to its log. Integers are big-endian, like the envelope's.
+
+Byte offsets from the start of the record (the envelope header is bytes 0..12,
+the message payload starts at 12)::
+
+    offset size  field
+    0      4     payload_size  u32   envelope: bytes after byte 12
+    4      1     magic         0xD7  envelope
+    5      1     version       1     envelope
+    6      2     kind          u16   envelope: 1 = MESSAGE
+    8      4     crc           u32   envelope: CRC-32 of bytes 0..8 and 12..end
+    12     8     deliver_at    i64   epoch ms UTC; 0 (or any past moment) = now
+    20     8     created_at    i64   epoch ms UTC, set by the producer
+    28     2     attempts      u16   deliveries tried so far (retries)
+    30     2     id_len        u16   1..max_id
+    32     2     subject_len   u16   1..max_subject
+    34     1     tag_count     u8    0..max_tags
+    35     1     flags         u8    reserved, must be 0
+    36     2     tags_len      u16   bytes of the tag section
+    38     4     props_len     u32   bytes of the properties, 0 = none
+    42     4     body_len      u32   0..max_body
+    46     .     id            UTF-8, no control characters
+    .      .     subject       UTF-8, no control characters
+    .      .     tags          tag_count x (u8 length, UTF-8 bytes), each 1..max_tag
+    .      .     properties    msgpack map str -> str|int|float|bool|bytes
+    .      .     body          opaque bytes
+
+``payload_size == 34 + id_len + subject_len + tags_len + props_len + body_len``
+always holds; a record where it does not is refused. ``deliver_at``,
+``created_at`` and ``attempts`` sit at fixed offsets so a retry rewrites them
+in place (``rewrite_delivery``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import struct
+import uuid
+import zlib
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import KW_ONLY, dataclass, field
+from functools import lru_cache
+from typing import Any, NamedTuple
+
+import msgpack
+
+from delaymq.protocol.envelope import (
+    HEADER,
+    HEADER_SIZE,
+    MAGIC,
+    VERSION,
+    EnvelopeError,
+    RecordKind,
+    iter_spans,
+)
+from delaymq.protocol.errors import LocalProtocolError, RemoteProtocolError
+from delaymq.protocol.limits import DEFAULT_LIMITS, Limits
+
+#: The fixed message header inside the payload (offsets 12..46 of the record).
+MESSAGE_HEADER = struct.Struct(">qqHHHBBHII")
+MESSAGE_HEADER_SIZE = MESSAGE_HEADER.size  # 34
+#: Envelope header and message header in one, so a scan unpacks once per record.
+RECORD_HEADER = struct.Struct(HEADER.format + MESSAGE_HEADER.format[1:])
+RECORD_HEADER_SIZE = RECORD_HEADER.size  # 46
+
+_PREFIX = struct.Struct(">IBBH")  # the CRC-covered part of the envelope header
+_CRC = struct.Struct(">I")
+_DELIVER_AT = struct.Struct(">q")  # at 12
+_ATTEMPTS = struct.Struct(">H")  # at 28
+_BODY_LEN = struct.Struct(">I")  # at 42
+_DELIVER_AT_OFFSET = HEADER_SIZE
+_ATTEMPTS_OFFSET = 28
+_BODY_LEN_OFFSET = 42
+_MESSAGE = int(RecordKind.MESSAGE)
+# starts, ends, ids, subjects, tags, deliver_ats, created_ats, attempts
+_Columns = tuple[
+    list[int],
+    list[int],
+    list[str],
+    list[str],
+    list[tuple[str, ...]],
+    list[int],
+    list[int],
+    list[int],
+]
+_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
+_U16_MAX = 0xFFFF
+
+# Unicode category Cc: C0, DEL and C1 controls. ``str.isprintable`` is a fast
+# first check (true for most ids and subjects); the regex settles the rest.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+_PROPERTY_TYPES = (str, int, float, bytes)  # bool is an int
+
+
+class MessageHeader(NamedTuple):
+    """One record of a ``MessageBatch``: everything but properties and body.
+
+    ``buf[start:end]`` is the whole record.
+    """
+
+    start: int
+    end: int
+    id: str
+    subject: str
+    tags: tuple[str, ...]
+    deliver_at: int
+    created_at: int
+    attempts: int
+
+
+@dataclass(frozen=True, slots=True)
+class MessageBatch:
+    """A checked batch: the scanned bytes and, per record, its header fields.
+
+    The fields are parallel lists (entry ``i`` of each is record ``i``): that
+    is what a server loops over, and it allocates no object per record (faster
+    than a list of tuples, and no work for the garbage collector). Indexing or
+    iterating gives ``MessageHeader``s for convenience.
+    """
+
+    buf: bytes
+    starts: list[int]
+    ends: list[int]
+    ids: list[str]
+    subjects: list[str]
+    tags: list[tuple[str, ...]]
+    deliver_ats: list[int]
+    created_ats: list[int]
+    attempts: list[int]
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, index: int) -> MessageHeader:
+        return MessageHeader(
+            self.starts[index],
+            self.ends[index],
+            self.ids[index],
+            self.subjects[index],
+            self.tags[index],
+            self.deliver_ats[index],
+            self.created_ats[index],
+            self.attempts[index],
+        )
+
+    def __iter__(self) -> Iterator[MessageHeader]:
+        return map(
+            MessageHeader,
+            self.starts,
+            self.ends,
+            self.ids,
+            self.subjects,
+            self.tags,
+            self.deliver_ats,
+            self.created_ats,
+            self.attempts,
+        )
+
+    def record(self, index: int) -> bytes:
+        """The bytes of one record, e.g. to forward it alone."""
+        return self.buf[self.starts[index] : self.ends[index]]
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """A fully decoded message, for users; servers work on ``MessageHeader``s."""
+
+    id: str
+    subject: str
+    _: KW_ONLY
+    tags: tuple[str, ...] = ()
+    properties: dict[str, Any] = field(default_factory=dict)
+    body: bytes = b""
+    deliver_at: int = 0
+    created_at: int = 0
+    attempts: int = 0
+
+    def __post_init__(self) -> None:
+        if type(self.tags) is not tuple:
+            if isinstance(self.tags, str):  # a lone tag, not its characters
+                raise TypeError("Message.tags is a sequence of str, not a str")
+            object.__setattr__(self, "tags", tuple(self.tags))
+
+    def encode(self, limits: Limits = DEFAULT_LIMITS) -> bytes:
+        """This message as one record; ``LocalProtocolError`` names a broken limit."""
+        return encode_message(
+            self.id,
+            self.subject,
+            tags=self.tags,
+            properties=self.properties,
+            body=self.body,
+            deliver_at=self.deliver_at,
+            created_at=self.created_at,
+            attempts=self.attempts,
+            limits=limits,
+        )
+
+
+# --------------------------------------------------------------------- encode
+
+
+def encode_message(
+    id: str,
+    subject: str,
+    *,
+    tags: Iterable[str] = (),
+    properties: Mapping[str, Any] | None = None,
+    body: bytes = b"",
+    deliver_at: int = 0,
+    created_at: int = 0,
+    attempts: int = 0,
+    limits: Limits = DEFAULT_LIMITS,
+) -> bytes:
+    """One message record; ``LocalProtocolError`` names the field and limit broken."""
+    id_bytes = _encode_text(id, "id", limits.max_id)
+    subject_bytes = _encode_text(subject, "subject", limits.max_subject)
+    if tags:
+        tag_count, tag_bytes = _encode_tags(tags, limits)
+    else:
+        tag_count, tag_bytes = 0, b""
+    props_bytes = b"" if properties is None else _encode_properties(properties, limits)
+    if type(body) is not bytes:
+        if not isinstance(body, bytes | bytearray | memoryview):
+            raise LocalProtocolError(
+                f"body is of type {type(body).__name__}, not bytes", code="bad_value", field="body"
+            )
+        body = bytes(body)
+    if len(body) > limits.max_body:
+        raise LocalProtocolError(
+            f"body is {len(body)} bytes, limit {limits.max_body}",
+            code="limit",
+            field="body",
+            limit=limits.max_body,
+        )
+    try:
+        header = MESSAGE_HEADER.pack(
+            deliver_at,
+            created_at,
+            attempts,
+            len(id_bytes),
+            len(subject_bytes),
+            tag_count,
+            0,
+            len(tag_bytes),
+            len(props_bytes),
+            len(body),
+        )
+    except struct.error:
+        _check_delivery_fields(deliver_at=deliver_at, created_at=created_at, attempts=attempts)
+        raise  # pragma: no cover - the check above names the field
+    payload = b"".join((header, id_bytes, subject_bytes, tag_bytes, props_bytes, body))
+    prefix = _PREFIX.pack(len(payload), MAGIC, VERSION, _MESSAGE)
+    return b"".join((prefix, _CRC.pack(zlib.crc32(payload, zlib.crc32(prefix))), payload))
+
+
+def encode_batch(messages: Iterable[Message], limits: Limits = DEFAULT_LIMITS) -> bytes:
+    """Records end to end, ready for a frame body or a log append."""
+    return b"".join([message.encode(limits) for message in messages])
+
+
+def _encode_text(value: Any, name: str, limit: int) -> bytes:
+    if type(value) is not str:
+        raise LocalProtocolError(
+            f"{name} is of type {type(value).__name__}, not str", code="bad_value", field=name
+        )
+    try:
+        data = value.encode()
+    except UnicodeEncodeError:
+        raise LocalProtocolError(
+            f"{name} {value!r} is not valid Unicode text", code="bad_value", field=name
+        ) from None
+    if not 0 < len(data) <= limit:
+        raise LocalProtocolError(
+            f"{name} is {len(data)} UTF-8 bytes, must be 1 to {limit}",
+            code="limit",
+            field=name,
+            limit=limit,
+        )
+    if not value.isprintable() and _CONTROL.search(value):
+        raise LocalProtocolError(
+            f"{name} {value!r} holds a control character", code="bad_value", field=name
+        )
+    return data
+
+
+def _encode_tags(tags: Iterable[str], limits: Limits) -> tuple[int, bytes]:
+    if isinstance(tags, str):
+        raise LocalProtocolError(
+            "tags is a str, not a sequence of str", code="bad_value", field="tags"
+        )
+    parts = []
+    for tag in tags:
+        data = _encode_text(tag, "tag", limits.max_tag)
+        parts.append(len(data).to_bytes(1, "big"))
+        parts.append(data)
+    count = len(parts) // 2
+    if count > limits.max_tags:
+        raise LocalProtocolError(
+            f"{count} tags, limit {limits.max_tags}",
+            code="limit",
+            field="tags",
+            limit=limits.max_tags,
+        )
+    return count, b"".join(parts)
+
+
+def _encode_properties(properties: Mapping[str, Any], limits: Limits) -> bytes:
+    if not isinstance(properties, Mapping):
+        raise LocalProtocolError(
+            f"properties is of type {type(properties).__name__}, not a mapping",
+            code="bad_value",
+            field="properties",
+        )
+    if not properties:
+        return b""
+    problem = _property_problem(properties)
+    if problem:
+        raise LocalProtocolError(problem, code="bad_value", field="properties")
+    try:
+        data = msgpack.packb(dict(properties), use_bin_type=True)
+    except (OverflowError, ValueError, TypeError) as error:  # ints beyond 64 bits, surrogates
+        raise LocalProtocolError(
+            f"properties cannot be encoded: {error}", code="bad_value", field="properties"
+        ) from None
+    if len(data) > limits.max_properties:
+        raise LocalProtocolError(
+            f"properties encode to {len(data)} bytes, limit {limits.max_properties}",
+            code="limit",
+            field="properties",
+            limit=limits.max_properties,
+        )
+    return data
+
+
+def _property_problem(properties: Mapping[Any, Any]) -> str | None:
+    for key, value in properties.items():
+        if type(key) is not str:
+            return f"properties key {key!r} is of type {type(key).__name__}, not str"
+        if not isinstance(value, _PROPERTY_TYPES):
+            return (
+                f"properties[{key!r}] is of type {type(value).__name__}, "
+                f"not str, int, float, bool or bytes"
+            )
+    return None
+
+
+def _check_delivery_fields(*, deliver_at: Any, created_at: Any, attempts: Any) -> None:
+    for name, value, low, high in (
+        ("deliver_at", deliver_at, _I64_MIN, _I64_MAX),
+        ("created_at", created_at, _I64_MIN, _I64_MAX),
+        ("attempts", attempts, 0, _U16_MAX),
+    ):
+        if not isinstance(value, int):
+            raise LocalProtocolError(
+                f"{name} is of type {type(value).__name__}, not int", code="bad_value", field=name
+            )
+        if not low <= value <= high:
+            raise LocalProtocolError(
+                f"{name} {value} is outside {low}..{high}",
+                code="limit",
+                field=name,
+                limit=high,
+            )
+
+
+# ----------------------------------------------------------------------- scan
+
+
+def scan_batch(
+    buf: bytes | bytearray | memoryview,
+    limits: Limits = DEFAULT_LIMITS,
+    *,
+    now_ms: int | None = None,
+    check_properties: bool = False,
+) -> MessageBatch:
+    """Check every record of a received batch and read its header fields.
+
+    Checks the envelope (magic, version, size, CRC), the kind, every length
+    against ``limits``, and id, subject and tags as UTF-8 text without control
+    characters; with ``now_ms`` also that ``deliver_at`` is at most
+    ``limits.horizon_ms`` ahead. Properties and body are not decoded, unless
+    ``check_properties`` asks for the properties to be checked too. Raises
+    ``RemoteProtocolError`` naming the record's ``index``, the field and the
+    limit; a batch that passes can be appended to a log as it is.
+    """
+    data = buf if type(buf) is bytes else bytes(buf)
+    max_deliver_at = _I64_MAX if now_ms is None else now_ms + limits.horizon_ms
+    columns = _scan(
+        data, 0, len(data), limits, max_deliver_at, [] if check_properties else None, None
+    )
+    return MessageBatch(data, *columns)
+
+
+def _scan(
+    data: bytes,
+    start: int,
+    stop: int,
+    limits: Limits,
+    max_deliver_at: int,
+    properties_out: list[dict[str, Any]] | None,
+    count: int | None,
+) -> _Columns:
+    """The hot loop: one unpack, one CRC and a few comparisons per record.
+
+    Every test is folded into a few combined conditions; when one fails,
+    ``_refuse`` re-checks the record step by step to say exactly what is wrong.
+    With ``properties_out`` the properties are checked too, and appended to it.
+    """
+    starts: list[int] = []
+    ends: list[int] = []
+    ids: list[str] = []
+    subjects: list[str] = []
+    tag_lists: list[tuple[str, ...]] = []
+    deliver_ats: list[int] = []
+    created_ats: list[int] = []
+    attempt_counts: list[int] = []
+    unpack = RECORD_HEADER.unpack_from
+    crc32 = zlib.crc32
+    control = _CONTROL.search
+    view = memoryview(data)
+    max_payload = limits.max_record
+    max_id, max_subject, max_tags = limits.max_id, limits.max_subject, limits.max_tags
+    max_props, max_body = limits.max_properties, limits.max_body
+    record_header_size = RECORD_HEADER_SIZE
+    fixed = MESSAGE_HEADER_SIZE
+    pos = start
+    index = 0
+    try:
+        while pos < stop and index != count:
+            if stop - pos < record_header_size:
+                _refuse(data, pos, stop, index, limits, max_deliver_at)
+            (
+                size,
+                magic,
+                version,
+                kind,
+                crc,
+                deliver_at,
+                created_at,
+                attempts,
+                id_len,
+                subject_len,
+                tag_count,
+                flags,
+                tags_len,
+                props_len,
+                body_len,
+            ) = unpack(data, pos)
+            end = pos + 12 + size
+            if (
+                magic != MAGIC
+                or version != VERSION
+                or size > max_payload
+                or end > stop
+                # Slicing bytes copies; a memoryview slice costs more to make
+                # but nothing per byte, so big records are checked through one.
+                or crc32(
+                    (data if size < 4096 else view)[pos + 12 : end], crc32(data[pos : pos + 8])
+                )
+                != crc
+                or kind != _MESSAGE
+                or flags
+                or size != fixed + id_len + subject_len + tags_len + props_len + body_len
+                or not 0 < id_len <= max_id
+                or not 0 < subject_len <= max_subject
+                or tag_count > max_tags
+                or props_len > max_props
+                or body_len > max_body
+                or deliver_at > max_deliver_at
+            ):
+                _refuse(data, pos, stop, index, limits, max_deliver_at)
+            p = pos + record_header_size
+            q = p + id_len
+            message_id = data[p:q].decode()
+            p = q + subject_len
+            subject = data[q:p].decode()
+            if not (message_id.isprintable() or control(message_id) is None) or not (
+                subject.isprintable() or control(subject) is None
+            ):
+                _refuse(data, pos, stop, index, limits, max_deliver_at)
+            if tag_count or tags_len:
+                tags = _scan_tags(data, p, p + tags_len, tag_count, limits.max_tag)
+                if tags is None:
+                    _refuse(data, pos, stop, index, limits, max_deliver_at)
+            else:
+                tags = ()
+            if properties_out is not None:
+                if props_len:
+                    p += tags_len
+                    properties = _decode_properties(data[p : p + props_len])
+                    if properties is None:
+                        _refuse(
+                            data, pos, stop, index, limits, max_deliver_at, check_properties=True
+                        )
+                else:
+                    properties = {}
+                properties_out.append(properties)
+            starts.append(pos)
+            ends.append(end)
+            ids.append(message_id)
+            subjects.append(subject)
+            tag_lists.append(tags)
+            deliver_ats.append(deliver_at)
+            created_ats.append(created_at)
+            attempt_counts.append(attempts)
+            pos = end
+            index += 1
+    except UnicodeDecodeError:
+        _refuse(data, pos, stop, index, limits, max_deliver_at)
+    return starts, ends, ids, subjects, tag_lists, deliver_ats, created_ats, attempt_counts
+
+
+def _scan_tags(
+    data: bytes, pos: int, stop: int, count: int, max_tag: int
+) -> tuple[str, ...] | None:
+    """The tags of one record, or None when the section does not check."""
+    tags = []
+    control = _CONTROL.search
+    for _ in range(count):
+        if pos >= stop:
+            return None
+        length = data[pos]
+        pos += 1
+        if not 0 < length <= max_tag or pos + length > stop:
+            return None
+        tag = data[pos : pos + length].decode()  # UnicodeDecodeError: the caller refuses
+        if not tag.isprintable() and control(tag):
+            return None
+        tags.append(tag)
+        pos += length
+    if pos != stop:
+        return None
+    return tuple(tags)
+
+
+def _refuse(
+    data: bytes,
+    pos: int,
+    stop: int,
+    index: int,
+    limits: Limits,
+    max_deliver_at: int,
+    *,
+    check_properties: bool = False,
+) -> None:
+    """Raise the ``RemoteProtocolError`` that says why the record at ``pos`` fails.
+
+    Slow and thorough: it runs only for a record the fast loop found wanting,
+    and checks in a fixed order (envelope, kind, layout, limits, contents) so
+    the error names the first thing wrong.
+    """
+
+    def fail(message: str, code: str, field: str | None = None, limit: int | None = None) -> None:
+        raise RemoteProtocolError(
+            f"record {index} (byte {pos}): {message}",
+            code=code,
+            field=field,
+            limit=limit,
+            index=index,
+        )
+
+    max_payload = limits.max_record
+    try:
+        span = next(iter_spans(data, pos, stop, max_payload=max_payload))
+    except EnvelopeError as error:
+        code, field, limit = _envelope_code(error, max_payload)
+        fail(error.reason, code, field, limit)
+        raise AssertionError("unreachable") from None
+    if span.kind != _MESSAGE:
+        fail(f"record kind {span.kind} is not MESSAGE ({_MESSAGE})", "bad_record", "kind")
+    size = span.end - pos - HEADER_SIZE
+    if size < MESSAGE_HEADER_SIZE:
+        fail(
+            f"payload of {size} bytes is shorter than the "
+            f"{MESSAGE_HEADER_SIZE}-byte message header",
+            "bad_record",
+            "header",
+        )
+    (
+        deliver_at,
+        _created_at,
+        _attempts,
+        id_len,
+        subject_len,
+        tag_count,
+        flags,
+        tags_len,
+        props_len,
+        body_len,
+    ) = MESSAGE_HEADER.unpack_from(data, pos + HEADER_SIZE)
+    if flags:
+        fail(f"flags 0x{flags:02x} set, none are defined", "bad_record", "flags")
+    for name, length, limit in (
+        ("id", id_len, limits.max_id),
+        ("subject", subject_len, limits.max_subject),
+    ):
+        if not 0 < length <= limit:
+            fail(f"{name} is {length} UTF-8 bytes, must be 1 to {limit}", "limit", name, limit)
+    if tag_count > limits.max_tags:
+        fail(f"{tag_count} tags, limit {limits.max_tags}", "limit", "tags", limits.max_tags)
+    if props_len > limits.max_properties:
+        fail(
+            f"properties are {props_len} bytes, limit {limits.max_properties}",
+            "limit",
+            "properties",
+            limits.max_properties,
+        )
+    if body_len > limits.max_body:
+        fail(f"body is {body_len} bytes, limit {limits.max_body}", "limit", "body", limits.max_body)
+    expected = MESSAGE_HEADER_SIZE + id_len + subject_len + tags_len + props_len + body_len
+    if size != expected:
+        fail(
+            f"payload is {size} bytes but its fields add up to {expected}",
+            "bad_record",
+            "lengths",
+        )
+    if deliver_at > max_deliver_at:
+        fail(
+            f"deliver_at {deliver_at} is beyond the horizon of {limits.horizon_ms} ms "
+            f"(latest {max_deliver_at})",
+            "limit",
+            "deliver_at",
+            limits.horizon_ms,
+        )
+    p = pos + RECORD_HEADER_SIZE
+    for name, length in (("id", id_len), ("subject", subject_len)):
+        problem = _text_problem(data[p : p + length])
+        if problem:
+            fail(f"{name} {problem}", "bad_value", name)
+        p += length
+    tags_end = p + tags_len
+    for number in range(tag_count):
+        if p >= tags_end:
+            fail(f"tag section ends before tag {number} of {tag_count}", "bad_record", "tags")
+        length = data[p]
+        p += 1
+        if p + length > tags_end:
+            fail(f"tag {number} runs past the tag section", "bad_record", "tags")
+        if not 0 < length <= limits.max_tag:
+            fail(
+                f"tag {number} is {length} UTF-8 bytes, must be 1 to {limits.max_tag}",
+                "limit",
+                "tag",
+                limits.max_tag,
+            )
+        problem = _text_problem(data[p : p + length])
+        if problem:
+            fail(f"tag {number} {problem}", "bad_value", "tag")
+        p += length
+    if p != tags_end:
+        fail(
+            f"tag section is {tags_len} bytes but its {tag_count} tags "
+            f"use {tags_len - (tags_end - p)}",
+            "bad_record",
+            "tags",
+        )
+    if check_properties:
+        problem = _properties_problem(data[p : p + props_len])
+        if problem:
+            fail(problem, "bad_value", "properties")
+    raise AssertionError(f"record {index} at byte {pos} was refused but checks")  # pragma: no cover
+
+
+def _text_problem(data: bytes) -> str | None:
+    try:
+        text = data.decode()
+    except UnicodeDecodeError as error:
+        return f"is not valid UTF-8 ({error.reason} at byte {error.start})"
+    if not text.isprintable() and _CONTROL.search(text):
+        return f"{text!r} holds a control character"
+    return None
+
+
+def _envelope_code(error: EnvelopeError, max_payload: int) -> tuple[str, str | None, int | None]:
+    """Map the envelope's error to this layer's code, field and limit."""
+    reason = error.reason
+    if reason.startswith("truncated"):
+        return "truncated", None, None
+    if "magic" in reason:
+        return "bad_magic", "magic", None
+    if "version" in reason:
+        return "unknown_version", "version", None
+    if "exceeds" in reason:
+        return "oversize", "record", max_payload
+    if "CRC" in reason:
+        return "bad_crc", "crc", None
+    return "bad_record", None, None  # pragma: no cover - an envelope reason we do not know
+
+
+# --------------------------------------------------------------------- decode
+
+
+def decode_message(
+    buf: bytes | bytearray | memoryview, start: int = 0, *, limits: Limits = DEFAULT_LIMITS
+) -> Message:
+    """The full message of the record at ``buf[start:]`` (later records are ignored).
+
+    Checks what ``scan_batch`` checks, plus the properties. Copies at most that
+    record, so ``buf`` may be a whole mapped log segment.
+    """
+    if type(buf) is bytes:
+        data, pos = buf, start
+    else:  # copy just this record (``buf`` may be a whole mapped segment)
+        with memoryview(buf) as view:
+            stop = len(view)
+            if stop - start >= 4:
+                (size,) = struct.unpack_from(">I", view, start)
+                stop = min(stop, start + HEADER_SIZE + min(size, limits.max_record + 1))
+            data, pos = bytes(view[start:stop]), 0
+    try:
+        properties: list[dict[str, Any]] = []
+        columns = _scan(data, pos, len(data), limits, _I64_MAX, properties, 1)
+    except RemoteProtocolError as error:
+        error.index = None  # one record, not a batch
+        raise
+    if not properties:
+        raise RemoteProtocolError(
+            f"no record at byte {start}: the buffer ends there", code="truncated"
+        )
+    return _to_message(data, properties[0], *(column[0] for column in columns))
+
+
+def decode_batch(
+    buf: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
+) -> list[Message]:
+    """Every message of a batch, fully decoded (properties checked too)."""
+    data = buf if type(buf) is bytes else bytes(buf)
+    properties: list[dict[str, Any]] = []
+    columns = _scan(data, 0, len(data), limits, _I64_MAX, properties, None)
+    return list(map(_to_message, itertools.repeat(data), properties, *columns))
+
+
+_new_object = object.__new__
+# Slot setters: a frozen dataclass's __init__ costs about 2.5 times as much.
+(
+    _set_id,
+    _set_subject,
+    _set_tags,
+    _set_properties,
+    _set_body,
+    _set_deliver_at,
+    _set_created_at,
+    _set_attempts,
+) = (
+    Message.__dict__[name].__set__
+    for name in (
+        "id",
+        "subject",
+        "tags",
+        "properties",
+        "body",
+        "deliver_at",
+        "created_at",
+        "attempts",
+    )
+)
+
+
+def _to_message(
+    data: bytes,
+    properties: dict[str, Any],
+    start: int,
+    end: int,
+    message_id: str,
+    subject: str,
+    tags: tuple[str, ...],
+    deliver_at: int,
+    created_at: int,
+    attempts: int,
+) -> Message:
+    """A checked record's ``Message``."""
+    body_len = _BODY_LEN.unpack_from(data, start + _BODY_LEN_OFFSET)[0]
+    message = _new_object(Message)
+    _set_id(message, message_id)
+    _set_subject(message, subject)
+    _set_tags(message, tags)
+    _set_properties(message, properties)
+    _set_body(message, data[end - body_len : end])
+    _set_deliver_at(message, deliver_at)
+    _set_created_at(message, created_at)
+    _set_attempts(message, attempts)
+    return message
+
+
+def _decode_properties(data: bytes) -> dict[str, Any] | None:
+    """Checked properties, or None when they are not a valid properties map."""
+    try:
+        properties = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception:  # msgpack raises many kinds for bad input
+        return None
+    if type(properties) is not dict or _property_problem(properties):
+        return None
+    return properties
+
+
+def _properties_problem(data: bytes) -> str | None:
+    try:
+        properties = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as error:  # msgpack raises many kinds for bad input
+        return f"properties are not valid msgpack ({type(error).__name__}: {error})"
+    if not isinstance(properties, dict):
+        return f"properties are msgpack type {type(properties).__name__}, not a map"
+    return _property_problem(properties)
+
+
+# -------------------------------------------------------------------- retries
+
+
+def rewrite_delivery(
+    record: bytes | bytearray | memoryview, *, deliver_at: int, attempts: int
+) -> bytes:
+    """The same record with a new ``deliver_at`` and ``attempts`` and a fresh CRC.
+
+    ``record`` must be exactly one intact message record: its CRC is checked
+    before a new one is written, so a corrupt record is never laundered.
+    """
+    _check_delivery_fields(deliver_at=deliver_at, created_at=0, attempts=attempts)
+    data = bytearray(record)
+    try:
+        span = next(iter_spans(data, max_payload=len(data)), None)
+    except EnvelopeError as error:
+        code, field, limit = _envelope_code(error, len(data))
+        raise RemoteProtocolError(
+            f"cannot rewrite: {error.reason}", code=code, field=field, limit=limit
+        ) from None
+    if span is None or span.end != len(data):
+        raise RemoteProtocolError(
+            f"cannot rewrite: expected one record, got {len(data)} bytes holding "
+            f"{'none' if span is None else 'more than one'}",
+            code="bad_record",
+        )
+    if span.kind != _MESSAGE or len(data) < RECORD_HEADER_SIZE:
+        raise RemoteProtocolError(
+            f"cannot rewrite: record of kind {span.kind} and {len(data)} bytes is not a message",
+            code="bad_record",
+            field="kind",
+        )
+    _DELIVER_AT.pack_into(data, _DELIVER_AT_OFFSET, deliver_at)
+    _ATTEMPTS.pack_into(data, _ATTEMPTS_OFFSET, attempts)
+    with memoryview(data) as view:
+        crc = zlib.crc32(view[HEADER_SIZE:], zlib.crc32(view[:8]))
+    _CRC.pack_into(data, 8, crc)
+    return bytes(data)
+
+
+# ------------------------------------------------------------ ids and tag bits
+
+
+@lru_cache(maxsize=4096)
+def tag_bit(tag: str) -> int:
+    """The one bit of ``tags_mask`` a tag sets."""
+    return 1 << (zlib.crc32(tag.encode()) % 64)
+
+
+def tags_mask(tags: Iterable[str]) -> int:
+    """A 64-bit mask ORing each tag's bit, for server-side tag filters.
+
+    A consume-log entry keeps the mask of its message's tags; a filter on tag
+    ``t`` skips entries with ``mask & tag_bit(t) == 0``. Different tags can share
+    a bit, so a match still needs the exact check on the client.
+    """
+    mask = 0
+    for tag in tags:
+        mask |= tag_bit(tag)
+    return mask
+
+
+_id_random = int.from_bytes(os.urandom(5), "big")
+_id_counter = itertools.count(int.from_bytes(os.urandom(4), "big"))
+
+
+def _reseed_ids() -> None:
+    global _id_random, _id_counter
+    _id_random = int.from_bytes(os.urandom(5), "big")
+    _id_counter = itertools.count(int.from_bytes(os.urandom(4), "big"))
+
+
+os.register_at_fork(after_in_child=_reseed_ids)
+
+
+def new_message_id(now_ms: int | None = None) -> str:
+    """A unique message id of 32 lowercase hex characters.
+
+    With ``now_ms`` the id is time-ordered like a UUIDv7: 12 hex digits of the
+    millisecond, 10 of a per-process random value, 10 of a per-process counter,
+    so ids from one process sort in creation order. Without it, a random UUID4.
+    """
+    if now_ms is None:
+        return uuid.uuid4().hex
+    count = next(_id_counter) & 0xFF_FFFF_FFFF
+    return f"{now_ms & 0xFFFF_FFFF_FFFF:012x}{_id_random:010x}{count:010x}"
+
+
+__all__ = [
+    "MESSAGE_HEADER_SIZE",
+    "RECORD_HEADER_SIZE",
+    "Message",
+    "MessageBatch",
+    "MessageHeader",
+    "decode_batch",
+    "decode_message",
+    "encode_batch",
+    "encode_message",
+    "new_message_id",
+    "rewrite_delivery",
+    "scan_batch",
+    "tag_bit",
+    "tags_mask",
+]
