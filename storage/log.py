@@ -1,0 +1,574 @@
+"""The segmented log: a folder of segment files holding envelope records end to end.
+
+Offsets are global byte positions (as in RocketMQ's commit log): a segment file is
+named by the offset of its first byte, in 20 zero-padded digits, and holds records
+that never span two segments. A batch goes to disk in one ``os.pwrite``; a batch
+that would push the active segment past ``segment_size`` starts a new segment (a
+batch bigger than a segment gets one of its own).
+
+Crash safety rests on two rules: a segment is fsynced before the next one is
+created, so only the last segment can have a torn tail; and on open that tail is
+cut at the first record that does not check (envelope size, magic, version, CRC).
+
+Threads: one thread appends and flushes while readers run in others (the event
+loop included). ``end_offset`` moves only after a write has returned, so a reader
+never sees a half-written record; the segment index is replaced, never mutated,
+so a reader's snapshot of it stays consistent. Blocking calls are meant to run in
+``trio.to_thread.run_sync``; ``delaymq.storage.writer`` does that for appends.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+from bisect import bisect_right
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import NamedTuple
+
+from delaymq.protocol.envelope import (
+    HEADER,
+    HEADER_SIZE,
+    CorruptRecord,
+    EnvelopeError,
+    Span,
+    TruncatedRecord,
+    encode,
+    iter_spans,
+)
+from delaymq.storage.errors import (
+    CorruptLog,
+    LogClosed,
+    LogFailed,
+    LogIOError,
+    NotRecordStart,
+    OffsetBeyondEnd,
+    OffsetDeleted,
+    RecordTooLarge,
+)
+from delaymq.storage.folder import DataFolder
+from delaymq.storage.format import FormatValue, ensure_format
+
+LOG_FORMAT = "segmented-log"
+LOG_FORMAT_VERSION = 1
+DEFAULT_SEGMENT_SIZE = 1 << 30
+DEFAULT_MAX_RECORD = 16 << 20
+SEGMENT_NAME_DIGITS = 20
+_SEGMENT_NAME = re.compile(r"^[0-9]{%d}$" % SEGMENT_NAME_DIGITS)
+_SCAN_CHUNK = 8 << 20  # recovery reads the last segment this much at a time
+_FIRST_READ = 4096  # read() fetches this much first, then the rest of a big record
+_RESERVED_PARAMS = frozenset({"format", "version", "segment_size", "max_record"})
+
+_logger = logging.getLogger(__name__)
+
+
+class Record(NamedTuple):
+    """One record read back: where it starts, its kind and payload, and where the next starts."""
+
+    offset: int
+    kind: int
+    payload: bytes
+    next_offset: int
+
+
+def segment_name(base: int) -> str:
+    return f"{base:0{SEGMENT_NAME_DIGITS}d}"
+
+
+class _Segment:
+    """One segment file: its first offset, its length and an open descriptor.
+
+    A deleted segment is dropped from the index but its descriptor stays open
+    until the last reader holding it lets go (``__del__``), so a concurrent read
+    of a segment being deleted reads the unlinked file, never a reused fd.
+    """
+
+    __slots__ = ("base", "size", "fd", "path")
+
+    def __init__(self, base: int, path: Path, fd: int, size: int) -> None:
+        self.base = base
+        self.path = path
+        self.fd = fd
+        self.size = size
+
+    @property
+    def end(self) -> int:
+        return self.base + self.size
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: nothing useful to do
+            pass
+
+
+class SegmentedLog:
+    """An append-only log of envelope records in segment files. Use ``SegmentedLog.open``."""
+
+    def __init__(
+        self, folder: DataFolder, segments: list[_Segment], *, segment_size: int, max_record: int
+    ) -> None:
+        self._folder = folder
+        self._segment_size = segment_size
+        self._max_record = max_record
+        # (bases, segments): replaced as a whole under _index_lock, read without a lock.
+        self._index: tuple[list[int], list[_Segment]] = ([s.base for s in segments], segments)
+        self._active = segments[-1]
+        self._end = self._active.end
+        self._flushed = self._end
+        self._append_lock = threading.Lock()
+        self._flush_lock = threading.Lock()
+        self._index_lock = threading.Lock()
+        self._closed = False
+        self._failure: BaseException | None = None
+
+    # ------------------------------------------------------------------ opening
+
+    @classmethod
+    def open(
+        cls,
+        directory: str | os.PathLike[str],
+        *,
+        segment_size: int = DEFAULT_SEGMENT_SIZE,
+        max_record: int = DEFAULT_MAX_RECORD,
+        extra_format: Mapping[str, FormatValue] | None = None,
+    ) -> SegmentedLog:
+        """Open (or create) the log in ``directory``, cutting a torn tail.
+
+        ``max_record`` is the largest payload a record may have; recovery reads a
+        bigger size field as corruption. It and ``segment_size`` are stored in the
+        folder's FORMAT file, with ``extra_format`` (a caller's own parameters),
+        and a later open with other values raises ``FormatMismatch``.
+        """
+        if segment_size <= 0:
+            raise ValueError(f"segment_size must be positive, got {segment_size}")
+        if not 0 < max_record < 1 << 32:
+            raise ValueError(f"max_record must be in [1, {(1 << 32) - 1}], got {max_record}")
+        params: dict[str, FormatValue] = {
+            "format": LOG_FORMAT,
+            "version": LOG_FORMAT_VERSION,
+            "segment_size": segment_size,
+            "max_record": max_record,
+        }
+        for name, value in (extra_format or {}).items():
+            if name in _RESERVED_PARAMS:
+                raise ValueError(f"extra_format may not set the log's own parameter {name!r}")
+            params[name] = value
+        folder = DataFolder(directory, what="segmented log")
+        try:
+            bases = sorted(int(n) for n in os.listdir(folder.path) if _SEGMENT_NAME.match(n))
+            ensure_format(folder.path, params, has_data=bool(bases))
+            segments = _recover(folder, bases, max_record)
+        except BaseException:
+            folder.close()
+            raise
+        return cls(folder, segments, segment_size=segment_size, max_record=max_record)
+
+    # --------------------------------------------------------------- properties
+
+    @property
+    def directory(self) -> Path:
+        return self._folder.path
+
+    @property
+    def segment_size(self) -> int:
+        return self._segment_size
+
+    @property
+    def max_record(self) -> int:
+        return self._max_record
+
+    @property
+    def start_offset(self) -> int:
+        """The first offset still held (older segments were deleted)."""
+        return self._index[0][0]
+
+    @property
+    def end_offset(self) -> int:
+        """Where the next append goes; every byte below it is a whole, readable record."""
+        return self._end
+
+    @property
+    def flushed_offset(self) -> int:
+        """Every byte below this has been fsynced."""
+        return self._flushed
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def segments(self) -> list[tuple[int, int]]:
+        """``(first offset, length)`` of each segment, oldest first (for status tools)."""
+        return [(s.base, s.size) for s in self._index[1]]
+
+    # ---------------------------------------------------------------- appending
+
+    def append(self, data: bytes | bytearray | memoryview) -> int:
+        """Append whole records (a batch the caller has checked) in one write.
+
+        Returns the offset of the batch's first byte. On a failed write the
+        segment is cut back to where it was and ``LogIOError`` is raised.
+        """
+        size = len(data)
+        if size == 0:
+            raise ValueError("data is empty: append takes one or more whole records")
+        with self._append_lock:
+            self._check_usable()
+            if size > self._max_record + HEADER_SIZE:
+                self._check_record_sizes(data)
+            segment = self._active
+            if segment.size and segment.size + size > self._segment_size:
+                segment = self._roll()
+            offset = segment.end
+            self._write(segment, data, offset)
+            segment.size += size
+            self._end = offset + size  # publish only once the bytes are written
+            return offset
+
+    def append_record(self, kind: int, payload: bytes | bytearray | memoryview) -> int:
+        """Wrap ``payload`` in an envelope and append it; returns its offset."""
+        if len(payload) > self._max_record:
+            raise RecordTooLarge(
+                f"record payload of {len(payload)} bytes exceeds max_record {self._max_record}"
+            )
+        return self.append(encode(kind, payload))
+
+    def flush(self) -> int:
+        """fsync what has been appended; returns the new ``flushed_offset``."""
+        with self._flush_lock:
+            self._check_usable()
+            target = self._end
+            if target <= self._flushed:
+                return self._flushed
+            # Read target before the active segment: a roll in between has
+            # already fsynced the segment holding target (under this lock).
+            segment = self._active
+            self._fsync(segment, target)
+            self._flushed = target
+            return target
+
+    def _write(self, segment: _Segment, data: bytes | bytearray | memoryview, offset: int) -> None:
+        view = memoryview(data).cast("B")
+        position = segment.size
+        try:
+            while view:
+                written = os.pwrite(segment.fd, view, position)
+                if written <= 0:
+                    raise OSError(28, "write made no progress")
+                view = view[written:]
+                position += written
+        except OSError as error:
+            try:
+                os.ftruncate(segment.fd, segment.size)
+            except OSError as cut_error:
+                self._failure = cut_error
+            raise LogIOError(
+                f"append of {len(data)} bytes at offset {offset} to segment "
+                f"{segment.path.name} failed: {error}"
+            ) from error
+
+    def _fsync(self, segment: _Segment, target: int) -> None:
+        try:
+            os.fsync(segment.fd)
+        except OSError as error:
+            # The kernel may have dropped the dirty pages: nothing after the last
+            # good flush can be trusted, so refuse to go on.
+            self._failure = error
+            raise LogIOError(
+                f"fsync of segment {segment.path.name} up to offset {target} failed: {error}"
+            ) from error
+
+    def _roll(self) -> _Segment:
+        """Start a new segment at the current end (called under the append lock)."""
+        old = self._active
+        with self._flush_lock:
+            self._fsync(old, old.end)  # only the last segment may ever have a torn tail
+            self._flushed = max(self._flushed, old.end)
+        base = old.end
+        path = self._folder.path / segment_name(base)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            self._folder.fsync()
+        except OSError as error:
+            raise LogIOError(f"cannot create segment {path}: {error}") from error
+        segment = _Segment(base, path, fd, 0)
+        with self._index_lock:
+            bases, segments = self._index
+            self._index = ([*bases, base], [*segments, segment])
+        self._active = segment
+        _logger.debug("log %s: new segment %s", self._folder.path, path.name)
+        return segment
+
+    def _check_record_sizes(self, data: bytes | bytearray | memoryview) -> None:
+        # Only a batch big enough to hold an oversize record gets here. A record
+        # over max_record would be cut off as corrupt by the next recovery.
+        view = memoryview(data).cast("B")
+        position = 0
+        while position + HEADER_SIZE <= len(view):
+            payload_size = HEADER.unpack_from(view, position)[0]
+            if payload_size > self._max_record:
+                raise RecordTooLarge(
+                    f"record at batch byte {position} has a payload of {payload_size} bytes; "
+                    f"max_record is {self._max_record}"
+                )
+            position += HEADER_SIZE + payload_size
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise LogClosed(f"log {self._folder.path} is closed")
+        if self._failure is not None:
+            raise LogFailed(
+                f"log {self._folder.path} refuses appends after an earlier failure "
+                f"({self._failure}); reopen it to recover"
+            )
+
+    # ------------------------------------------------------------------ reading
+
+    def read(self, offset: int) -> Record:
+        """The record starting at ``offset``."""
+        segment, limit = self._locate(offset)
+        if offset >= limit:
+            raise OffsetBeyondEnd(
+                f"offset {offset} is at or past the end of the log", offset, self.start_offset, limit
+            )
+        buf, span = self._read_first(segment, offset, limit)
+        return Record(offset, span.kind, buf[HEADER_SIZE : span.end], offset + span.end)
+
+    def read_raw(self, offset: int, max_bytes: int = 1 << 20) -> tuple[bytes, int]:
+        """Whole records from ``offset``, about ``max_bytes`` of them, and the offset after.
+
+        Returns ``(b"", offset)`` at the end of the log. The records come from one
+        segment; call again from the returned offset for more. The first record is
+        returned whole even if it is bigger than ``max_bytes``, so a reader always
+        moves on.
+        """
+        buf, spans = self._read_chunk(offset, max_bytes)
+        if not spans:
+            return b"", offset
+        end = spans[-1].end
+        return (buf if end == len(buf) else buf[:end]), offset + end
+
+    def iter_from(self, offset: int, *, chunk_size: int = 1 << 20) -> Iterator[Record]:
+        """Every record from ``offset`` to the end, across segments, read ``chunk_size`` at a time.
+
+        The start is checked now; the iteration follows appends made while it runs.
+        """
+        self._locate(offset)
+        return self._iter_records(offset, chunk_size)
+
+    def _iter_records(self, offset: int, chunk_size: int) -> Iterator[Record]:
+        position = offset
+        while True:
+            buf, spans = self._read_chunk(position, chunk_size)
+            if not spans:
+                return
+            for start, end, kind in spans:
+                yield Record(position + start, kind, buf[start + HEADER_SIZE : end], position + end)
+            position += spans[-1].end
+
+    def _locate(self, offset: int) -> tuple[_Segment, int]:
+        """The segment holding ``offset`` and how far it may be read (``offset <= end``)."""
+        if self._closed:
+            raise LogClosed(f"log {self._folder.path} is closed")
+        end = self._end  # read before the index: the index then covers end
+        bases, segments = self._index
+        if offset > end:
+            raise OffsetBeyondEnd(f"offset {offset} is past the end of the log", offset, bases[0], end)
+        if offset < bases[0]:
+            raise OffsetDeleted(
+                f"offset {offset} lies before the first retained offset {bases[0]}: "
+                "its segment was deleted",
+                offset,
+                bases[0],
+                end,
+            )
+        segment = segments[bisect_right(bases, offset) - 1]
+        return segment, min(end, segment.end)
+
+    def _read_first(self, segment: _Segment, offset: int, limit: int) -> tuple[bytes, Span]:
+        available = limit - offset
+        buf = os.pread(segment.fd, min(available, _FIRST_READ), offset - segment.base)
+        try:
+            return buf, next(iter_spans(buf, max_payload=self._max_record))
+        except TruncatedRecord as error:
+            # Header checks passed and the payload runs past what we read: fetch it whole.
+            needed = HEADER_SIZE + HEADER.unpack_from(buf)[0] if len(buf) >= HEADER_SIZE else 0
+            if len(buf) < needed <= available:
+                buf = os.pread(segment.fd, needed, offset - segment.base)
+                try:
+                    return buf, next(iter_spans(buf, max_payload=self._max_record))
+                except EnvelopeError as again:
+                    error = again  # type: ignore[assignment]
+            raise self._not_record_start(offset, error) from None
+        except CorruptRecord as error:
+            raise self._not_record_start(offset, error) from None
+
+    def _read_chunk(self, offset: int, max_bytes: int) -> tuple[bytes, list[Span]]:
+        segment, limit = self._locate(offset)
+        if offset >= limit:
+            return b"", []
+        buf = os.pread(segment.fd, min(max(max_bytes, 1), limit - offset), offset - segment.base)
+        spans: list[Span] = []
+        try:
+            spans.extend(iter_spans(buf, max_payload=self._max_record))
+        except EnvelopeError:
+            # The chunk ended inside a record (fine: stop before it), or a record
+            # is bad; a bad one at the start is reported by _read_first below, one
+            # further on when the caller reads from there.
+            if not spans:
+                buf, span = self._read_first(segment, offset, limit)
+                spans.append(span)
+        return buf, spans
+
+    def _not_record_start(self, offset: int, error: EnvelopeError) -> NotRecordStart:
+        return NotRecordStart(
+            f"offset {offset} is not the start of an intact record: {error.reason}",
+            offset,
+            self.start_offset,
+            self._end,
+        )
+
+    # ----------------------------------------------------------------- deleting
+
+    def delete_before(self, offset: int) -> int:
+        """Delete the segments whose every record lies below ``offset``; returns how many.
+
+        The active (last) segment is never deleted. Oldest go first, so a crash
+        midway leaves a contiguous log.
+        """
+        if self._closed:
+            raise LogClosed(f"log {self._folder.path} is closed")
+        with self._index_lock:
+            bases, segments = self._index
+            count = 0
+            while count < len(segments) - 1 and segments[count].end <= offset:
+                count += 1
+            if not count:
+                return 0
+            doomed = segments[:count]
+            self._index = (bases[count:], segments[count:])
+        for segment in doomed:
+            segment.path.unlink()
+        self._folder.fsync()
+        _logger.info(
+            "log %s: deleted %d segment(s) below offset %d (%s .. %s)",
+            self._folder.path,
+            count,
+            doomed[-1].end,
+            doomed[0].path.name,
+            doomed[-1].path.name,
+        )
+        return count
+
+    # ------------------------------------------------------------------ closing
+
+    def close(self) -> None:
+        """Flush (unless an earlier failure forbids it) and release the folder."""
+        if self._closed:
+            return
+        try:
+            if self._failure is None:
+                self.flush()
+        finally:
+            with self._append_lock, self._flush_lock, self._index_lock:
+                self._closed = True
+                for segment in self._index[1]:
+                    segment.close()
+                self._folder.close()
+
+    def __enter__(self) -> SegmentedLog:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"<SegmentedLog {self._folder.path} [{self.start_offset}, {self._end}) "
+            f"flushed={self._flushed}>"
+        )
+
+
+def _recover(folder: DataFolder, bases: list[int], max_record: int) -> list[_Segment]:
+    """Open the segment files, cut a torn tail, drop empty trailing segments."""
+    if not bases:
+        path = folder.path / segment_name(0)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        folder.fsync()
+        return [_Segment(0, path, fd, 0)]
+    segments: list[_Segment] = []
+    try:
+        for base in bases:
+            path = folder.path / segment_name(base)
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            segments.append(_Segment(base, path, fd, os.fstat(fd).st_size))
+        while True:
+            last = segments[-1]
+            valid, error = _valid_end(last.fd, last.size, max_record)
+            if error is not None:
+                _logger.warning(
+                    "log %s: segment %s: cut %d byte(s) from offset %d: %s; "
+                    "every record before it is intact",
+                    folder.path,
+                    last.path.name,
+                    last.size - valid,
+                    last.base + valid,
+                    error.reason,
+                )
+                os.ftruncate(last.fd, valid)
+                last.size = valid
+            if last.size or len(segments) == 1:
+                break
+            # An empty segment after another one holds nothing: the previous one
+            # becomes active again (offsets do not move, its end is this base).
+            _logger.info("log %s: removing empty last segment %s", folder.path, last.path.name)
+            last.close()
+            last.path.unlink()
+            segments.pop()
+        folder.fsync()
+        for before, after in zip(segments, segments[1:]):
+            if before.end != after.base:
+                raise CorruptLog(
+                    f"log {folder.path}: segment {before.path.name} ends at offset {before.end} "
+                    f"but the next segment starts at {after.base}; a segment is missing, cut "
+                    "short or overlapping, and recovery only repairs the last segment"
+                )
+        os.fsync(segments[-1].fd)  # what a previous process wrote is durable from here on
+    except BaseException:
+        for segment in segments:
+            segment.close()
+        raise
+    return segments
+
+
+def _valid_end(fd: int, size: int, max_record: int) -> tuple[int, EnvelopeError | None]:
+    """How far a segment file holds intact records, and why it stops there."""
+    position = 0
+    chunk = _SCAN_CHUNK
+    while position < size:
+        buf = os.pread(fd, min(chunk, size - position), position)
+        if not buf:
+            break
+        good = 0
+        try:
+            for span in iter_spans(buf, max_payload=max_record):
+                good = span.end
+        except TruncatedRecord as error:
+            if position + len(buf) >= size:
+                return position + good, error
+            # The chunk, not the file, ended: go on from the cut record, with a
+            # bigger chunk if a single record did not fit.
+            chunk = chunk * 2 if good == 0 else _SCAN_CHUNK
+        except CorruptRecord as error:
+            return position + good, error
+        else:
+            good = len(buf)
+        position += good
+    return position, None

@@ -1,0 +1,328 @@
+"""Small mutable state in lmdb: checkpoints, positions, indexes (DESIGN.md section 4).
+
+One ``StateStore`` is one lmdb environment in one data folder, with named
+sub-databases. Writes are batched: a ``WriteBatch`` records puts and deletes and
+applies them in one write transaction (one fsync) when its ``with`` block ends.
+Because the batch is a list of operations, a full map is handled by aborting,
+doubling the map size and replaying the batch, so ``MapFullError`` never reaches a
+caller. Every call blocks; trio code calls it through ``trio.to_thread.run_sync``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import lmdb
+import msgpack
+
+from delaymq.storage.errors import StateStoreError, StoreClosed
+from delaymq.storage.folder import DataFolder
+from delaymq.storage.format import FormatValue, ensure_format
+
+STATE_FORMAT = "lmdb-state"
+STATE_FORMAT_VERSION = 1
+DEFAULT_MAP_SIZE = 64 << 20
+DEFAULT_MAX_MAP_SIZE = 1 << 40
+
+Bytes = bytes | bytearray | memoryview
+_DELETE = object()
+
+
+def pack(value: Any) -> bytes:
+    """msgpack a value for storing (bytes stay bytes, strings stay strings)."""
+    return msgpack.packb(value, use_bin_type=True)
+
+
+def unpack(data: Bytes) -> Any:
+    return msgpack.unpackb(data, raw=False)
+
+
+class _ResizeGate:
+    """Many transactions at once, or one map resize alone.
+
+    lmdb may only change the map size while this process has no transaction
+    open, readers included.
+    """
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._active = 0
+        self._resizing = False
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        with self._condition:
+            while self._resizing:
+                self._condition.wait()
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._active -= 1
+                if not self._active:
+                    self._condition.notify_all()
+
+    @contextmanager
+    def resize(self) -> Iterator[None]:
+        with self._condition:
+            while self._resizing:
+                self._condition.wait()
+            self._resizing = True
+            while self._active:
+                self._condition.wait()
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._resizing = False
+                self._condition.notify_all()
+
+
+class StateStore:
+    """An lmdb environment with named sub-databases. Use ``StateStore.open``."""
+
+    def __init__(self, folder: DataFolder, env: lmdb.Environment, *, max_map_size: int) -> None:
+        self._folder = folder
+        self._env = env
+        self._max_map_size = max_map_size
+        self._gate = _ResizeGate()
+        self._dbs: dict[str, Any] = {}
+        self._dbs_lock = threading.Lock()
+        self._max_key = env.max_key_size()
+        self._closed = False
+        self._resizes = 0
+
+    @classmethod
+    def open(
+        cls,
+        directory: str | os.PathLike[str],
+        *,
+        map_size: int = DEFAULT_MAP_SIZE,
+        max_map_size: int = DEFAULT_MAX_MAP_SIZE,
+        max_dbs: int = 64,
+        extra_format: Mapping[str, FormatValue] | None = None,
+    ) -> StateStore:
+        """Open (or create) the store in ``directory``.
+
+        ``map_size`` is where the map starts; it doubles when full, up to
+        ``max_map_size``. ``extra_format`` holds a caller's own on-disk parameters
+        (say an entry layout version), kept in the folder's FORMAT file and
+        compared on every open like the store's own.
+        """
+        if map_size <= 0 or max_map_size < map_size:
+            raise ValueError(
+                f"map_size must be positive and at most max_map_size {max_map_size}, got {map_size}"
+            )
+        params: dict[str, FormatValue] = {"format": STATE_FORMAT, "version": STATE_FORMAT_VERSION}
+        for name, value in (extra_format or {}).items():
+            if name in params:
+                raise ValueError(f"extra_format may not set the store's own parameter {name!r}")
+            params[name] = value
+        folder = DataFolder(directory, what="state store")
+        try:
+            has_data = (folder.path / "data.mdb").exists()
+            ensure_format(folder.path, params, has_data=has_data)
+            env = lmdb.open(
+                str(folder.path),
+                map_size=map_size,
+                max_dbs=max_dbs,
+                subdir=True,
+                create=True,
+                readahead=False,
+            )
+            # An existing map may be bigger than asked for; never shrink it.
+            if env.info()["map_size"] < map_size:
+                env.set_mapsize(map_size)
+        except BaseException:
+            folder.close()
+            raise
+        return cls(folder, env, max_map_size=max_map_size)
+
+    @property
+    def directory(self) -> Path:
+        return self._folder.path
+
+    @property
+    def map_size(self) -> int:
+        return int(self._env.info()["map_size"])
+
+    @property
+    def resizes(self) -> int:
+        """How many times the map has grown since open."""
+        return self._resizes
+
+    # ------------------------------------------------------------- reading
+
+    def get(self, db: str, key: Bytes) -> bytes | None:
+        handle = self._handle(db)
+        with self._gate.transaction(), self._env.begin(db=handle, buffers=False) as txn:
+            value: bytes | None = txn.get(bytes(key))
+            return value
+
+    def items(self, db: str, prefix: Bytes = b"") -> list[tuple[bytes, bytes]]:
+        """Every ``(key, value)`` of ``db`` whose key starts with ``prefix``, in key order."""
+        handle = self._handle(db)
+        prefix = bytes(prefix)
+        found: list[tuple[bytes, bytes]] = []
+        with self._gate.transaction(), self._env.begin(db=handle) as txn:
+            cursor = txn.cursor()
+            if not cursor.set_range(prefix):
+                return found
+            for key, value in cursor:
+                if not key.startswith(prefix):
+                    break
+                found.append((key, value))
+        return found
+
+    # ------------------------------------------------------------- writing
+
+    def put(self, db: str, key: Bytes, value: Bytes) -> None:
+        with self.write() as batch:
+            batch.put(db, key, value)
+
+    def delete(self, db: str, key: Bytes) -> None:
+        with self.write() as batch:
+            batch.delete(db, key)
+
+    def write(self) -> WriteBatch:
+        """A batch of puts and deletes, applied in one transaction when the ``with`` ends."""
+        self._check_open()
+        return WriteBatch(self)
+
+    def _apply(self, ops: list[tuple[str, bytes, object]]) -> None:
+        for db, key, _value in ops:
+            self._check_key(db, key)
+        handles = {db: self._handle(db) for db, _key, _value in ops}
+        while True:
+            seen_map_size = self.map_size
+            try:
+                with self._gate.transaction(), self._env.begin(write=True) as txn:
+                    for db, key, value in ops:
+                        if value is _DELETE:
+                            txn.delete(key, db=handles[db])
+                        else:
+                            txn.put(key, value, db=handles[db])  # type: ignore[arg-type]
+                return
+            except lmdb.MapFullError:
+                self._grow(seen_map_size)
+
+    def _grow(self, seen_map_size: int) -> None:
+        with self._gate.resize():
+            current = self.map_size
+            if current > seen_map_size:
+                return  # another writer grew it meanwhile
+            if current >= self._max_map_size:
+                raise StateStoreError(
+                    f"state store {self._folder.path} is full: map size {current} bytes "
+                    f"has reached max_map_size {self._max_map_size}"
+                )
+            self._env.set_mapsize(min(current * 2, self._max_map_size))
+            self._resizes += 1
+
+    def _handle(self, db: str) -> Any:
+        self._check_open()
+        handle = self._dbs.get(db)
+        if handle is not None:
+            return handle
+        if not db:
+            raise ValueError("db name must not be empty")
+        with self._dbs_lock:
+            handle = self._dbs.get(db)
+            if handle is None:
+                while True:
+                    seen_map_size = self.map_size
+                    try:
+                        with self._gate.transaction():
+                            handle = self._env.open_db(db.encode("utf-8"), create=True)
+                        break
+                    except lmdb.MapFullError:
+                        self._grow(seen_map_size)
+                    except lmdb.DbsFullError as error:
+                        raise StateStoreError(
+                            f"cannot open db {db!r}: the store already has max_dbs named dbs"
+                        ) from error
+                self._dbs[db] = handle
+        return handle
+
+    def _check_key(self, db: str, key: bytes) -> None:
+        if not key or len(key) > self._max_key:
+            raise StateStoreError(
+                f"key of {len(key)} bytes for db {db!r} is outside lmdb's limits "
+                f"(1 to {self._max_key} bytes)"
+            )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosed(f"state store {self._folder.path} is closed")
+
+    # ------------------------------------------------------------- closing
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._env.close()
+        finally:
+            self._folder.close()
+
+    def __enter__(self) -> StateStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class WriteBatch:
+    """Puts and deletes for one write transaction.
+
+    ``get`` sees the batch's own pending writes first. Nothing is written if the
+    ``with`` block raises.
+    """
+
+    def __init__(self, store: StateStore) -> None:
+        self._store = store
+        self._ops: list[tuple[str, bytes, object]] = []
+        self._pending: dict[tuple[str, bytes], object] = {}
+
+    def put(self, db: str, key: Bytes, value: Bytes) -> None:
+        key = bytes(key)
+        value = bytes(value)
+        self._ops.append((db, key, value))
+        self._pending[(db, key)] = value
+
+    def delete(self, db: str, key: Bytes) -> None:
+        key = bytes(key)
+        self._ops.append((db, key, _DELETE))
+        self._pending[(db, key)] = _DELETE
+
+    def get(self, db: str, key: Bytes) -> bytes | None:
+        key = bytes(key)
+        pending = self._pending.get((db, key))
+        if pending is _DELETE:
+            return None
+        if pending is not None:
+            return pending  # type: ignore[return-value]
+        return self._store.get(db, key)
+
+    def __len__(self) -> int:
+        return len(self._ops)
+
+    def __enter__(self) -> WriteBatch:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if exc_type is None and self._ops:
+            self._store._apply(self._ops)

@@ -1,0 +1,145 @@
+"""StateStore: named dbs, batched writes, reopen, a growing map, format checks."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import trio
+
+from delaymq.storage.errors import (
+    DirectoryLocked,
+    FormatMismatch,
+    StateStoreError,
+    StoreClosed,
+)
+from delaymq.storage.format import read_format, write_format
+from delaymq.storage.log import SegmentedLog
+from delaymq.storage.state import StateStore, pack, unpack
+
+
+def test_values_survive_a_reopen(tmp_path: Path) -> None:
+    with StateStore.open(tmp_path) as store:
+        store.put("checkpoints", b"replay", b"\x00\x00\x10\x00")
+        with store.write() as batch:
+            batch.put("positions", b"group-a/consumer-1", pack({"acked": 17}))
+            batch.put("positions", b"group-a/consumer-2", pack({"acked": 3}))
+            batch.put("positions", b"group-b/consumer-1", pack({"acked": 99}))
+            batch.put("checkpoints", b"doomed", b"x")
+            batch.delete("checkpoints", b"doomed")
+    with StateStore.open(tmp_path) as store:
+        assert store.get("checkpoints", b"replay") == b"\x00\x00\x10\x00"
+        assert store.get("checkpoints", b"doomed") is None
+        assert store.get("never-written", b"k") is None
+        group_a = store.items("positions", prefix=b"group-a/")
+        assert [(k, unpack(v)) for k, v in group_a] == [
+            (b"group-a/consumer-1", {"acked": 17}),
+            (b"group-a/consumer-2", {"acked": 3}),
+        ]
+        assert len(store.items("positions")) == 3
+        assert store.items("positions", prefix=b"group-z") == []
+        store.delete("positions", b"group-b/consumer-1")
+        assert store.get("positions", b"group-b/consumer-1") is None
+
+
+def test_a_batch_sees_its_own_writes_and_is_dropped_if_its_block_fails(tmp_path: Path) -> None:
+    with StateStore.open(tmp_path) as store:
+        store.put("db", b"a", b"1")
+        with pytest.raises(RuntimeError):
+            with store.write() as batch:
+                batch.put("db", b"a", b"2")
+                assert batch.get("db", b"a") == b"2"
+                batch.delete("db", b"a")
+                assert batch.get("db", b"a") is None
+                raise RuntimeError("abandon")
+        assert store.get("db", b"a") == b"1"
+
+
+def test_the_map_grows_past_its_initial_size(tmp_path: Path) -> None:
+    initial = 1 << 20
+    value = bytes(range(256)) * 256  # 64 KiB
+    with StateStore.open(tmp_path, map_size=initial) as store:
+        with store.write() as batch:  # one transaction bigger than the whole map
+            for i in range(40):
+                batch.put("blobs", b"batch-%03d" % i, value)
+        for i in range(40):
+            store.put("blobs", b"single-%03d" % i, value)
+        assert store.resizes >= 2
+        assert store.map_size >= 4 * initial
+    with StateStore.open(tmp_path, map_size=initial) as store:
+        assert len(store.items("blobs")) == 80
+        assert store.get("blobs", b"batch-039") == value
+
+
+def test_growing_is_capped_by_max_map_size(tmp_path: Path) -> None:
+    with StateStore.open(tmp_path, map_size=1 << 20, max_map_size=2 << 20) as store:
+        with pytest.raises(StateStoreError, match=r"map size 2097152 bytes has reached max_map_size"):
+            for i in range(100):
+                store.put("blobs", b"%03d" % i, bytes(64 << 10))
+
+
+def test_readers_in_other_threads_during_growth(tmp_path: Path) -> None:
+    with StateStore.open(tmp_path, map_size=1 << 20) as store:
+        store.put("db", b"stable", b"value")
+        stop = threading.Event()
+        seen: list[bytes | None] = []
+
+        def reader() -> None:
+            while not stop.is_set():
+                seen.append(store.get("db", b"stable"))
+
+        thread = threading.Thread(target=reader)
+        thread.start()
+        try:
+            for i in range(60):
+                store.put("big", b"%03d" % i, bytes(64 << 10))
+        finally:
+            stop.set()
+            thread.join()
+        assert store.resizes >= 2
+        assert seen and set(seen) == {b"value"}
+
+
+async def test_called_from_trio_through_threads(tmp_path: Path) -> None:
+    store = await trio.to_thread.run_sync(StateStore.open, tmp_path)
+    try:
+        await trio.to_thread.run_sync(store.put, "db", b"k", b"v")
+        assert await trio.to_thread.run_sync(store.get, "db", b"k") == b"v"
+    finally:
+        store.close()
+
+
+def test_keys_outside_lmdb_limits_are_refused_by_size(tmp_path: Path) -> None:
+    with StateStore.open(tmp_path) as store:
+        with pytest.raises(StateStoreError, match=r"key of 600 bytes for db 'db' .* \(1 to 511 bytes\)"):
+            store.put("db", bytes(600), b"v")
+        with pytest.raises(StateStoreError, match="key of 0 bytes"):
+            store.put("db", b"", b"v")
+
+
+def test_mismatched_format_parameters_are_refused_naming_them(tmp_path: Path) -> None:
+    with StateStore.open(tmp_path, extra_format={"heads_entry_version": 1}) as store:
+        store.put("db", b"k", b"v")
+    with pytest.raises(FormatMismatch, match="heads_entry_version: stored 1, requested 2"):
+        StateStore.open(tmp_path, extra_format={"heads_entry_version": 2})
+    stored = read_format(tmp_path)
+    assert stored is not None
+    write_format(tmp_path, {**stored, "version": 99})
+    with pytest.raises(FormatMismatch, match="version: stored 99, requested 1"):
+        StateStore.open(tmp_path, extra_format={"heads_entry_version": 1})
+
+
+def test_a_log_folder_is_not_taken_for_a_state_store(tmp_path: Path) -> None:
+    SegmentedLog.open(tmp_path, segment_size=4096).close()
+    with pytest.raises(FormatMismatch, match="format: stored 'segmented-log', requested 'lmdb-state'"):
+        StateStore.open(tmp_path)
+
+
+def test_one_store_per_folder_and_none_after_close(tmp_path: Path) -> None:
+    store = StateStore.open(tmp_path)
+    with pytest.raises(DirectoryLocked):
+        StateStore.open(tmp_path)
+    store.close()
+    with pytest.raises(StoreClosed):
+        store.get("db", b"k")
