@@ -1,0 +1,116 @@
+"""``delaymq metaserver``: run the metaserver until Ctrl-C or SIGTERM.
+
+It logs the address it bound (``metaserver listening on HOST:PORT``), so a
+``--listen`` port of 0 can be used and read back by whoever started it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+from pathlib import Path
+
+import trio
+
+from delaymq.cli import options
+from delaymq.metaserver.registry import RegistryError
+from delaymq.metaserver.server import open_metaserver
+from delaymq.storage.errors import StorageError
+from delaymq.wheel.clock import SystemClock
+
+log = logging.getLogger("delaymq.metaserver")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "metaserver",
+        help="run the metaserver: registry of server groups, heartbeats, routes",
+        description=(
+            "Run the metaserver. Servers register and heartbeat with it; clients ask it which "
+            "server groups to use. Its registry survives restarts in the --data folder."
+        ),
+    )
+    parser.add_argument(
+        "--listen",
+        type=options.listen_address,
+        default="127.0.0.1:20880",
+        metavar="HOST:PORT",
+        help="address to listen on; port 0 picks a free one (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--data", type=Path, metavar="DIR", help="folder for the registry (required; may come from --config)"
+    )
+    parser.add_argument(
+        "--evict-after",
+        type=options.duration,
+        default="30s",
+        metavar="DURATION",
+        help="drop a server from routes after this long without a heartbeat (default: 30s)",
+    )
+    parser.add_argument(
+        "--heartbeat-interval",
+        type=options.duration,
+        default="5s",
+        metavar="DURATION",
+        help="how often servers are told to heartbeat; below --evict-after (default: 5s)",
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.data is None:
+        return _fail("--data DIR is required (or data = \"DIR\" in the [metaserver] table of --config)")
+    try:
+        evict_ms = options.duration_ms(args.evict_after)
+        interval_ms = options.duration_ms(args.heartbeat_interval)
+    except argparse.ArgumentTypeError as error:
+        return _fail(str(error))
+    if interval_ms < 1 or evict_ms <= interval_ms:
+        return _fail(
+            f"--heartbeat-interval ({options.show_duration(interval_ms)}) must be at least 1ms and shorter "
+            f"than --evict-after ({options.show_duration(evict_ms)})"
+        )
+    try:
+        trio.run(_serve, args.listen, args.data, evict_ms, interval_ms)
+    except (OSError, StorageError, RegistryError, BaseExceptionGroup) as raised:
+        error = _sole(raised)
+        if isinstance(error, KeyboardInterrupt):
+            raise KeyboardInterrupt from None  # Ctrl-C while starting or stopping
+        if not isinstance(error, (OSError, StorageError, RegistryError)):
+            raise
+        return _fail(f"cannot run the metaserver on {args.listen} with data {args.data}: {error}", code=1)
+    return 0
+
+
+def _sole(error: BaseException) -> BaseException:
+    """The one exception inside nested single-member exception groups (trio wraps them)."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error
+
+
+async def _serve(listen: str, data: Path, evict_ms: int, interval_ms: int) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM) as signals:
+        async with open_metaserver(
+            listen=listen,
+            data_dir=data,
+            clock=SystemClock(),
+            evict_after_ms=evict_ms,
+            heartbeat_interval_ms=interval_ms,
+        ) as metaserver:
+            log.info(
+                "metaserver listening on %s (data %s, evict after %s, heartbeat every %s)",
+                metaserver.address,
+                data,
+                options.show_duration(evict_ms),
+                options.show_duration(interval_ms),
+            )
+            async for signum in signals:
+                log.info("stopping on %s", signal.Signals(signum).name)
+                break
+
+
+def _fail(message: str, *, code: int = 2) -> int:
+    log.error("%s", message)
+    return code

@@ -1,0 +1,103 @@
+"""``delaymq status``: the metaserver's view of every server, as a table or JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from delaymq.cli import options
+from delaymq.protocol.blocking import BlockingPeers
+from delaymq.protocol.commands import Command
+from delaymq.protocol.errors import PeerError, ProtocolError
+from delaymq.protocol.transport import TransportError
+
+COLUMNS = ("GROUP", "KIND", "ROLE", "ADDRESS", "STATE", "LAST HEARTBEAT", "EVICTED", "VERSION")
+
+
+def add_meta_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--meta",
+        type=options.address,
+        default="127.0.0.1:20880",
+        metavar="HOST:PORT",
+        help="the metaserver to ask (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=options.duration,
+        default="5s",
+        metavar="DURATION",
+        help="how long to wait for its answer (default: 5s)",
+    )
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "status",
+        help="show the server groups the metaserver knows",
+        description="Show every server the metaserver knows: its group, role, state and last heartbeat.",
+    )
+    add_meta_option(parser)
+    parser.add_argument("--json", action="store_true", help="print the answer as JSON")
+    parser.set_defaults(func=run)
+
+
+def ask_metaserver(
+    command: str, args: argparse.Namespace, code: Command, metadata: dict[str, Any]
+) -> dict[str, Any] | None:
+    """One request to ``--meta``; on failure print a one-line error and return None."""
+    try:
+        timeout = options.duration_ms(args.timeout) / 1000
+        with BlockingPeers(connect_timeout=timeout, request_timeout=timeout) as peers:
+            return peers.call(args.meta, code, metadata).metadata
+    except PeerError as error:
+        print(f"delaymq {command}: metaserver {args.meta} refused: {error}", file=sys.stderr)
+    except (TransportError, ProtocolError) as error:
+        print(f"delaymq {command}: cannot reach metaserver {args.meta}: {error}", file=sys.stderr)
+    except argparse.ArgumentTypeError as error:
+        print(f"delaymq {command}: --timeout: {error}", file=sys.stderr)
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    answer = ask_metaserver("status", args, Command.STATUS, {})
+    if answer is None:
+        return 1
+    if args.json:
+        print(json.dumps({"metaserver": args.meta, **answer}, indent=2, sort_keys=True))
+        return 0
+    print(format_table(args.meta, answer))
+    return 0
+
+
+def format_table(meta: str, answer: dict[str, Any]) -> str:
+    rows = answer.get("rows") or []
+    groups = {row["group"] for row in rows}
+    lines = [
+        f"metaserver {meta}: {len(groups)} groups, {len(rows)} servers, route version "
+        f"{answer.get('route_version')}, evict after {answer.get('evict_after_ms', 0) / 1000:g} s"
+    ]
+    if not rows:
+        lines.append("no server has registered")
+        return "\n".join(lines)
+    table = [COLUMNS]
+    for row in rows:
+        role = row["role"] + ("" if row["is_master"] or row["role"] != "master" else " (superseded)")
+        table.append(
+            (
+                row["group"],
+                row["kind"],
+                role,
+                row["address"],
+                row["state"],
+                f"{row['seconds_since_heartbeat']:.1f} s ago",
+                "yes" if row["evicted"] else "no",
+                row.get("version", ""),
+            )
+        )
+    widths = [max(len(str(line[i])) for line in table) for i in range(len(COLUMNS))]
+    for line in table:
+        lines.append("  ".join(str(cell).ljust(width) for cell, width in zip(line, widths)).rstrip())
+    return "\n".join(lines)

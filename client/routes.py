@@ -1,0 +1,577 @@
+"""The clients' route layer: which group a request goes to, and what a failure means.
+
+``RouteTable`` is the sans-IO core: the metaserver's answers (``RouteCache``
+for staleness, the groups with their addresses beside it), a ``GroupSelector``
+per route, one ``LatencyFaultTable`` shared by all routes (a broken group is
+broken for every route), and every decision: when to ask the metaserver, which
+metaserver, which group next, whether an error means "try another group" or
+"give up". ``RouteClient`` (trio) and ``BlockingRouteClient`` (plain code) only
+do the I/O around it, so both decide alike.
+
+A request is retried on another group when it got no answer (``PeerUnavailable``,
+``RequestTimeout``) or was refused with a code in ``RETRY_CODES`` (the group is
+read-only, not the master, unavailable...); after such a failure the group is
+avoided and the route is fetched again before the next attempt. Any other error
+answer (``limit``, ``bad_value``, ``bad_request``...) is about the request
+itself: it is raised at once, since another group would refuse it too. When
+every metaserver is down the last answer is used however old, and the
+metaserver is asked again no sooner than ``meta_retry_ms`` later.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import trio
+
+from delaymq.client.faults import AvoidancePolicy, FaultTableStatistics, LatencyFaultTable
+from delaymq.client.routecache import RouteAnswer as CachedNames
+from delaymq.client.routecache import RouteCache, RouteCacheStatistics, RouteKey
+from delaymq.client.selector import GroupSelector
+from delaymq.metaserver.routes import GroupState, RouteAnswer, RouteKind, RoutedGroup, ServerKind
+from delaymq.protocol.commands import Command, command_name
+from delaymq.protocol.errors import PeerError, ProtocolError, RemoteProtocolError
+from delaymq.protocol.frames import Frame
+from delaymq.protocol.transport import TransportError
+from delaymq.wheel.clock import Clock, SystemClock
+
+#: Error codes that mean "this group will not take it now; another may".
+RETRY_CODES = frozenset({"read_only", "not_master", "unavailable", "overloaded", "shutting_down", "internal"})
+
+_WANTED = {
+    RouteKind.DELAYED_PRODUCER: "no scheduler group in RW serves delayed producers",
+    RouteKind.IMMEDIATE_PRODUCER: "no realtime group in RW serves immediate producers",
+    RouteKind.CONSUMER: "no realtime group in RW or R serves consumers",
+    RouteKind.SCHEDULER_DELIVERY: "no realtime group in RW takes deliveries of subject {subject!r}",
+}
+
+
+class RouteError(Exception):
+    """A routed request could not be served."""
+
+
+class NoRouteError(RouteError, LookupError):
+    """The route holds no group (or no metaserver ever answered for it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """One try of a routed call that failed."""
+
+    group: str
+    address: str
+    error: Exception
+
+    def __str__(self) -> str:
+        return f"group {self.group} at {self.address}: {self.error}"
+
+
+class CallFailed(RouteError):
+    """Every attempt of a routed call failed; ``attempts`` says how, in order."""
+
+    def __init__(self, message: str, attempts: Sequence[Attempt]) -> None:
+        super().__init__(message)
+        self.attempts = tuple(attempts)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteClientStatistics:
+    routes: RouteCacheStatistics
+    faults: FaultTableStatistics
+    fetches: int  # route answers received from a metaserver
+    fetch_failures: int  # refreshes that no metaserver answered
+    stale_served: int  # refreshes that failed while an older answer was held
+    calls: int
+    retries: int  # attempts after the first
+    refused: int  # attempts refused with a RETRY_CODES code
+    unanswered: int  # attempts that got no answer
+
+
+def parse_route_answer(metadata: Mapping[str, Any]) -> RouteAnswer | int:
+    """A ROUTE answer's groups, or just its version when it says ``unchanged``."""
+    version = metadata.get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise RemoteProtocolError("route answer has no integer 'version'", code="bad_metadata", field="version")
+    if metadata.get("unchanged") is True:
+        return version
+    raw = metadata.get("groups")
+    if not isinstance(raw, list):
+        raise RemoteProtocolError("route answer 'groups' is not a list", code="bad_metadata", field="groups")
+    groups = []
+    for i, item in enumerate(raw):
+        where = f"groups[{i}]"
+        if not isinstance(item, dict):
+            raise RemoteProtocolError(f"route answer {where} is not a map", code="bad_metadata", field=where)
+        try:
+            name, address, slaves = item["group"], item["address"], item["slaves"]
+            kind, state = ServerKind(item["kind"]), GroupState(item["state"])
+        except (KeyError, ValueError, TypeError) as error:
+            raise RemoteProtocolError(
+                f"route answer {where} is malformed: {type(error).__name__} {error}", code="bad_metadata", field=where
+            ) from None
+        if not (isinstance(name, str) and name and isinstance(address, str) and address):
+            raise RemoteProtocolError(
+                f"route answer {where} needs string 'group' and 'address'", code="bad_metadata", field=where
+            )
+        if not isinstance(slaves, list) or not all(isinstance(s, str) for s in slaves):
+            raise RemoteProtocolError(
+                f"route answer {where}.slaves is not a list of strings", code="bad_metadata", field=f"{where}.slaves"
+            )
+        groups.append(RoutedGroup(name, kind, state, address, tuple(slaves)))
+    return RouteAnswer(version, tuple(groups))
+
+
+@dataclass(slots=True)
+class _Held:
+    answer: RouteAnswer
+    source: str  # the metaserver that answered: known_version is only meaningful to it
+
+
+class RouteTable:
+    """Everything a client knows and decides about routes. Sans-IO; not thread-safe."""
+
+    def __init__(
+        self,
+        meta_addresses: Sequence[str],
+        *,
+        refresh_interval_ms: int = 30_000,
+        policy: AvoidancePolicy | None = None,
+        meta_retry_ms: int = 1_000,
+    ) -> None:
+        if isinstance(meta_addresses, str):
+            meta_addresses = [meta_addresses]
+        if not meta_addresses:
+            raise ValueError("meta_addresses: at least one metaserver address is needed")
+        self.meta_addresses = tuple(meta_addresses)
+        self.cache = RouteCache(refresh_interval_ms=refresh_interval_ms)
+        self.faults = LatencyFaultTable(policy)
+        self.meta_retry_ms = meta_retry_ms
+        self._held: dict[RouteKey, _Held] = {}
+        self._selectors: dict[RouteKey, GroupSelector] = {}
+        self._retry_at: dict[RouteKey, int] = {}  # after a failed refresh: not before this
+        self._last_failure: dict[RouteKey, str] = {}
+        self._meta_first = 0  # the metaserver that answered last is asked first
+        self._fetches = 0
+        self._fetch_failures = 0
+        self._stale_served = 0
+        self._calls = 0
+        self._retries = 0
+        self._refused = 0
+        self._unanswered = 0
+
+    # -- fetching routes -------------------------------------------------------
+
+    @staticmethod
+    def key(route: str, subject: str | None = None) -> RouteKey:
+        """The cache key of a route, checked (``ValueError`` names the bad argument)."""
+        try:
+            kind = RouteKind(route)
+        except ValueError:
+            allowed = ", ".join(repr(k.value) for k in RouteKind)
+            raise ValueError(f"route {route!r} is not one of {allowed}") from None
+        if kind is RouteKind.SCHEDULER_DELIVERY and not subject:
+            raise ValueError("subject: the scheduler-delivery route needs a subject")
+        if subject is not None and not isinstance(subject, str):
+            raise ValueError(f"subject must be a str, not {type(subject).__name__}")
+        return RouteKey(kind.value, subject or "")
+
+    def needs_fetch(self, key: RouteKey, now_ms: int) -> bool:
+        return self.cache.needs_refresh(key.kind, now_ms, subject=key.subject) and now_ms >= self._retry_at.get(key, 0)
+
+    def fetch_plan(self, key: RouteKey) -> list[tuple[str, dict[str, Any]]]:
+        """(metaserver, ROUTE metadata) in the order to try them."""
+        n = len(self.meta_addresses)
+        held = self._held.get(key)
+        plan = []
+        for i in range(n):
+            address = self.meta_addresses[(self._meta_first + i) % n]
+            metadata: dict[str, Any] = {"route": key.kind}
+            if key.subject:
+                metadata["subject"] = key.subject
+            if held is not None and held.source == address:
+                metadata["known_version"] = held.answer.version
+            plan.append((address, metadata))
+        return plan
+
+    def accept(self, key: RouteKey, address: str, metadata: Mapping[str, Any], now_ms: int) -> RouteAnswer:
+        """Take a metaserver's ROUTE answer; ``RemoteProtocolError`` if it is malformed."""
+        parsed = parse_route_answer(metadata)
+        held = self._held.get(key)
+        if isinstance(parsed, int):
+            if held is None or held.source != address or held.answer.version != parsed:
+                raise RemoteProtocolError(
+                    f"metaserver {address} answered 'unchanged' for version {parsed}, which this client "
+                    "did not get from it",
+                    code="bad_metadata",
+                    field="unchanged",
+                )
+            answer = held.answer
+        else:
+            answer = parsed
+        self._held[key] = _Held(answer, address)
+        names = tuple(group.group for group in answer.groups)
+        self.cache.update(key.kind, CachedNames(answer.version, names), now_ms, subject=key.subject)
+        selector = self._selectors.get(key)
+        if selector is None:
+            self._selectors[key] = GroupSelector(names, faults=self.faults)
+        else:
+            selector.update_groups(names)
+        self.faults.retain(g.group for held in self._held.values() for g in held.answer.groups)
+        self._retry_at.pop(key, None)
+        self._last_failure.pop(key, None)
+        self._meta_first = self.meta_addresses.index(address) if address in self.meta_addresses else 0
+        self._fetches += 1
+        return answer
+
+    def fetch_failed(self, key: RouteKey, failures: Sequence[tuple[str, Exception]], now_ms: int) -> None:
+        """No metaserver answered: keep what is held, ask again after ``meta_retry_ms``."""
+        self._fetch_failures += 1
+        if key in self._held:
+            self._stale_served += 1
+        self._retry_at[key] = now_ms + self.meta_retry_ms
+        self._last_failure[key] = "; ".join(f"metaserver {address}: {error}" for address, error in failures)
+
+    def answer(self, key: RouteKey) -> RouteAnswer | None:
+        """The answer held for a route, however old; None if no metaserver ever answered."""
+        held = self._held.get(key)
+        return held.answer if held is not None else None
+
+    def no_route(self, key: RouteKey) -> NoRouteError:
+        """The error for a route with nothing to send to, saying what the metaserver said."""
+        wanted = _WANTED[RouteKind(key.kind)].format(subject=key.subject)
+        held = self._held.get(key)
+        parts = [wanted]
+        if held is not None:
+            parts.append(
+                f"metaserver {held.source} answered route {key.kind!r} (version {held.answer.version}) "
+                f"with {len(held.answer.groups)} groups"
+            )
+        failure = self._last_failure.get(key)
+        if failure:
+            parts.append(("no metaserver answered since: " if held else "no metaserver answered: ") + failure)
+        return NoRouteError("; ".join(parts))
+
+    # -- sending ---------------------------------------------------------------
+
+    def start_call(self, key: RouteKey, command: int, attempts: int) -> CallPlan:
+        if attempts < 1:
+            raise ValueError(f"attempts is {attempts}, must be at least 1")
+        self._calls += 1
+        return CallPlan(self, key, command, attempts)
+
+    def pick(self, key: RouteKey, now_ms: int, *, exclude: Collection[str] = ()) -> RoutedGroup:
+        """The group for the next attempt; ``NoRouteError`` if the route holds none."""
+        held = self._held.get(key)
+        selector = self._selectors.get(key)
+        if held is None or selector is None or not held.answer.groups:
+            raise self.no_route(key)
+        name = selector.pick(now_ms, exclude=exclude)
+        return next(group for group in held.answer.groups if group.group == name)
+
+    def answered(self, group: str, latency_ms: int, now_ms: int) -> None:
+        self.faults.record_latency(group, max(0, latency_ms), now_ms)
+
+    def failed(self, key: RouteKey, group: str, now_ms: int) -> None:
+        """The group failed a request: avoid it, and fetch the route before the next try."""
+        self.faults.record_failure(group, now_ms)
+        self.cache.invalidate(key.kind, subject=key.subject)
+
+    @staticmethod
+    def is_retryable(error: Exception) -> bool:
+        """True for errors another group may not have: no answer, or a RETRY_CODES refusal."""
+        if isinstance(error, PeerError):
+            return error.code in RETRY_CODES
+        return isinstance(error, TransportError | RemoteProtocolError)
+
+    def statistics(self) -> RouteClientStatistics:
+        return RouteClientStatistics(
+            routes=self.cache.statistics(),
+            faults=self.faults.statistics(),
+            fetches=self._fetches,
+            fetch_failures=self._fetch_failures,
+            stale_served=self._stale_served,
+            calls=self._calls,
+            retries=self._retries,
+            refused=self._refused,
+            unanswered=self._unanswered,
+        )
+
+
+class CallPlan:
+    """The decisions of one routed call: which group next, and what each outcome means.
+
+    A driver loops: refresh the route if due, ``next_group``, send, then
+    ``succeeded`` or ``failed`` (which re-raises an error that ends the call).
+    ``next_group`` raises ``CallFailed`` once the attempts are used up.
+    """
+
+    def __init__(self, table: RouteTable, key: RouteKey, command: int, attempts: int) -> None:
+        self._table = table
+        self._key = key
+        self._command = command
+        self._attempts = attempts
+        self._tried: list[Attempt] = []
+        self._started_ms = 0
+
+    def next_group(self, now_ms: int) -> RoutedGroup:
+        tried = self._tried
+        if len(tried) >= self._attempts:
+            detail = "; ".join(str(attempt) for attempt in tried)
+            raise CallFailed(
+                f"{command_name(self._command)} on route {self._key.kind!r} failed {len(tried)} times: {detail}",
+                tried,
+            )
+        group = self._table.pick(self._key, now_ms, exclude={a.group for a in tried})
+        if tried:
+            self._table._retries += 1
+        self._started_ms = now_ms
+        return group
+
+    def succeeded(self, group: RoutedGroup, now_ms: int) -> None:
+        self._table.answered(group.group, now_ms - self._started_ms, now_ms)
+
+    def failed(self, group: RoutedGroup, error: Exception, now_ms: int) -> None:
+        """Record a failed attempt, or re-raise ``error`` when no other group would do better."""
+        table = self._table
+        if not table.is_retryable(error):
+            table.answered(group.group, now_ms - self._started_ms, now_ms)  # it answered, promptly or not
+            raise error
+        if isinstance(error, PeerError):
+            table._refused += 1
+        else:
+            table._unanswered += 1
+        table.failed(self._key, group.group, now_ms)
+        self._tried.append(Attempt(group.group, group.address, error))
+
+
+# -- drivers ------------------------------------------------------------------
+
+
+class AsyncCaller(Protocol):
+    """What the route client needs of ``delaymq.protocol.transport.Peers``."""
+
+    async def call(
+        self,
+        address: str,
+        command: int,
+        metadata: dict[str, Any] | None = ...,
+        body: bytes = ...,
+        *,
+        timeout: float | None = ...,
+    ) -> Frame: ...
+
+
+class BlockingCaller(Protocol):
+    """What the blocking route client needs of ``delaymq.protocol.blocking.BlockingPeers``."""
+
+    def call(
+        self,
+        address: str,
+        command: int,
+        metadata: dict[str, Any] | None = ...,
+        body: bytes = ...,
+        *,
+        timeout: float | None = ...,
+    ) -> Frame: ...
+
+
+_REFRESH_ERRORS = (TransportError, ProtocolError)
+
+
+class RouteClient:
+    """Routed requests from trio code: cached routes, round robin, avoidance, retries."""
+
+    def __init__(
+        self,
+        peers: AsyncCaller,
+        meta_addresses: Sequence[str],
+        *,
+        clock: Clock,
+        refresh_interval_ms: int = 30_000,
+        policy: AvoidancePolicy | None = None,
+        meta_retry_ms: int = 1_000,
+        meta_timeout: float = 5.0,
+    ) -> None:
+        self.table = RouteTable(
+            meta_addresses, refresh_interval_ms=refresh_interval_ms, policy=policy, meta_retry_ms=meta_retry_ms
+        )
+        self._peers = peers
+        self._clock = clock
+        self._meta_timeout = meta_timeout
+        self._refreshing: dict[RouteKey, trio.Event] = {}
+
+    async def groups(self, route: str, subject: str | None = None) -> RouteAnswer:
+        """The route's groups with their addresses, fetched if stale (old ones if no metaserver answers)."""
+        key = self.table.key(route, subject)
+        await self._refresh_if_due(key)
+        answer = self.table.answer(key)
+        if answer is None:
+            raise self.table.no_route(key)
+        return answer
+
+    async def call(
+        self,
+        route: str,
+        command: int,
+        metadata: dict[str, Any] | None = None,
+        body: bytes = b"",
+        *,
+        subject: str | None = None,
+        attempts: int = 3,
+        timeout: float | None = None,
+    ) -> Frame:
+        """Send a request to a group of the route, retrying failures on other groups.
+
+        Raises ``NoRouteError`` (no group), ``CallFailed`` (every attempt failed)
+        or the ``PeerError`` of a refusal that is about the request itself.
+        """
+        key = self.table.key(route, subject)
+        plan = self.table.start_call(key, command, attempts)
+        while True:
+            await self._refresh_if_due(key)
+            group = plan.next_group(self._clock.now_ms())
+            try:
+                frame = await self._peers.call(group.address, command, metadata, body, timeout=timeout)
+            except (PeerError, TransportError) as error:
+                plan.failed(group, error, self._clock.now_ms())
+            else:
+                plan.succeeded(group, self._clock.now_ms())
+                return frame
+
+    async def _refresh_if_due(self, key: RouteKey) -> None:
+        while True:
+            if not self.table.needs_fetch(key, self._clock.now_ms()):
+                return
+            running = self._refreshing.get(key)
+            if running is None:
+                break
+            await running.wait()  # another task is fetching this route
+        done = self._refreshing[key] = trio.Event()
+        try:
+            failures: list[tuple[str, Exception]] = []
+            for address, metadata in self.table.fetch_plan(key):
+                try:
+                    frame = await self._peers.call(address, Command.ROUTE, metadata, timeout=self._meta_timeout)
+                    self.table.accept(key, address, frame.metadata, self._clock.now_ms())
+                    return
+                except PeerError as error:
+                    if error.code == "bad_request":
+                        raise  # the question is wrong (a bad subject): no metaserver will answer it
+                    failures.append((address, error))
+                except _REFRESH_ERRORS as error:
+                    failures.append((address, error))
+            self.table.fetch_failed(key, failures, self._clock.now_ms())
+        finally:
+            del self._refreshing[key]
+            done.set()
+
+    def statistics(self) -> RouteClientStatistics:
+        return self.table.statistics()
+
+
+class BlockingRouteClient:
+    """The blocking twin of ``RouteClient``; safe to share between threads."""
+
+    def __init__(
+        self,
+        peers: BlockingCaller,
+        meta_addresses: Sequence[str],
+        *,
+        clock: Clock | None = None,
+        refresh_interval_ms: int = 30_000,
+        policy: AvoidancePolicy | None = None,
+        meta_retry_ms: int = 1_000,
+        meta_timeout: float = 5.0,
+    ) -> None:
+        self.table = RouteTable(
+            meta_addresses, refresh_interval_ms=refresh_interval_ms, policy=policy, meta_retry_ms=meta_retry_ms
+        )
+        self._peers = peers
+        self._clock = clock if clock is not None else SystemClock()
+        self._meta_timeout = meta_timeout
+        self._lock = threading.Lock()  # guards the table
+        self._refresh_lock = threading.Lock()  # one refresh at a time
+
+    def groups(self, route: str, subject: str | None = None) -> RouteAnswer:
+        key = self.table.key(route, subject)
+        self._refresh_if_due(key)
+        with self._lock:
+            answer = self.table.answer(key)
+            if answer is None:
+                raise self.table.no_route(key)
+            return answer
+
+    def call(
+        self,
+        route: str,
+        command: int,
+        metadata: dict[str, Any] | None = None,
+        body: bytes = b"",
+        *,
+        subject: str | None = None,
+        attempts: int = 3,
+        timeout: float | None = None,
+    ) -> Frame:
+        key = self.table.key(route, subject)
+        with self._lock:
+            plan = self.table.start_call(key, command, attempts)
+        while True:
+            self._refresh_if_due(key)
+            with self._lock:
+                group = plan.next_group(self._clock.now_ms())
+            try:
+                frame = self._peers.call(group.address, command, metadata, body, timeout=timeout)
+            except (PeerError, TransportError) as error:
+                with self._lock:
+                    plan.failed(group, error, self._clock.now_ms())
+            else:
+                with self._lock:
+                    plan.succeeded(group, self._clock.now_ms())
+                return frame
+
+    def _refresh_if_due(self, key: RouteKey) -> None:
+        with self._lock:
+            if not self.table.needs_fetch(key, self._clock.now_ms()):
+                return
+        with self._refresh_lock:
+            with self._lock:
+                if not self.table.needs_fetch(key, self._clock.now_ms()):
+                    return  # another thread fetched it while this one waited
+                plan = self.table.fetch_plan(key)
+            failures: list[tuple[str, Exception]] = []
+            for address, metadata in plan:
+                try:
+                    frame = self._peers.call(address, Command.ROUTE, metadata, timeout=self._meta_timeout)
+                    with self._lock:
+                        self.table.accept(key, address, frame.metadata, self._clock.now_ms())
+                    return
+                except PeerError as error:
+                    if error.code == "bad_request":
+                        raise
+                    failures.append((address, error))
+                except _REFRESH_ERRORS as error:
+                    failures.append((address, error))
+            with self._lock:
+                self.table.fetch_failed(key, failures, self._clock.now_ms())
+
+    def statistics(self) -> RouteClientStatistics:
+        with self._lock:
+            return self.table.statistics()
+
+
+__all__ = [
+    "RETRY_CODES",
+    "Attempt",
+    "BlockingRouteClient",
+    "CallFailed",
+    "CallPlan",
+    "NoRouteError",
+    "RouteClient",
+    "RouteClientStatistics",
+    "RouteError",
+    "RouteTable",
+    "parse_route_answer",
+]

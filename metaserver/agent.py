@@ -1,0 +1,248 @@
+"""What every server runs to stay known to the metaserver: register, then heartbeat.
+
+``run_registration`` registers the server, heartbeats at the interval the
+metaserver's answer names, registers again when the metaserver says it does not
+know the server (``register_first``: it restarted without its data) or after an
+outage, and while the metaserver is down retries with a growing backoff, logging
+once per outage rather than once per attempt. The latest answer (the group's
+state, its master, the route version) is held by a ``Registration``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import trio
+
+from delaymq.metaserver.server import REGISTER_FIRST
+from delaymq.protocol.commands import Command
+from delaymq.protocol.errors import PeerError, RemoteProtocolError
+from delaymq.protocol.frames import Frame
+from delaymq.protocol.transport import TransportError
+from delaymq.wheel.clock import Clock
+
+log = logging.getLogger(__name__)
+
+#: The register fields a server sends (``version`` is its software version).
+INFO_FIELDS = ("group", "kind", "role", "address", "version")
+#: The interval used until the metaserver names one.
+DEFAULT_INTERVAL_MS = 5_000
+
+
+class Caller(Protocol):
+    """What the agent needs of ``delaymq.protocol.transport.Peers``."""
+
+    async def call(
+        self,
+        address: str,
+        command: int,
+        metadata: dict[str, Any] | None = ...,
+        body: bytes = ...,
+        *,
+        timeout: float | None = ...,
+    ) -> Frame: ...
+
+
+class RegistrationRefused(Exception):
+    """The metaserver refused the first registration: the server's settings are wrong."""
+
+
+@dataclass(frozen=True, slots=True)
+class RegistrationStatistics:
+    registered: bool  # the latest attempt was answered
+    state: str | None  # the group's state: "RW", "R" or "NRW"; None before any answer
+    master: str | None  # the group's master address, as the metaserver sees it
+    route_version: int | None
+    heartbeat_interval_ms: int
+    meta_address: str  # the metaserver asked last
+    registrations: int  # REGISTER answered
+    heartbeats: int  # HEARTBEAT answered
+    failures: int  # attempts that got no answer or an error
+    outages: int  # runs of failed attempts
+    last_answer_ms: int | None
+
+
+class Registration:
+    """The latest word from the metaserver about this server's group."""
+
+    def __init__(self, info: Mapping[str, Any], *, interval_ms: int) -> None:
+        missing = [name for name in INFO_FIELDS if name not in info]
+        if missing:
+            raise ValueError(f"info lacks {', '.join(missing)}; a server registers with {', '.join(INFO_FIELDS)}")
+        self.info = dict(info)
+        self.state: str | None = None
+        self.master: str | None = None
+        self.route_version: int | None = None
+        self.heartbeat_interval_ms = interval_ms
+        self.meta_address = ""
+        self.registered = False
+        self.last_answer_ms: int | None = None
+        self._first_answer = trio.Event()
+        self._registrations = 0
+        self._heartbeats = 0
+        self._failures = 0
+        self._outages = 0
+
+    @property
+    def is_master(self) -> bool:
+        """Whether routes point at this server as its group's master."""
+        return self.master == self.info["address"]
+
+    async def wait_registered(self) -> None:
+        """Return once the metaserver has answered a registration."""
+        await self._first_answer.wait()
+
+    def _accept(self, command: int, metadata: Mapping[str, Any], now_ms: int) -> None:
+        state = metadata.get("state")
+        master = metadata.get("master")
+        version = metadata.get("route_version")
+        interval = metadata.get("heartbeat_interval_ms")
+        if not isinstance(state, str):
+            raise RemoteProtocolError("heartbeat answer has no string 'state'", code="bad_metadata", field="state")
+        if master is not None and not isinstance(master, str):
+            raise RemoteProtocolError("heartbeat answer 'master' is not a string", code="bad_metadata", field="master")
+        for name, value in (("route_version", version), ("heartbeat_interval_ms", interval)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise RemoteProtocolError(f"heartbeat answer has no integer {name!r}", code="bad_metadata", field=name)
+        group = self.info["group"]
+        if self.state is not None and state != self.state:
+            log.info("group %s state changed %s -> %s", group, self.state, state)
+        if self.state is not None and master != self.master:
+            log.info("group %s master is now %s (was %s)", group, master, self.master)
+        self.state, self.master, self.route_version = state, master, version
+        if interval > 0:
+            self.heartbeat_interval_ms = interval
+        self.registered = True
+        self.last_answer_ms = now_ms
+        if command == Command.REGISTER:
+            self._registrations += 1
+        else:
+            self._heartbeats += 1
+        self._first_answer.set()
+
+    def statistics(self) -> RegistrationStatistics:
+        return RegistrationStatistics(
+            registered=self.registered,
+            state=self.state,
+            master=self.master,
+            route_version=self.route_version,
+            heartbeat_interval_ms=self.heartbeat_interval_ms,
+            meta_address=self.meta_address,
+            registrations=self._registrations,
+            heartbeats=self._heartbeats,
+            failures=self._failures,
+            outages=self._outages,
+            last_answer_ms=self.last_answer_ms,
+        )
+
+
+async def run_registration(
+    peers: Caller,
+    *,
+    meta_address: str | Sequence[str],
+    info: Mapping[str, Any],
+    clock: Clock,
+    interval_ms: int | None = None,
+    backoff_initial_ms: int = 100,
+    task_status: trio.TaskStatus[Registration] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Keep this server registered until cancelled.
+
+    ``info`` holds ``group, kind, role, address, version``. ``interval_ms``
+    overrides the heartbeat interval the metaserver names. ``nursery.start``
+    returns the ``Registration`` after the first attempt, answered or not (a
+    metaserver that is down must not keep a server from starting); a first
+    attempt the metaserver refuses raises ``RegistrationRefused``. Several
+    ``meta_address``es are tried in turn while one is unreachable.
+    """
+    addresses = [meta_address] if isinstance(meta_address, str) else list(meta_address)
+    if not addresses:
+        raise ValueError("meta_address: at least one metaserver address is needed")
+    registration = Registration(info, interval_ms=interval_ms or DEFAULT_INTERVAL_MS)
+    full = {name: registration.info[name] for name in INFO_FIELDS}
+    light = {"group": full["group"], "address": full["address"]}
+    where = f"{full['address']} (group {full['group']})"
+    current = 0
+    register = True
+    started = False
+    backoff_ms = 0
+    outage_since: int | None = None
+    refused: str | None = None
+    while True:
+        address = addresses[current]
+        registration.meta_address = address
+        command = Command.REGISTER if register else Command.HEARTBEAT
+        interval = interval_ms or registration.heartbeat_interval_ms
+        sent_at = clock.now_ms()
+        next_at = sent_at + interval
+        try:
+            frame = await peers.call(
+                address, command, full if register else light, timeout=max(interval, 1_000) / 1000
+            )
+            registration._accept(command, frame.metadata, clock.now_ms())
+        except PeerError as error:
+            if error.code == REGISTER_FIRST and not register:
+                log.info("metaserver %s does not know %s; registering again", address, where)
+                register = True
+                continue
+            registration._failures += 1
+            registration.registered = False
+            if not started:
+                raise RegistrationRefused(f"metaserver {address} refused to register {where}: {error}") from error
+            if str(error) != refused:
+                refused = str(error)
+                log.error("metaserver %s refused %s of %s: %s", address, command.name, where, error)
+            register = True
+            backoff_ms = min(interval, max(backoff_initial_ms, backoff_ms * 2))
+            next_at = clock.now_ms() + backoff_ms
+        except (TransportError, RemoteProtocolError) as error:
+            registration._failures += 1
+            registration.registered = False
+            now = clock.now_ms()
+            if outage_since is None:
+                outage_since = now
+                registration._outages += 1
+                log.warning(
+                    "metaserver %s unreachable (%s); %s keeps retrying with backoff", address, error, where
+                )
+            register = True  # it may come back without its data: REGISTER says everything
+            current = (current + 1) % len(addresses)
+            backoff_ms = min(interval, max(backoff_initial_ms, backoff_ms * 2))
+            next_at = now + backoff_ms
+        else:
+            if outage_since is not None:
+                log.info(
+                    "metaserver %s answers again after %.1f s; %s is %s",
+                    address,
+                    (clock.now_ms() - outage_since) / 1000,
+                    where,
+                    "registered" if register else "heartbeating",
+                )
+            elif register:
+                log.info(
+                    "registered %s with metaserver %s: group state %s, master %s",
+                    where,
+                    address,
+                    registration.state,
+                    registration.master,
+                )
+            outage_since = None
+            refused = None
+            register = False
+            backoff_ms = 0
+        if not started:
+            started = True
+            task_status.started(registration)
+        await clock.sleep_until_ms(next_at)
+
+
+__all__ = [
+    "INFO_FIELDS",
+    "Registration",
+    "RegistrationRefused",
+    "RegistrationStatistics",
+    "run_registration",
+]

@@ -1,0 +1,324 @@
+"""The clients' route layer: routed sends, retries on other groups, avoidance, stale routes.
+
+Driven with ``autojump_clock`` against a real metaserver and fake server groups
+over in-memory streams; the blocking twin runs once on loopback.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from delaymq.client.faults import AvoidancePolicy
+from delaymq.client.routes import BlockingRouteClient, CallFailed, NoRouteError, RouteClient, RouteTable
+from delaymq.metaserver.server import open_metaserver, run_inline
+from delaymq.protocol.blocking import BlockingPeers
+from delaymq.protocol.commands import Command
+from delaymq.protocol.errors import PeerError, RemoteProtocolError
+from delaymq.protocol.frames import Frame
+from delaymq.protocol.limits import Limits
+from delaymq.protocol.transport import Connection, FrameServer, PeerUnavailable, Request, open_peers
+from delaymq.wheel.clock import SystemClock, TrioClock
+
+T0 = 1_700_000_000_000
+META = "meta:20880"
+PRODUCE = "immediate-producer"
+
+
+class MemoryNetwork:
+    """``Peers.call`` over in-memory streams: address -> a server's ``serve_stream``."""
+
+    def __init__(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
+        self._servers: dict[str, Callable[[trio.abc.Stream], Awaitable[None]]] = {}
+        self._links: dict[str, tuple[Connection, trio.abc.Stream]] = {}
+        self.down: set[str] = set()
+        self.calls: collections.Counter[str] = collections.Counter()
+
+    def serve(self, address: str, serve_stream: Callable[[trio.abc.Stream], Awaitable[None]]) -> None:
+        self._servers[address] = serve_stream
+
+    def take_down(self, address: str) -> None:
+        self.down.add(address)
+        link = self._links.pop(address, None)
+        if link is not None:
+            self._nursery.start_soon(link[1].aclose)
+
+    async def call(
+        self, address: str, command: int, metadata: dict[str, Any] | None = None, body: bytes = b"",
+        *, timeout: float | None = None,
+    ) -> Frame:
+        self.calls[address] += 1
+        if address in self.down or address not in self._servers:
+            raise PeerUnavailable(f"cannot connect to {address}: it is down", address=address)
+        link = self._links.get(address)
+        if link is None or link[0].closed:
+            client_end, server_end = trio.testing.memory_stream_pair()
+            link = self._links[address] = (Connection(address, client_end, limits=Limits()), client_end)
+            self._nursery.start_soon(self._servers[address], server_end)
+            self._nursery.start_soon(link[0].read_responses)
+        return await link[0].call(command, metadata, body, timeout=10.0 if timeout is None else timeout)
+
+
+@dataclass
+class FakeGroup:
+    """A realtime group's master that takes SEND, or refuses it, or answers slowly."""
+
+    name: str
+    refuse: str | None = None
+    delay: float = 0.0
+    received: int = 0
+
+    async def send(self, request: Request) -> dict[str, Any]:
+        self.received += 1
+        if self.delay:
+            await trio.sleep(self.delay)
+        if self.refuse:
+            raise RemoteProtocolError(f"{self.name} refuses: {self.refuse}", code=self.refuse, field="subject")
+        return {"group": self.name}
+
+    def server(self) -> FrameServer:
+        return FrameServer({Command.SEND: self.send})
+
+
+@dataclass
+class World:
+    network: MemoryNetwork
+    clock: TrioClock
+    groups: dict[str, FakeGroup]
+
+    async def register(self, name: str, *, kind: str = "realtime", refuse: str | None = None,
+                       delay: float = 0.0) -> FakeGroup:
+        address = f"{name}:20881"
+        group = self.groups[name] = FakeGroup(name, refuse, delay)
+        self.network.serve(address, group.server().serve_stream)
+        info = {"group": name, "kind": kind, "role": "master", "address": address, "version": "0.1.0"}
+        await self.network.call(META, Command.REGISTER, info)
+        return group
+
+    async def set_state(self, name: str, state: str) -> None:
+        await self.network.call(META, Command.SET_STATE, {"group": name, "state": state})
+
+    def client(self, **options: Any) -> RouteClient:
+        return RouteClient(self.network, [META], clock=self.clock, **options)
+
+
+@asynccontextmanager
+async def world(tmp_path: Path) -> AsyncIterator[World]:
+    clock = TrioClock(T0)
+    # Long eviction: these tests are about the clients, not heartbeats.
+    async with open_metaserver(
+        listen=None, data_dir=tmp_path, clock=clock, run_blocking=run_inline,
+        evict_after_ms=3_600_000, heartbeat_interval_ms=5_000,
+    ) as meta, trio.open_nursery() as nursery:
+        network = MemoryNetwork(nursery)
+        network.serve(META, meta.serve_stream)
+        yield World(network, clock, {})
+        nursery.cancel_scope.cancel()
+
+
+async def send(client: RouteClient, **options: Any) -> str:
+    frame = await client.call(PRODUCE, Command.SEND, {"n": 1}, b"records", **options)
+    return str(frame.metadata["group"])
+
+
+async def test_send_refused_by_one_group_goes_to_another(autojump_clock: trio.testing.MockClock, tmp_path: Path) -> None:
+    async with world(tmp_path) as w:
+        rt1 = await w.register("rt1", refuse="read_only")
+        rt2 = await w.register("rt2")
+        client = w.client()
+        assert [await send(client) for _ in range(6)] == ["rt2"] * 6
+        assert rt1.received == 1  # refused once, then avoided
+        assert rt2.received == 6
+        stats = client.statistics()
+        assert (stats.calls, stats.retries, stats.refused) == (6, 1, 1)
+        assert stats.fetches == 2  # the refusal made the client ask the metaserver again
+
+
+async def test_refusal_about_the_request_itself_is_raised_at_once(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    async with world(tmp_path) as w:
+        rt1 = await w.register("rt1", refuse="limit")
+        rt2 = await w.register("rt2", refuse="limit")
+        client = w.client()
+        with pytest.raises(PeerError) as refused:
+            await send(client)
+        assert refused.value.code == "limit" and "rt1 refuses" in str(refused.value)
+        assert (rt1.received, rt2.received) == (1, 0)  # another group would refuse it too
+        assert client.statistics().retries == 0
+
+
+async def test_group_that_leaves_the_routes_is_dropped_after_the_next_refresh(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    async with world(tmp_path) as w:
+        await w.register("rt1")
+        await w.register("rt2")
+        client = w.client(refresh_interval_ms=30_000)
+        assert sorted([await send(client) for _ in range(4)]) == ["rt1", "rt1", "rt2", "rt2"]
+        await w.set_state("rt2", "R")  # read-only: no longer for producers
+        await trio.sleep(31)
+        answer = await client.groups(PRODUCE)
+        assert [g.group for g in answer.groups] == ["rt1"]
+        assert [await send(client) for _ in range(4)] == ["rt1"] * 4
+        consumer = await client.groups("consumer")
+        assert [(g.group, g.state.value, g.address) for g in consumer.groups] == [
+            ("rt1", "RW", "rt1:20881"),
+            ("rt2", "R", "rt2:20881"),
+        ]
+
+
+async def test_slow_group_is_avoided_for_a_while(autojump_clock: trio.testing.MockClock, tmp_path: Path) -> None:
+    async with world(tmp_path) as w:
+        slow = await w.register("rt1", delay=1.0)  # 1000 ms: avoided for 60 s by the default policy
+        fast = await w.register("rt2")
+        client = w.client(refresh_interval_ms=600_000)
+        assert await send(client) == "rt1"  # round robin starts at rt1; it answers, slowly
+        assert client.statistics().faults.entries[0].last_latency_ms == 1000
+        for _ in range(10):
+            assert await send(client) == "rt2"
+            await trio.sleep(5)
+        assert slow.received == 1 and fast.received == 10
+        await trio.sleep(15)  # 60 s after the slow answer
+        assert sorted([await send(client) for _ in range(2)]) == ["rt1", "rt2"]
+
+
+async def test_failed_group_is_avoided_and_the_send_retried(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    async with world(tmp_path) as w:
+        await w.register("rt1")
+        await w.register("rt2")
+        w.network.take_down("rt1:20881")  # still registered, but unreachable
+        client = w.client(policy=AvoidancePolicy(failure_avoid_ms=60_000))
+        assert [await send(client) for _ in range(5)] == ["rt2"] * 5
+        stats = client.statistics()
+        assert (stats.unanswered, stats.retries) == (1, 1)
+        (fault,) = [f for f in stats.faults.entries if f.group == "rt1"]
+        assert fault.consecutive_failures == 1 and fault.available_from_ms == T0 + 60_000
+
+
+async def test_every_attempt_failing_raises_call_failed_naming_each(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    async with world(tmp_path) as w:
+        await w.register("rt1", refuse="not_master")
+        await w.register("rt2", refuse="unavailable")
+        client = w.client()
+        with pytest.raises(CallFailed) as failed:
+            await send(client, attempts=2)
+        message = str(failed.value)
+        assert "SEND on route 'immediate-producer' failed 2 times" in message
+        assert "group rt1 at rt1:20881: rt1 refuses: not_master" in message
+        assert "group rt2 at rt2:20881: rt2 refuses: unavailable" in message
+        assert [a.group for a in failed.value.attempts] == ["rt1", "rt2"]
+
+
+async def test_stale_routes_are_used_while_the_metaserver_is_down(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    async with world(tmp_path) as w:
+        await w.register("rt1")
+        client = w.client(refresh_interval_ms=30_000)
+        assert await send(client) == "rt1"
+        w.network.take_down(META)
+        await trio.sleep(120)  # the routes are long stale
+        assert [await send(client) for _ in range(3)] == ["rt1"] * 3
+        assert [g.group for g in (await client.groups(PRODUCE)).groups] == ["rt1"]
+        stats = client.statistics()
+        assert stats.fetch_failures == 1 and stats.stale_served == 1  # asked once, not per send
+        await trio.sleep(1)
+        await send(client)
+        assert client.statistics().fetch_failures == 2  # and again after meta_retry_ms
+
+
+async def test_metaservers_are_tried_in_turn(autojump_clock: trio.testing.MockClock, tmp_path: Path) -> None:
+    async with world(tmp_path) as w:
+        await w.register("rt1")
+        client = RouteClient(w.network, ["down:1", META], clock=w.clock)
+        assert await send(client) == "rt1"
+        await trio.sleep(31)
+        await send(client)
+        assert w.network.calls["down:1"] == 1  # the one that answered is asked first
+        assert w.network.calls[META] == 1 + 2  # REGISTER, then two fetches
+
+
+async def test_unchanged_routes_cost_no_group_list(autojump_clock: trio.testing.MockClock, tmp_path: Path) -> None:
+    async with world(tmp_path) as w:
+        await w.register("rt1")
+        client = w.client(refresh_interval_ms=30_000)
+        first = await client.groups(PRODUCE)
+        assert client.table.fetch_plan(client.table.key(PRODUCE))[0][1] == {
+            "route": PRODUCE,
+            "known_version": first.version,
+        }
+        await trio.sleep(31)
+        assert await client.groups(PRODUCE) is first
+        assert client.statistics().fetches == 2
+
+
+async def test_no_route_error_says_what_is_missing_and_what_was_answered(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    async with world(tmp_path) as w:
+        await w.register("sched1", kind="scheduler")
+        client = w.client()
+        with pytest.raises(NoRouteError) as none:
+            await send(client)
+        version = (await client.groups(PRODUCE)).version
+        assert str(none.value) == (
+            "no realtime group in RW serves immediate producers; metaserver meta:20880 answered "
+            f"route 'immediate-producer' (version {version}) with 0 groups"
+        )
+        unreachable = RouteClient(w.network, ["127.0.0.1:1"], clock=w.clock)
+        with pytest.raises(NoRouteError) as down:
+            await unreachable.call("delayed-producer", Command.SCHEDULE)
+        assert str(down.value) == (
+            "no scheduler group in RW serves delayed producers; no metaserver answered: "
+            "metaserver 127.0.0.1:1: cannot connect to 127.0.0.1:1: it is down"
+        )
+
+
+def test_route_table_refuses_bad_routes_by_name() -> None:
+    table = RouteTable(["m:1"])
+    with pytest.raises(ValueError, match="route 'producer' is not one of 'delayed-producer'"):
+        table.key("producer")
+    with pytest.raises(ValueError, match="subject: the scheduler-delivery route needs a subject"):
+        table.key("scheduler-delivery")
+    with pytest.raises(RemoteProtocolError) as malformed:
+        table.accept(table.key("consumer"), "m:1", {"version": 3, "groups": [{"group": "g"}]}, 0)
+    assert malformed.value.field == "groups[0]"
+
+
+async def test_blocking_twin_retries_on_another_group_over_loopback(tmp_path: Path) -> None:
+    refusing, taking = FakeGroup("rt1", refuse="read_only"), FakeGroup("rt2")
+    async with open_metaserver(data_dir=tmp_path, clock=SystemClock()) as meta, trio.open_nursery() as nursery:
+        assert meta.address is not None
+        addresses = {}
+        for group in (refusing, taking):
+            addresses[group.name] = await nursery.start(group.server().serve)
+        async with open_peers() as peers:
+            for name, address in addresses.items():
+                info = {"group": name, "kind": "realtime", "role": "master", "address": address, "version": "0"}
+                await peers.call(meta.address, Command.REGISTER, info)
+
+        def produce() -> list[str]:
+            with BlockingPeers(request_timeout=5) as blocking:
+                client = BlockingRouteClient(blocking, [meta.address])
+                sent = [client.call(PRODUCE, Command.SEND, {"n": i}).metadata["group"] for i in range(4)]
+                assert [g.group for g in client.groups("consumer").groups] == ["rt1", "rt2"]
+                assert client.statistics().refused == 1
+                return sent
+
+        assert await trio.to_thread.run_sync(produce) == ["rt2"] * 4
+        assert refusing.received == 1
+        nursery.cancel_scope.cancel()

@@ -1,0 +1,432 @@
+"""The networked metaserver and the servers' registration agent.
+
+Most tests drive the metaserver over in-memory streams with ``autojump_clock``
+(store calls inline, so time never races a thread); a few run it on loopback
+with the real clock to check the byte-level refusals.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import socket
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from delaymq.metaserver.agent import Registration, RegistrationRefused, run_registration
+from delaymq.metaserver.server import Metaserver, open_metaserver, run_inline
+from delaymq.protocol.commands import Command
+from delaymq.protocol.errors import PeerError
+from delaymq.protocol.frames import Frame, FrameDecoder, encode_frame, request
+from delaymq.protocol.limits import Limits
+from delaymq.protocol.transport import Connection, PeerUnavailable, open_peers
+from delaymq.wheel.clock import SystemClock, TrioClock
+
+T0 = 1_700_000_000_000
+META = "meta:20880"
+
+
+class MemoryNetwork:
+    """``Peers.call`` over in-memory streams: address -> a server's ``serve_stream``."""
+
+    def __init__(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
+        self._servers: dict[str, Callable[[trio.abc.Stream], Awaitable[None]]] = {}
+        self._links: dict[str, tuple[Connection, trio.abc.Stream]] = {}
+        self.down: set[str] = set()
+        self.calls: collections.Counter[str] = collections.Counter()
+
+    def serve(self, address: str, serve_stream: Callable[[trio.abc.Stream], Awaitable[None]]) -> None:
+        self._servers[address] = serve_stream
+        self._drop(address)
+
+    def take_down(self, address: str) -> None:
+        self.down.add(address)
+        self._drop(address)
+
+    def _drop(self, address: str) -> None:
+        link = self._links.pop(address, None)
+        if link is not None:
+            self._nursery.start_soon(link[1].aclose)
+
+    async def call(
+        self, address: str, command: int, metadata: dict[str, Any] | None = None, body: bytes = b"",
+        *, timeout: float | None = None,
+    ) -> Frame:
+        self.calls[address] += 1
+        if address in self.down or address not in self._servers:
+            raise PeerUnavailable(f"cannot connect to {address}: it is down", address=address)
+        link = self._links.get(address)
+        if link is None or link[0].closed:
+            client_end, server_end = trio.testing.memory_stream_pair()
+            link = self._links[address] = (Connection(address, client_end, limits=Limits()), client_end)
+            self._nursery.start_soon(self._servers[address], server_end)
+            self._nursery.start_soon(link[0].read_responses)
+        return await link[0].call(command, metadata, body, timeout=10.0 if timeout is None else timeout)
+
+
+@asynccontextmanager
+async def memory_metaserver(data: Path, clock: TrioClock, **options: Any) -> AsyncIterator[Metaserver]:
+    async with open_metaserver(listen=None, data_dir=data, clock=clock, run_blocking=run_inline, **options) as meta:
+        yield meta
+
+
+def server_info(group: str = "rt1", address: str = "10.0.0.1:20881", kind: str = "realtime",
+                role: str = "master") -> dict[str, str]:
+    return {"group": group, "kind": kind, "role": role, "address": address, "version": "0.1.0"}
+
+
+async def route(network: MemoryNetwork, name: str, subject: str | None = None, **extra: Any) -> dict[str, Any]:
+    metadata: dict[str, Any] = {"route": name, **extra}
+    if subject is not None:
+        metadata["subject"] = subject
+    return (await network.call(META, Command.ROUTE, metadata)).metadata
+
+
+async def routed(network: MemoryNetwork, name: str, subject: str | None = None) -> list[str]:
+    return [g["group"] for g in (await route(network, name, subject))["groups"]]
+
+
+# -- registration, heartbeats, eviction ----------------------------------------------
+
+
+async def test_agent_registers_and_heartbeats_keep_its_group_routed(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    clock = TrioClock(T0)
+    async with memory_metaserver(tmp_path, clock) as meta, trio.open_nursery() as nursery:
+        network = MemoryNetwork(nursery)
+        network.serve(META, meta.serve_stream)
+        registration: Registration = await nursery.start(
+            lambda task_status: run_registration(
+                network, meta_address=META, info=server_info(), clock=clock, task_status=task_status
+            )
+        )
+        assert (registration.state, registration.master, registration.is_master) == ("RW", "10.0.0.1:20881", True)
+        assert registration.heartbeat_interval_ms == 5_000
+        answer = await route(network, "immediate-producer")
+        assert answer["groups"] == [
+            {"group": "rt1", "kind": "realtime", "state": "RW", "address": "10.0.0.1:20881", "slaves": []}
+        ]
+        await trio.sleep(122)  # four eviction timeouts: heartbeats (+5 s ... +120 s) keep it in
+        assert await routed(network, "immediate-producer") == ["rt1"]
+        stats = registration.statistics()
+        assert stats.registrations == 1 and stats.heartbeats == 24 and stats.failures == 0
+        assert meta.statistics().registry.servers == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_silent_master_is_evicted_on_time_and_back_when_it_heartbeats(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="delaymq.metaserver")
+    clock = TrioClock(T0)
+    async with memory_metaserver(tmp_path, clock) as meta, trio.open_nursery() as nursery:
+        network = MemoryNetwork(nursery)
+        network.serve(META, meta.serve_stream)
+        async with trio.open_nursery() as agent:
+            agent.start_soon(lambda: run_registration(network, meta_address=META, info=server_info(), clock=clock))
+            await trio.sleep(12)
+            agent.cancel_scope.cancel()
+        # The agent beat at +0, +5, +10 s; it is silent from +10 s on.
+        version = (await route(network, "consumer"))["version"]
+        await clock.sleep_until_ms(T0 + 10_000 + 29_999)
+        assert await routed(network, "consumer") == ["rt1"]
+        await clock.sleep_until_ms(T0 + 10_000 + 30_000)
+        evicted = await route(network, "consumer")
+        assert evicted["groups"] == [] and evicted["version"] > version
+        await trio.sleep(1.5)  # the periodic check logs it
+        assert "group rt1 evicted: no heartbeat from its master 10.0.0.1:20881 for 30." in caplog.text
+        status = (await network.call(META, Command.STATUS)).metadata
+        (row,) = status["rows"]
+        assert row["evicted"] is True and row["seconds_since_heartbeat"] >= 30
+
+        registration = await nursery.start(
+            lambda task_status: run_registration(
+                network, meta_address=META, info=server_info(), clock=clock, task_status=task_status
+            )
+        )
+        back = await route(network, "consumer")
+        assert [g["group"] for g in back["groups"]] == ["rt1"] and back["version"] > evicted["version"]
+        assert "group rt1 is back: its master 10.0.0.1:20881 heartbeats" in caplog.text
+        assert registration.state == "RW"
+        nursery.cancel_scope.cancel()
+
+
+async def test_read_only_group_is_left_out_for_producers_and_kept_for_consumers(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="delaymq.metaserver")
+    clock = TrioClock(T0)
+    async with memory_metaserver(tmp_path, clock) as meta, trio.open_nursery() as nursery:
+        network = MemoryNetwork(nursery)
+        network.serve(META, meta.serve_stream)
+        agents = {}
+        for info in (
+            server_info("rt1", "r1:1"),
+            server_info("rt2", "r2:1"),
+            server_info("rt2", "r2b:1", role="slave"),
+            server_info("sched1", "s1:1", kind="scheduler"),
+        ):
+            agents[info["address"]] = await nursery.start(
+                lambda task_status, info=info: run_registration(
+                    network, meta_address=META, info=info, clock=clock, task_status=task_status
+                )
+            )
+        answer = (await network.call(META, Command.SET_STATE, {"group": "rt2", "state": "R"})).metadata
+        assert answer == {"state": "R", "previous": "RW"}
+        assert "group rt2 state changed RW -> R" in caplog.text
+
+        assert await routed(network, "immediate-producer") == ["rt1"]
+        assert await routed(network, "scheduler-delivery", "orders") == ["rt1"]
+        assert await routed(network, "delayed-producer") == ["sched1"]
+        consumer = (await route(network, "consumer"))["groups"]
+        assert [(g["group"], g["state"], g["slaves"]) for g in consumer] == [
+            ("rt1", "RW", []),
+            ("rt2", "R", ["r2b:1"]),
+        ]
+        await trio.sleep(6)  # the next heartbeat tells the servers of rt2
+        assert agents["r2:1"].state == "R" and agents["r2b:1"].state == "R"
+        assert agents["r2b:1"].master == "r2:1" and not agents["r2b:1"].is_master
+        assert agents["r1:1"].state == "RW"
+        nursery.cancel_scope.cancel()
+
+
+async def test_route_version_moves_only_when_routes_do(autojump_clock: trio.testing.MockClock, tmp_path: Path) -> None:
+    clock = TrioClock(T0)
+    async with memory_metaserver(tmp_path, clock) as meta, trio.open_nursery() as nursery:
+        network = MemoryNetwork(nursery)
+        network.serve(META, meta.serve_stream)
+        first = (await network.call(META, Command.REGISTER, server_info("rt1", "r1:1"))).metadata
+        answer = await route(network, "immediate-producer")
+        assert answer["version"] == first["route_version"]
+        await trio.sleep(3)
+        beat = (await network.call(META, Command.HEARTBEAT, {"group": "rt1", "address": "r1:1"})).metadata
+        assert beat["route_version"] == answer["version"]
+        same = await route(network, "immediate-producer", known_version=answer["version"])
+        assert same == {"version": answer["version"], "unchanged": True}
+
+        await network.call(META, Command.REGISTER, server_info("rt2", "r2:1"))
+        changed = await route(network, "immediate-producer", known_version=answer["version"])
+        assert changed["version"] > answer["version"]
+        assert [g["group"] for g in changed["groups"]] == ["rt1", "rt2"]
+        nursery.cancel_scope.cancel()
+
+
+async def test_restarted_metaserver_answers_routes_at_once_from_its_data_folder(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    clock = TrioClock(T0)
+    async with trio.open_nursery() as nursery:
+        network = MemoryNetwork(nursery)
+        async with memory_metaserver(tmp_path, clock) as meta:
+            network.serve(META, meta.serve_stream)
+            await network.call(META, Command.REGISTER, server_info("rt1", "r1:1"))
+            await network.call(META, Command.REGISTER, server_info("rt2", "r2:1"))
+            await network.call(META, Command.REGISTER, server_info("sched1", "s1:1", kind="scheduler"))
+            await network.call(META, Command.SET_STATE, {"group": "rt2", "state": "R"})
+            before = await route(network, "consumer")
+            assert meta.statistics().snapshots_written == 4
+        await trio.sleep(600)  # down for ten minutes: longer than any eviction
+        async with memory_metaserver(tmp_path, clock) as meta:
+            network.serve(META, meta.serve_stream)
+            after = await route(network, "consumer")
+            assert after["groups"] == before["groups"]  # at once, state R kept
+            assert after["version"] > before["version"]
+            assert await routed(network, "immediate-producer") == ["rt1"]
+            assert await routed(network, "delayed-producer") == ["sched1"]
+            assert meta.statistics().restored_servers == 3
+            # A restored server heartbeats without registering again...
+            await trio.sleep(20)
+            await network.call(META, Command.HEARTBEAT, {"group": "rt1", "address": "r1:1"})
+            # ...and those that never come back drop out after one eviction timeout.
+            await trio.sleep(15)
+            assert await routed(network, "consumer") == ["rt1"]
+        nursery.cancel_scope.cancel()
+
+
+# -- the agent through outages and refusals ---------------------------------------------------
+
+
+async def test_agent_rides_out_an_outage_logging_once_and_registers_again(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="delaymq.metaserver")
+    clock = TrioClock(T0)
+    async with trio.open_nursery() as nursery:
+        network = MemoryNetwork(nursery)
+        async with memory_metaserver(tmp_path / "a", clock) as meta:
+            network.serve(META, meta.serve_stream)
+            registration: Registration = await nursery.start(
+                lambda task_status: run_registration(
+                    network, meta_address=META, info=server_info(), clock=clock, task_status=task_status
+                )
+            )
+        network.take_down(META)
+        calls_before = network.calls[META]
+        await trio.sleep(60)
+        stats = registration.statistics()
+        assert network.calls[META] - calls_before > 10  # it kept trying...
+        assert stats.outages == 1 and stats.failures > 10 and not stats.registered
+        assert caplog.text.count("metaserver meta:20880 unreachable") == 1  # ...and said so once
+        # The metaserver comes back without its data: the agent registers again.
+        async with memory_metaserver(tmp_path / "b", clock) as meta:
+            network.down.discard(META)
+            network.serve(META, meta.serve_stream)
+            await trio.sleep(6)
+            assert registration.registered and registration.statistics().registrations == 2
+            assert "metaserver meta:20880 answers again after" in caplog.text
+            assert await routed(network, "consumer") == ["rt1"]
+            network.take_down(META)
+        nursery.cancel_scope.cancel()
+
+
+async def test_metaserver_that_forgot_the_server_gets_it_registered_again(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    clock = TrioClock(T0)
+    async with trio.open_nursery() as nursery:
+        network = MemoryNetwork(nursery)
+        async with memory_metaserver(tmp_path / "a", clock) as meta:
+            network.serve(META, meta.serve_stream)
+            registration: Registration = await nursery.start(
+                lambda task_status: run_registration(
+                    network, meta_address=META, info=server_info(), clock=clock, task_status=task_status
+                )
+            )
+            with pytest.raises(PeerError) as unknown:
+                await network.call(META, Command.HEARTBEAT, {"group": "rt1", "address": "10.9.9.9:1"})
+            assert unknown.value.code == "register_first" and unknown.value.field == "address"
+        async with memory_metaserver(tmp_path / "b", clock) as meta:  # swapped with no outage
+            network.serve(META, meta.serve_stream)
+            await trio.sleep(6)  # its next heartbeat (+5 s) is answered register_first
+            stats = registration.statistics()
+            assert stats.registrations == 2 and stats.failures == 0 and stats.outages == 0
+            assert await routed(network, "consumer") == ["rt1"]
+            network.take_down(META)
+        nursery.cancel_scope.cancel()
+
+
+async def test_first_registration_refused_stops_the_server(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    clock = TrioClock(T0)
+    async with memory_metaserver(tmp_path, clock) as meta, trio.open_nursery() as nursery:
+        network = MemoryNetwork(nursery)
+        network.serve(META, meta.serve_stream)
+        await network.call(META, Command.REGISTER, server_info("g1", "a:1", kind="scheduler"))
+        with pytest.raises(RegistrationRefused, match="group 'g1' is a scheduler group"):
+            await nursery.start(
+                lambda task_status: run_registration(
+                    network, meta_address=META, info=server_info("g1", "b:1"), clock=clock, task_status=task_status
+                )
+            )
+        nursery.cancel_scope.cancel()
+
+
+# -- refusals ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "command, metadata, code, field, words",
+    [
+        (Command.REGISTER, {"group": "rt1"}, "bad_request", "kind", "field 'kind' is missing"),
+        (Command.REGISTER, {**server_info(), "group": 7}, "bad_request", "group", "must be str, got int"),
+        (Command.REGISTER, {**server_info(), "role": "boss"}, "bad_request", "role", "unknown role 'boss'"),
+        (Command.REGISTER, {**server_info(), "address": "nohost"}, "bad_request", "address", "not host:port"),
+        (Command.REGISTER, {**server_info(), "version": "x" * 65}, "bad_request", "version", "limit 64"),
+        (Command.HEARTBEAT, {"group": "rt1"}, "bad_request", "address", "field 'address' is missing"),
+        (Command.HEARTBEAT, {"group": "nope", "address": "a:1"}, "register_first", "group", "send REGISTER"),
+        (Command.ROUTE, {}, "bad_request", "route", "field 'route' is missing"),
+        (Command.ROUTE, {"route": "everything"}, "bad_request", "route", "unknown route 'everything'"),
+        (Command.ROUTE, {"route": "scheduler-delivery"}, "bad_request", "subject", "must be a string"),
+        (Command.ROUTE, {"route": "consumer", "known_version": "1"}, "bad_request", "known_version", "must be int"),
+        (Command.SET_STATE, {"group": "nope", "state": "R"}, "bad_request", "group", "unknown group 'nope'"),
+        (Command.SET_STATE, {"group": "rt1", "state": "RO"}, "bad_request", "state", "unknown state 'RO'"),
+        (999, {}, "bad_request", "command", "unknown command UNKNOWN(999)"),
+    ],
+)
+async def test_bad_requests_are_refused_naming_the_field(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path,
+    command: int, metadata: dict[str, Any], code: str, field: str, words: str,
+) -> None:
+    clock = TrioClock(T0)
+    async with memory_metaserver(tmp_path, clock) as meta, trio.open_nursery() as nursery:
+        network = MemoryNetwork(nursery)
+        network.serve(META, meta.serve_stream)
+        await network.call(META, Command.REGISTER, server_info())
+        with pytest.raises(PeerError) as refused:
+            await network.call(META, command, metadata)
+        assert (refused.value.code, refused.value.field) == (code, field)
+        assert words in str(refused.value)
+        assert await routed(network, "consumer") == ["rt1"]  # and it goes on serving
+        nursery.cancel_scope.cancel()
+
+
+def _raw_exchange(address: str, data: bytes) -> tuple[list[Frame], bool]:
+    """Send raw bytes; the frames answered and whether the server then closed."""
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(data)
+        decoder = FrameDecoder()
+        frames: list[Frame] = []
+        while not frames:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return frames, True
+            decoder.feed(chunk)
+            frames.extend(decoder)
+        sock.settimeout(0.2)
+        try:
+            closed = sock.recv(65536) == b""
+        except TimeoutError:
+            closed = False
+        return frames, closed
+
+
+@pytest.mark.parametrize(
+    "payload, code, closes",
+    [
+        (b"\x00\x01garbage bytes, not a frame" * 4, "bad_magic", True),
+        (struct.pack(">2sBBHIII", b"DQ", 1, 0, Command.ROUTE, 5, 0, 1_000_000), "oversize", True),
+        (struct.pack(">2sBBHIII", b"DQ", 1, 0, Command.ROUTE, 6, 1, 0) + b"\xc1", "bad_metadata", False),
+        (encode_frame(request(Command.REGISTER, 7, {"group": "rt9", "kind": 3})), "bad_request", False),
+        (encode_frame(request(4242, 8)), "bad_request", False),
+    ],
+)
+async def test_loopback_abuse_is_answered_while_a_good_client_is_served(
+    tmp_path: Path, payload: bytes, code: str, closes: bool
+) -> None:
+    limits = Limits(max_frame=64 * 1024)
+    async with open_metaserver(data_dir=tmp_path, clock=SystemClock(), limits=limits) as meta:
+        assert meta.address is not None
+        async with open_peers(limits=limits) as peers, trio.open_nursery() as nursery:
+            await peers.call(meta.address, Command.REGISTER, server_info("rt1", "127.0.0.1:9"))
+            answers: list[list[str]] = []
+            abuse_done = trio.Event()
+
+            async def good_client() -> None:
+                # Keeps asking until the abuse is over, then once more.
+                while True:
+                    done = abuse_done.is_set()
+                    frame = await peers.call(meta.address, Command.ROUTE, {"route": "consumer"})
+                    answers.append([g["group"] for g in frame.metadata["groups"]])
+                    if done:
+                        return
+                    await trio.sleep(0.005)
+
+            nursery.start_soon(good_client)
+            frames, closed = await trio.to_thread.run_sync(_raw_exchange, meta.address, payload)
+            abuse_done.set()
+        (answer,) = frames
+        assert answer.metadata["error"]["code"] == code
+        assert closed == closes
+        assert answers and all(groups == ["rt1"] for groups in answers)
+        assert meta.statistics().transport.errors_answered == 1
