@@ -1,1 +1,38 @@
-"""delaymq.wheel."""
+"""delaymq.wheel: the pure timing structures of the delay path (DESIGN.md section 2).
+
+``HourWheel`` (which hours hold undelivered messages), ``SecondWheel`` (one hour's
+seconds, fired at each message's own millisecond), ``Tick`` (the wheel position a master
+streams to its slaves), and the ``Clock`` everything time-dependent takes.
+"""
+
+from delaymq.wheel.clock import Clock, SystemClock, TrioClock
+from delaymq.wheel.hours import (
+    HOUR_MS,
+    SECOND_MS,
+    SECONDS_PER_HOUR,
+    HourWheel,
+    WheelError,
+    hour_of,
+    hour_start_ms,
+)
+from delaymq.wheel.seconds import DEFAULT_AHEAD_MS, SecondWheel, WheelCounts
+from delaymq.wheel.tick import NO_LIMIT, TICK_SIZE, Tick
+
+__all__ = [
+    "DEFAULT_AHEAD_MS",
+    "HOUR_MS",
+    "NO_LIMIT",
+    "SECONDS_PER_HOUR",
+    "SECOND_MS",
+    "TICK_SIZE",
+    "Clock",
+    "HourWheel",
+    "SecondWheel",
+    "SystemClock",
+    "Tick",
+    "TrioClock",
+    "WheelCounts",
+    "WheelError",
+    "hour_of",
+    "hour_start_ms",
+]
