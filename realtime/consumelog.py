@@ -1,0 +1,256 @@
+"""Consume logs: one per subject, fixed-size entries pointing into the message log.
+
+Entry *n* of a subject sits at byte ``n * ENTRY_SIZE`` of its file, so a subject
+is read like an array and an entry's number is its consume-log sequence. An entry
+(32 bytes, big-endian)::
+
+    offset size  field
+    0      8     offset     u64  where the record starts in the message log
+    8      4     size       u32  bytes of the whole record (envelope included)
+    12     8     tag_mask   u64  OR of ``tag_bit(tag)`` over the record's tags
+    20     8     stored_at  i64  epoch ms UTC at which the server indexed it
+    28     4     crc        u32  CRC-32 of bytes 0..28
+
+The file of subject *s* is ``consume/<stem>.log`` with ``stem =
+blake2b(s, digest_size=16).hex()``; ``consume/<stem>.name`` holds *s* in UTF-8,
+so a reader from outside can find a subject's file without the server.
+
+A consume log is derived data: the message log is the truth and the index step
+rebuilds what a crash tore (``ConsumeLog.add`` checks an entry already on disk
+past the checkpoint instead of writing it twice; ``finish_recovery`` cuts what
+replay did not confirm). Writes go to the page cache from the event loop (one
+small ``pwrite`` per subject per indexed batch); fsync runs in a worker thread at
+checkpoints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+from delaymq.storage.errors import CorruptLog
+
+ENTRY = struct.Struct(">QIQqI")
+ENTRY_SIZE = ENTRY.size  # 32
+ENTRY_VERSION = 1
+_BODY = struct.Struct(">QIQq")  # the CRC-covered part
+_CRC = struct.Struct(">I")
+CONSUME_FORMAT = {"format": "consume-log", "version": ENTRY_VERSION, "entry_size": ENTRY_SIZE}
+
+
+class Entry(NamedTuple):
+    """One decoded consume-log entry."""
+
+    offset: int
+    size: int
+    tag_mask: int
+    stored_at: int
+
+
+def encode_entry(offset: int, size: int, tag_mask: int, stored_at: int) -> bytes:
+    body = _BODY.pack(offset, size, tag_mask, stored_at)
+    return body + _CRC.pack(zlib.crc32(body))
+
+
+def decode_entry(data: bytes | bytearray | memoryview, position: int = 0) -> Entry | None:
+    """The entry at ``data[position:]``, or None when its CRC does not check."""
+    offset, size, mask, stored_at, crc = ENTRY.unpack_from(data, position)
+    if zlib.crc32(memoryview(data)[position : position + 28]) != crc:
+        return None
+    return Entry(offset, size, mask, stored_at)
+
+
+def iter_entries(data: bytes) -> Iterator[tuple[int, int, int, int, int]]:
+    """``(offset, size, tag_mask, stored_at, crc)`` for each whole entry in ``data``.
+
+    No CRC check: for reading entries this server wrote and recovery verified.
+    """
+    end = len(data) - len(data) % ENTRY_SIZE
+    return ENTRY.iter_unpack(data[:end] if end != len(data) else data)
+
+
+def subject_stem(subject: str) -> str:
+    """The file name stem of a subject's consume log (names of any length fit)."""
+    return hashlib.blake2b(subject.encode(), digest_size=16).hexdigest()
+
+
+class ConsumeLog:
+    """One subject's consume log file. Built by ``open``; the indexer appends."""
+
+    def __init__(self, subject: str, path: Path, fd: int, count: int, on_disk: int) -> None:
+        self.subject = subject
+        self.path = path
+        self._fd = fd
+        self.count = count  # entries held, pending ones included
+        self._written = count  # entries in the file and confirmed
+        self._on_disk = on_disk  # entries in the file, confirmed or not (recovery)
+        self._pending = bytearray()
+        self.created = False  # a new file whose name and folder entry await a fsync
+
+    @classmethod
+    def open(cls, directory: Path, subject: str, *, checkpoint_count: int = 0) -> ConsumeLog:
+        """Open or create ``subject``'s log; entries past ``checkpoint_count`` are unconfirmed.
+
+        Unconfirmed entries are kept if replay produces the same ones (``add``),
+        so entries already handed to consumers keep their numbers and times.
+        """
+        stem = subject_stem(subject)
+        path = directory / f"{stem}.log"
+        name_path = directory / f"{stem}.name"
+        created = not path.exists()
+        if created:
+            _write_file(name_path, subject.encode())
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            size = os.fstat(fd).st_size
+            on_disk = size // ENTRY_SIZE
+            if on_disk < checkpoint_count:
+                raise CorruptLog(
+                    f"consume log {path} of subject {subject!r} holds {on_disk} entries but "
+                    f"the checkpoint says {checkpoint_count} were fsynced"
+                )
+            if size % ENTRY_SIZE:
+                os.ftruncate(fd, on_disk * ENTRY_SIZE)  # a torn last entry
+        except BaseException:
+            os.close(fd)
+            raise
+        log = cls(subject, path, fd, checkpoint_count, on_disk)
+        log.created = created
+        return log
+
+    # ---------------------------------------------------------------- writing
+
+    def add(self, offset: int, size: int, tag_mask: int, stored_at: int) -> None:
+        """Add the next entry (written by ``write_pending``).
+
+        During recovery the entry already on disk at this position is kept when
+        it describes the same record, so replay never renumbers an entry.
+        """
+        if self._on_disk > self._written:
+            position = self._written * ENTRY_SIZE
+            old = decode_entry(os.pread(self._fd, ENTRY_SIZE, position).ljust(ENTRY_SIZE, b"\0"))
+            if old is not None and old.offset == offset and old.size == size:
+                self._written += 1
+                self.count += 1
+                return
+            os.ftruncate(self._fd, position)
+            self._on_disk = self._written
+        self._pending += encode_entry(offset, size, tag_mask, stored_at)
+        self.count += 1
+
+    def write_pending(self) -> None:
+        """Write the added entries in one ``pwrite`` (to the page cache)."""
+        if not self._pending:
+            return
+        data = self._pending
+        view = memoryview(data)
+        position = self._written * ENTRY_SIZE
+        while view:
+            written = os.pwrite(self._fd, view, position)
+            view = view[written:]
+            position += written
+        view.release()
+        self._written = self.count
+        self._on_disk = self.count
+        self._pending = bytearray()
+
+    def finish_recovery(self) -> None:
+        """Cut entries past the checkpoint that replay did not confirm."""
+        self.write_pending()
+        if self._on_disk > self._written:
+            os.ftruncate(self._fd, self._written * ENTRY_SIZE)
+            self._on_disk = self._written
+
+    def clamp(self, count: int) -> None:
+        """Forget entries from ``count`` on (their records are gone from the message log)."""
+        if count < self.count:
+            self.write_pending()
+            os.ftruncate(self._fd, count * ENTRY_SIZE)
+            self.count = self._written = self._on_disk = count
+
+    def flush(self) -> bool:
+        """fsync (blocking: run in a worker thread); True if the folder needs one too."""
+        os.fsync(self._fd)
+        if not self.created:
+            return False
+        _fsync_path(self.path.with_suffix(".name"))
+        self.created = False
+        return True
+
+    # ---------------------------------------------------------------- reading
+
+    def read(self, start: int, count: int) -> bytes:
+        """Up to ``count`` raw entries from sequence ``start`` (fewer at the end)."""
+        stop = min(self._written, start + count)
+        if stop <= start:
+            return b""
+        return os.pread(self._fd, (stop - start) * ENTRY_SIZE, start * ENTRY_SIZE)
+
+    def entry(self, sequence: int) -> Entry:
+        """One entry, CRC checked."""
+        if not 0 <= sequence < self._written:
+            raise IndexError(f"consume log of {self.subject!r} has no entry {sequence} (count {self._written})")
+        entry = decode_entry(os.pread(self._fd, ENTRY_SIZE, sequence * ENTRY_SIZE))
+        if entry is None:
+            raise CorruptLog(f"consume log {self.path}: entry {sequence} does not check")
+        return entry
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    """A small file written whole; the checkpoint fsyncs it and its folder."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def list_subjects(directory: Path) -> dict[str, str]:
+    """Subject of each consume log in ``directory`` (stem -> subject)."""
+    subjects: dict[str, str] = {}
+    for name in os.listdir(directory):
+        if name.endswith(".log"):
+            stem = name[:-4]
+            try:
+                subject = (directory / f"{stem}.name").read_bytes().decode()
+            except (FileNotFoundError, UnicodeDecodeError):
+                subject = ""
+            if subject_stem(subject) == stem:
+                subjects[stem] = subject
+            else:
+                # Created by a crashed run whose name file never reached the disk:
+                # no checkpoint can point into it (a checkpoint fsyncs the name
+                # first), and replay recreates it.
+                os.unlink(directory / name)
+    return subjects
+
+
+__all__ = [
+    "CONSUME_FORMAT",
+    "ENTRY_SIZE",
+    "ConsumeLog",
+    "Entry",
+    "decode_entry",
+    "encode_entry",
+    "iter_entries",
+    "list_subjects",
+    "subject_stem",
+]

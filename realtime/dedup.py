@@ -1,0 +1,243 @@
+"""Which message ids were stored within the dedup window, in bounded memory.
+
+A producer's retry or a scheduler's re-send carries the id of a message already
+stored; the realtime server answers "duplicate" and stores it once. The truth is
+in lmdb (written at checkpoints, with the index); memory holds
+
+- ``pending``: ids admitted but not yet committed to lmdb (needed whatever the
+  cap: lmdb does not know them yet, replay re-adds them after a crash), and
+- ``recent``: committed ids, newest kept, evicted past ``memory_ids`` or the window.
+
+Memory answers alone while it still holds every id of the window
+(``covers_from`` is the oldest stored-at time from which it holds all of them);
+otherwise ids it does not hold are looked up in lmdb. This class is sans-IO: it
+is fed times and lookup results; ``lookup_stored``, ``write_ids`` and ``prune``
+are the blocking lmdb parts, run in a worker thread.
+
+lmdb layout (named dbs of the state store)::
+
+    dedup_ids      key: id (UTF-8)                 value: stored_at i64 BE
+    dedup_time     key: bucket u64 BE + id         value: empty
+    dedup_buckets  key: bucket u64 BE              value: empty
+
+with ``bucket = stored_at // BUCKET_MS``, so pruning walks whole expired seconds.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import deque
+from collections.abc import Iterable, Sequence
+
+from delaymq.storage.state import StateStore, WriteBatch
+
+BUCKET_MS = 1000
+IDS_DB = "dedup_ids"
+TIME_DB = "dedup_time"
+BUCKETS_DB = "dedup_buckets"
+_I64 = struct.Struct(">q")
+_U64 = struct.Struct(">Q")
+
+
+class DedupWindow:
+    """Stored ids of the last ``window_ms``; see the module docstring."""
+
+    def __init__(self, *, window_ms: int, memory_ids: int, covers_from: int) -> None:
+        if window_ms <= 0:
+            raise ValueError(f"dedup_window_ms must be positive, got {window_ms}")
+        if memory_ids <= 0:
+            raise ValueError(f"dedup memory_ids must be positive, got {memory_ids}")
+        self.window_ms = window_ms
+        self.memory_ids = memory_ids
+        self.covers_from = covers_from
+        self._pending: dict[str, int] = {}
+        self._recent: dict[str, int] = {}
+        self._order: deque[tuple[int, str]] = deque()
+        self._unpersisted: list[tuple[str, int]] = []
+
+    def __len__(self) -> int:
+        return len(self._pending) + len(self._recent)
+
+    def _known_at(self, message_id: str) -> int | None:
+        stored_at = self._pending.get(message_id)
+        if stored_at is None:
+            stored_at = self._recent.get(message_id)
+        return stored_at
+
+    def to_look_up(self, ids: Sequence[str], now: int) -> list[str]:
+        """The ids memory cannot settle at ``now``: look them up with ``lookup_stored``."""
+        if now - self.window_ms >= self.covers_from:
+            return []
+        return [message_id for message_id in ids if self._known_at(message_id) is None]
+
+    def admit(self, ids: Sequence[str], now: int, stored: Iterable[str] = ()) -> list[bool]:
+        """Which records are new (True) or duplicates (False); new ids become pending.
+
+        ``stored`` holds the ids lmdb reported stored within the window. A second
+        record with the same id in one batch is a duplicate of the first.
+        """
+        stored = set(stored)
+        oldest = now - self.window_ms
+        fresh: list[bool] = []
+        pending = self._pending
+        for message_id in ids:
+            stored_at = self._known_at(message_id)
+            if (stored_at is not None and stored_at > oldest) or message_id in stored:
+                fresh.append(False)
+            else:
+                pending[message_id] = now
+                fresh.append(True)
+        return fresh
+
+    def forget(self, ids: Iterable[str]) -> None:
+        """Admitted ids whose records were not stored after all (the append failed)."""
+        for message_id in ids:
+            self._pending.pop(message_id, None)
+
+    def indexed(self, ids: Iterable[str], stored_at: int) -> None:
+        """Stored and indexed: to be committed with the next checkpoint."""
+        pending = self._pending
+        for message_id in ids:
+            pending[message_id] = stored_at
+            self._unpersisted.append((message_id, stored_at))
+
+    def take_unpersisted(self) -> list[tuple[str, int]]:
+        """The ids for the next checkpoint (give them to ``committed`` once written)."""
+        taken, self._unpersisted = self._unpersisted, []
+        return taken
+
+    def committed(self, entries: Iterable[tuple[str, int]], now: int) -> None:
+        """These ids are in lmdb: move them to ``recent`` and evict what is over."""
+        pending, recent, order = self._pending, self._recent, self._order
+        for message_id, stored_at in entries:
+            if pending.get(message_id) == stored_at:
+                del pending[message_id]
+            recent[message_id] = stored_at
+            order.append((stored_at, message_id))
+        self.evict(now)
+
+    def evict(self, now: int) -> None:
+        oldest = now - self.window_ms
+        recent, order = self._recent, self._order
+        while order and (order[0][0] <= oldest or len(recent) > self.memory_ids):
+            stored_at, message_id = order.popleft()
+            if recent.get(message_id) == stored_at:
+                del recent[message_id]
+                if stored_at > oldest:  # evicted for the cap, not expired
+                    self.covers_from = max(self.covers_from, stored_at + 1)
+
+    def load(self, entries: list[tuple[str, int]], covers_from: int) -> None:
+        """Committed ids read back at start-up (oldest first), holding every id from ``covers_from``."""
+        recent, order = self._recent, self._order
+        for message_id, stored_at in entries:
+            recent[message_id] = stored_at
+            order.append((stored_at, message_id))
+        self.covers_from = covers_from
+
+    def restore_unpersisted(self, entries: list[tuple[str, int]]) -> None:
+        """A checkpoint failed: its ids go into the next one."""
+        self._unpersisted[:0] = entries
+
+
+# ------------------------------------------------------------ lmdb (blocking)
+
+
+def lookup_stored(store: StateStore, ids: Iterable[str], since: int) -> set[str]:
+    """The ids lmdb holds with a stored-at time after ``since``."""
+    found: set[str] = set()
+    for message_id in ids:
+        value = store.get(IDS_DB, message_id.encode())
+        if value is not None and _I64.unpack(value)[0] > since:
+            found.add(message_id)
+    return found
+
+
+def write_ids(batch: WriteBatch, entries: Iterable[tuple[str, int]]) -> set[int]:
+    """Add ids to a checkpoint's write batch; returns the buckets written."""
+    buckets: set[int] = set()
+    for message_id, stored_at in entries:
+        key = message_id.encode()
+        bucket = stored_at // BUCKET_MS
+        batch.put(IDS_DB, key, _I64.pack(stored_at))
+        batch.put(TIME_DB, _U64.pack(max(bucket, 0)) + key, b"")
+        buckets.add(max(bucket, 0))
+    for bucket in buckets:
+        batch.put(BUCKETS_DB, _U64.pack(bucket), b"")
+    return buckets
+
+
+def load_buckets(store: StateStore) -> list[int]:
+    return sorted(_U64.unpack(key)[0] for key, _ in store.items(BUCKETS_DB))
+
+
+#: ``covers_from`` when memory holds every id ever stored (a new data folder).
+EVERYTHING = -(1 << 62)
+
+
+def load_recent(
+    store: StateStore, buckets: list[int], now: int, window_ms: int, memory_ids: int
+) -> tuple[list[tuple[str, int]], int]:
+    """The newest ids of the window (at most ``memory_ids``), oldest first, and their coverage.
+
+    Returns ``(entries, covers_from)``: memory loaded with ``entries`` holds every id
+    stored at or after ``covers_from``.
+    """
+    oldest = now - window_ms
+    loaded: list[list[tuple[str, int]]] = []
+    count = 0
+    covers_from = EVERYTHING
+    for bucket in reversed(buckets):
+        if (bucket + 1) * BUCKET_MS <= oldest:
+            break  # this bucket and older ones are expired
+        keys = store.items(TIME_DB, _U64.pack(bucket))
+        if count + len(keys) > memory_ids:
+            covers_from = (bucket + 1) * BUCKET_MS
+            break
+        entries = []
+        for key, _ in keys:
+            value = store.get(IDS_DB, key[8:])
+            if value is not None:
+                stored_at = _I64.unpack(value)[0]
+                if stored_at > oldest:
+                    entries.append((key[8:].decode(), stored_at))
+        entries.sort(key=lambda entry: entry[1])
+        loaded.append(entries)
+        count += len(keys)
+    return [entry for entries in reversed(loaded) for entry in entries], covers_from
+
+
+def prune(store: StateStore, buckets: list[int], now: int, window_ms: int, *, max_buckets: int = 16) -> int:
+    """Delete ids of up to ``max_buckets`` expired buckets from ``buckets`` (sorted, mutated).
+
+    Returns how many ids were deleted. An id stored again later (after its
+    window) lives in a newer bucket and is kept.
+    """
+    deleted = 0
+    expired_before = (now - window_ms) // BUCKET_MS  # buckets below are wholly expired
+    done = 0
+    with store.write() as batch:
+        while buckets and buckets[0] < expired_before and done < max_buckets:
+            bucket = buckets.pop(0)
+            prefix = _U64.pack(bucket)
+            for key, _ in store.items(TIME_DB, prefix):
+                message_id = key[8:]
+                value = batch.get(IDS_DB, message_id)
+                if value is not None and _I64.unpack(value)[0] // BUCKET_MS <= bucket:
+                    batch.delete(IDS_DB, message_id)
+                    deleted += 1
+                batch.delete(TIME_DB, key)
+            batch.delete(BUCKETS_DB, prefix)
+            done += 1
+    return deleted
+
+
+__all__ = [
+    "BUCKET_MS",
+    "EVERYTHING",
+    "DedupWindow",
+    "load_buckets",
+    "load_recent",
+    "lookup_stored",
+    "prune",
+    "write_ids",
+]

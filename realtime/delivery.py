@@ -1,0 +1,124 @@
+"""What a PULL hands out, and the bytes it answers with.
+
+``pick`` chooses entries (given-back ones first, then new ones past the share's
+position, filtered by tag bitmask, within the message and byte limits); it reads
+consume-log entries (small ``pread``s from the page cache) and moves the share.
+``read_records`` then reads the records from the message log in a worker thread,
+adjacent ones in one read, and raises the attempts of redelivered ones.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from delaymq.protocol.records import rewrite_delivery
+from delaymq.realtime.consumelog import ConsumeLog, iter_entries
+from delaymq.realtime.groups import Groups, Share
+from delaymq.storage.errors import CorruptLog
+from delaymq.storage.log import SegmentedLog
+
+#: Consume-log entries read at a time, and scanned at most by one ``pick`` (a tag
+#: filter may skip many; the caller lets other tasks run and picks again).
+READ_ENTRIES = 1024
+SCAN_ENTRIES = 64 * 1024
+_DELIVER_AT = struct.Struct(">q")  # at byte 12 of a record
+_ATTEMPTS = struct.Struct(">H")  # at byte 28
+_MAX_ATTEMPTS = 0xFFFF
+
+#: One picked entry: (consume-log sequence, redeliveries, message-log offset, size).
+Picked = tuple[int, int, int, int]
+
+
+def pick(
+    consume_log: ConsumeLog | None, groups: Groups, share: Share, limit: int, max_bytes: int, mask: int
+) -> tuple[list[Picked], bool]:
+    """Entries to hand out now, and whether entries remain unscanned.
+
+    At least one entry is picked when any is available, even one bigger than
+    ``max_bytes``. The tag filter (``mask``, 0 for none) skips new entries only:
+    a given-back one passed it before. Skipped entries are consumed for the share.
+    """
+    picked: list[Picked] = []
+    if consume_log is None:
+        return picked, False
+    total = 0
+    if share.redeliver:
+        taken = groups.take_redeliveries(share, limit)
+        for index, (sequence, redeliveries) in enumerate(taken):
+            try:
+                entry = consume_log.entry(sequence)
+            except BaseException:
+                groups.put_back(share, taken)  # never lose a given-back message
+                raise
+            if picked and total + entry.size > max_bytes:
+                groups.put_back(share, taken[index:])
+                return picked, False
+            picked.append((sequence, redeliveries, entry.offset, entry.size))
+            total += entry.size
+    position = share.position
+    count = consume_log.count
+    scanned = 0
+    full = len(picked) >= limit
+    while not full and position < count and scanned < SCAN_ENTRIES:
+        data = consume_log.read(position, min(READ_ENTRIES, count - position))
+        if not data:
+            break
+        for offset, size, entry_mask, _stored_at, _crc in iter_entries(data):
+            scanned += 1
+            if mask and not entry_mask & mask:
+                position += 1
+                continue
+            if picked and total + size > max_bytes:
+                full = True
+                break
+            picked.append((position, 0, offset, size))
+            total += size
+            position += 1
+            if len(picked) >= limit:
+                full = True
+                break
+    groups.advance(share, position)
+    return picked, (not picked and position < count)
+
+
+def read_records(log: SegmentedLog, picked: list[Picked]) -> bytes:
+    """The records of ``picked``, in order (blocking: a worker thread)."""
+    parts: list[bytes] = []
+    index = 0
+    count = len(picked)
+    while index < count:
+        _sequence, redeliveries, offset, size = picked[index]
+        if redeliveries:
+            record = _read_span(log, offset, size)
+            deliver_at = _DELIVER_AT.unpack_from(record, 12)[0]
+            attempts = min(_ATTEMPTS.unpack_from(record, 28)[0] + redeliveries, _MAX_ATTEMPTS)
+            parts.append(rewrite_delivery(record, deliver_at=deliver_at, attempts=attempts))
+            index += 1
+            continue
+        end = offset + size
+        stop = index + 1
+        while stop < count and picked[stop][1] == 0 and picked[stop][2] == end:
+            end += picked[stop][3]
+            stop += 1
+        parts.append(_read_span(log, offset, end - offset))
+        index = stop
+    return b"".join(parts)
+
+
+def _read_span(log: SegmentedLog, offset: int, length: int) -> bytes:
+    chunks: list[bytes] = []
+    position = offset
+    stop = offset + length
+    while position < stop:
+        data, next_offset = log.read_raw(position, stop - position)
+        if not data or next_offset > stop:
+            raise CorruptLog(
+                f"message log {log.directory}: no whole records in [{position}, {stop}) "
+                "where a consume-log entry points"
+            )
+        chunks.append(data)
+        position = next_offset
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+__all__ = ["Picked", "pick", "read_records"]

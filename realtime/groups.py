@@ -1,0 +1,302 @@
+"""Consumer groups, sans-IO: read positions, pull-log bookkeeping, acks, redelivery.
+
+A **share** is one read position in a subject's consume log: a clustered group's
+(all its consumers take the next entries from it) or one broadcast consumer's
+(each reads the whole log). A share also holds the messages given back to it, to
+be handed out again before new ones, each with one more redelivery.
+
+A **consumer** (of one group, for one subject) has a pull log: the consume-log
+sequences it was handed, in order. Its progress is ``AckRanges`` over its pull
+log. What it was handed and did not ack goes back to its share when
+
+- the ack timeout passes after the hand-out (``ack_timeout_ms``),
+- it stops showing signs of life (pulls and heartbeats; ``consumer_timeout_ms``),
+- it nacks it.
+
+This module is fed times and sequences; the server does the file and lmdb I/O.
+Deadlines come out in order: hand-outs sit in one deque in hand-out order (the
+ack timeout is one constant) and consumers in an ordered dict by last sign of
+life, so a sweep costs what it expires, not what is tracked.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from delaymq.protocol.errors import RemoteProtocolError
+from delaymq.realtime.pulllog import AckRanges
+
+MAX_REDELIVERIES = 0xFFFF
+
+
+@dataclass(eq=False, slots=True)
+class Share:
+    """One read position in a consume log, and what was given back to it."""
+
+    key: bytes
+    subject: str
+    group: str
+    broadcast_consumer: str | None  # None for a clustered group's share
+    position: int
+    redeliver: deque[tuple[int, int]] = field(default_factory=deque)  # (sequence, redeliveries)
+
+
+@dataclass(eq=False, slots=True)
+class ConsumerState:
+    """One consumer's pull log as far as bookkeeping needs it."""
+
+    key: bytes
+    subject: str
+    group: str
+    consumer: str
+    share: Share
+    length: int = 0  # entries in the pull log
+    progress: AckRanges = field(default_factory=AckRanges)
+    # The pull-log entries from ``window_base`` on (only those can still be undone).
+    window_base: int = 0
+    sequences: array = field(default_factory=lambda: array("Q"))
+    redeliveries: array = field(default_factory=lambda: array("H"))
+    last_seen: int = 0
+    waiting: int = 0  # pulls parked right now
+    live: bool = False
+
+    @property
+    def broadcast(self) -> bool:
+        return self.share.broadcast_consumer is not None
+
+    @property
+    def acked(self) -> int:
+        return self.progress.acked
+
+    def unacked(self) -> int:
+        return sum(end - start for start, end in self.progress.undone(self.progress.acked, self.length))
+
+    def _trim(self) -> None:
+        drop = self.progress.acked - self.window_base
+        if drop > 64 and drop * 2 >= len(self.sequences):
+            del self.sequences[:drop]
+            del self.redeliveries[:drop]
+            self.window_base += drop
+
+
+class UnknownPull(RemoteProtocolError):
+    """An ack or nack of pull-log entries the consumer was never handed."""
+
+
+class Groups:
+    """Every share and consumer of one server; see the module docstring."""
+
+    def __init__(self, *, ack_timeout_ms: int, consumer_timeout_ms: int) -> None:
+        if ack_timeout_ms <= 0 or consumer_timeout_ms <= 0:
+            raise ValueError(
+                f"ack_timeout_ms ({ack_timeout_ms}) and consumer_timeout_ms "
+                f"({consumer_timeout_ms}) must be positive"
+            )
+        self.ack_timeout_ms = ack_timeout_ms
+        self.consumer_timeout_ms = consumer_timeout_ms
+        self.shares: dict[bytes, Share] = {}
+        self.consumers: dict[bytes, ConsumerState] = {}
+        self.live: OrderedDict[bytes, ConsumerState] = OrderedDict()
+        # (deadline, consumer, start, end): hand-outs in hand-out order.
+        self._handed: deque[tuple[int, ConsumerState, int, int]] = deque()
+        self.dirty_shares: set[Share] = set()
+        self.dirty_consumers: set[ConsumerState] = set()
+        self.redelivered = 0  # messages given back to their share, ever
+        self.acks = 0
+        self.nacks = 0
+
+    # ---------------------------------------------------------------- members
+
+    def add_share(self, share: Share) -> Share:
+        self.shares[share.key] = share
+        return share
+
+    def add_consumer(self, consumer: ConsumerState, now: int) -> ConsumerState:
+        """Track a consumer (new, or loaded from the state store)."""
+        self.consumers[consumer.key] = consumer
+        unacked = consumer.progress.undone(consumer.progress.acked, consumer.length)
+        if unacked:
+            # Loaded with hand-outs in flight (say after a restart): the ack timeout
+            # runs from now, since when they were handed out is not kept.
+            self._handed.append((now + self.ack_timeout_ms, consumer, unacked[0][0], consumer.length))
+        self.touch(consumer, now)
+        return consumer
+
+    def touch(self, consumer: ConsumerState, now: int) -> None:
+        """A sign of life: a pull or a heartbeat."""
+        consumer.last_seen = now
+        consumer.live = True
+        self.live[consumer.key] = consumer
+        self.live.move_to_end(consumer.key)
+
+    # ---------------------------------------------------------------- handing out
+
+    def take_redeliveries(self, share: Share, limit: int) -> list[tuple[int, int]]:
+        """Up to ``limit`` given-back messages of ``share``, oldest first."""
+        taken: list[tuple[int, int]] = []
+        queue = share.redeliver
+        while queue and len(taken) < limit:
+            taken.append(queue.popleft())
+        if taken:
+            self.dirty_shares.add(share)
+        return taken
+
+    def put_back(self, share: Share, items: list[tuple[int, int]]) -> None:
+        """Return taken redeliveries that could not be handed out, at the front."""
+        share.redeliver.extendleft(reversed(items))
+
+    def advance(self, share: Share, position: int) -> None:
+        if position != share.position:
+            share.position = position
+            self.dirty_shares.add(share)
+
+    def record_pull(
+        self, consumer: ConsumerState, sequences: list[int], redeliveries: list[int], now: int
+    ) -> int:
+        """Append hand-outs to the consumer's pull log; returns the first pull-log sequence."""
+        start = consumer.length
+        consumer.sequences.extend(sequences)
+        consumer.redeliveries.extend(redeliveries)
+        consumer.length += len(sequences)
+        self._handed.append((now + self.ack_timeout_ms, consumer, start, consumer.length))
+        self.dirty_consumers.add(consumer)
+        self.touch(consumer, now)
+        return start
+
+    # ---------------------------------------------------------------- acks
+
+    def _check_range(self, consumer: ConsumerState | None, start: int, end: int, what: str, names: str) -> None:
+        length = consumer.length if consumer is not None else 0
+        if not 0 <= start < end:
+            raise RemoteProtocolError(
+                f"{what} of pull-log range [{start}, {end}) of {names}: a range needs 0 <= start < end",
+                code="bad_value",
+                field="start" if start < 0 else "end",
+            )
+        if end > length:
+            raise UnknownPull(
+                f"{what} of pull-log range [{start}, {end}) of {names}: it was handed only "
+                f"[0, {length})",
+                code="unknown_pull",
+                field="end",
+                limit=length,
+            )
+
+    def ack(self, consumer: ConsumerState | None, start: int, end: int, names: str = "the consumer") -> int:
+        """Mark ``[start, end)`` acked; returns the acked position.
+
+        Acking again is harmless; a range past what was handed out raises
+        ``UnknownPull`` (code ``unknown_pull``) and changes nothing.
+        """
+        self._check_range(consumer, start, end, "ACK", names)
+        if consumer is None:  # pragma: no cover - _check_range refuses any range then
+            return 0
+        self.acks += 1
+        if consumer.progress.undone(start, end):
+            consumer.progress.mark(start, end)
+            consumer._trim()
+            self.dirty_consumers.add(consumer)
+        return consumer.progress.acked
+
+    def nack(
+        self, consumer: ConsumerState | None, start: int, end: int, now: int, names: str = "the consumer"
+    ) -> tuple[int, list[Share]]:
+        """Give the unacked part of ``[start, end)`` back at once; returns (acked, shares woken)."""
+        self._check_range(consumer, start, end, "NACK", names)
+        if consumer is None:
+            return 0, []
+        self.nacks += 1
+        given = self.return_nacked(consumer, start, end)
+        self.touch(consumer, now)
+        return consumer.progress.acked, [consumer.share] if given else []
+
+    def return_nacked(self, consumer: ConsumerState, start: int, end: int) -> int:
+        """Where a nacked message goes: today back to its share at once, attempts + 1.
+
+        The delay path will replace this with re-scheduling through the scheduler
+        (a growing delay, then a dead-letter subject after the retry limit);
+        this method is the one place to change.
+        """
+        return self._give_back(consumer, start, end)
+
+    def _give_back(self, consumer: ConsumerState, start: int, end: int) -> int:
+        gaps = consumer.progress.undone(start, end)
+        if not gaps:
+            return 0
+        share = consumer.share
+        base = consumer.window_base
+        count = 0
+        for gap_start, gap_end in gaps:
+            for sequence in range(gap_start, gap_end):
+                index = sequence - base
+                share.redeliver.append(
+                    (consumer.sequences[index], min(consumer.redeliveries[index] + 1, MAX_REDELIVERIES))
+                )
+            consumer.progress.mark(gap_start, gap_end)
+            count += gap_end - gap_start
+        consumer._trim()
+        self.redelivered += count
+        self.dirty_shares.add(share)
+        self.dirty_consumers.add(consumer)
+        return count
+
+    # ---------------------------------------------------------------- time
+
+    def next_deadline(self) -> int | None:
+        """The earliest moment ``expire`` may have something to do."""
+        deadlines = []
+        if self._handed:
+            deadlines.append(self._handed[0][0])
+        if self.live:
+            first = next(iter(self.live.values()))
+            deadlines.append(first.last_seen + self.consumer_timeout_ms)
+        return min(deadlines) if deadlines else None
+
+    def expire(self, now: int) -> list[Share]:
+        """Give back what timed out at ``now``; returns the shares that got messages."""
+        woken: dict[bytes, Share] = {}
+        handed = self._handed
+        while handed and handed[0][0] <= now:
+            _deadline, consumer, start, end = handed.popleft()
+            if self._give_back(consumer, start, end):
+                woken[consumer.share.key] = consumer.share
+        live = self.live
+        while live:
+            consumer = next(iter(live.values()))
+            if consumer.last_seen + self.consumer_timeout_ms > now:
+                break
+            if consumer.waiting:
+                self.touch(consumer, now)  # parked in a long poll: alive
+                continue
+            del live[consumer.key]
+            consumer.live = False
+            if self._give_back(consumer, consumer.progress.acked, consumer.length):
+                woken[consumer.share.key] = consumer.share
+        return list(woken.values())
+
+    def forget_idle(self) -> list[bytes]:
+        """Drop consumers that are gone, hold nothing and are committed; returns their keys.
+
+        They are reloaded from the state store if they come back.
+        """
+        idle = [
+            key
+            for key, consumer in self.consumers.items()
+            if not consumer.live
+            and consumer not in self.dirty_consumers
+            and consumer.progress.acked == consumer.length
+        ]
+        for key in idle:
+            del self.consumers[key]
+        return idle
+
+    def take_dirty(self) -> tuple[list[Share], list[ConsumerState]]:
+        shares, consumers = list(self.dirty_shares), list(self.dirty_consumers)
+        self.dirty_shares.clear()
+        self.dirty_consumers.clear()
+        return shares, consumers
+
+
+__all__ = ["MAX_REDELIVERIES", "ConsumerState", "Groups", "Share", "UnknownPull"]

@@ -1,0 +1,163 @@
+"""The index step: message-log records become consume-log entries, in offset order.
+
+A SEND hands over what it appended (``submit``) right after the append is
+durable; batches of one write group may arrive out of order, so they wait in
+``_waiting`` until every byte before them is indexed. ``indexed_offset`` is thus
+always a clean cut: every record below it is in its consume log. A checkpoint
+stores that offset (with each subject's entry count, fsynced first); after a
+crash ``replay`` reads the message log from it with the very same ``submit``,
+and the consume logs confirm or rewrite the entries past their checkpoint, so
+nothing acknowledged is ever missing from a consume log.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from delaymq.protocol.limits import Limits
+from delaymq.protocol.records import scan_batch, tags_mask
+from delaymq.realtime.consumelog import ConsumeLog, list_subjects, subject_stem
+from delaymq.storage.errors import CorruptLog
+from delaymq.storage.log import SegmentedLog
+
+log = logging.getLogger(__name__)
+
+#: Every record the message log may hold passes these (replay must not refuse
+#: old records because this run was started with smaller limits).
+REPLAY_LIMITS = Limits(
+    max_frame=0xFFFF_FFFF,
+    max_body=0xFFFF_FFFF,
+    max_subject=0xFFFF,
+    max_id=0xFFFF,
+    max_tags=0xFF,
+    max_tag=0xFF,
+    max_properties=0xFFFF_FFFF,
+)
+
+#: One indexed record: (subject, message-log offset, size, tag mask).
+Item = tuple[str, int, int, int]
+
+
+class Indexer:
+    """Owns the consume logs and keeps them up with the message log."""
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        indexed_offset: int,
+        on_indexed: Callable[[set[str]], None] | None = None,
+        on_ids: Callable[[list[str], int], None] | None = None,
+    ) -> None:
+        self.directory = directory
+        self.indexed_offset = indexed_offset
+        self.logs: dict[str, ConsumeLog] = {}
+        self._checkpoint_counts: dict[str, int] = {}
+        self._waiting: dict[int, tuple[int, list[Item], list[str], int]] = {}
+        self.on_indexed = on_indexed
+        self.on_ids = on_ids
+        self.dirty: set[ConsumeLog] = set()  # written since the last checkpoint
+        self.entries = 0
+
+    # ----------------------------------------------------------- start-up
+
+    def open_existing(self, checkpoint_counts: dict[str, int]) -> None:
+        """Open every consume log on disk (blocking; start-up).
+
+        ``checkpoint_counts`` maps stems to the counts the last checkpoint fsynced.
+        """
+        for stem, subject in list_subjects(self.directory).items():
+            self.logs[subject] = ConsumeLog.open(
+                self.directory, subject, checkpoint_count=checkpoint_counts.get(stem, 0)
+            )
+        missing = set(checkpoint_counts) - {subject_stem(s) for s in self.logs}
+        missing = {stem for stem in missing if checkpoint_counts[stem] > 0}
+        if missing:
+            raise CorruptLog(
+                f"consume logs {sorted(missing)} are in the checkpoint but not in {self.directory}"
+            )
+
+    def replay(self, message_log: SegmentedLog, now: int, *, chunk: int = 4 << 20) -> int:
+        """Index the message log from ``indexed_offset`` to its end (blocking; start-up).
+
+        Returns the number of records replayed.
+        """
+        offset = self.indexed_offset
+        count = 0
+        while True:
+            data, next_offset = message_log.read_raw(offset, chunk)
+            if not data:
+                break
+            batch = scan_batch(data, REPLAY_LIMITS)
+            items = [
+                (subject, offset + start, end - start, tags_mask(tags) if tags else 0)
+                for subject, start, end, tags in zip(batch.subjects, batch.starts, batch.ends, batch.tags)
+            ]
+            self.submit(offset, next_offset, items, batch.ids, now)
+            count += len(items)
+            offset = next_offset
+        for consume_log in self.logs.values():
+            consume_log.finish_recovery()
+        return count
+
+    # ----------------------------------------------------------- indexing
+
+    def consume_log(self, subject: str) -> ConsumeLog | None:
+        return self.logs.get(subject)
+
+    def count(self, subject: str) -> int:
+        consume_log = self.logs.get(subject)
+        return consume_log.count if consume_log is not None else 0
+
+    def submit(self, base: int, end: int, items: list[Item], ids: list[str], stored_at: int) -> None:
+        """Records ``[base, end)`` of the message log are durable: index them in order."""
+        if base != self.indexed_offset:
+            self._waiting[base] = (end, items, ids, stored_at)
+            return
+        self._apply(end, items, ids, stored_at)
+        waiting = self._waiting
+        while waiting:
+            next_batch = waiting.pop(self.indexed_offset, None)
+            if next_batch is None:
+                break
+            self._apply(*next_batch)
+
+    def _apply(self, end: int, items: list[Item], ids: list[str], stored_at: int) -> None:
+        touched: dict[str, ConsumeLog] = {}
+        logs = self.logs
+        for subject, offset, size, mask in items:
+            consume_log = touched.get(subject)
+            if consume_log is None:
+                consume_log = logs.get(subject)
+                if consume_log is None:
+                    consume_log = logs[subject] = ConsumeLog.open(self.directory, subject)
+                touched[subject] = consume_log
+            consume_log.add(offset, size, mask, stored_at)
+        for consume_log in touched.values():
+            consume_log.write_pending()
+            self.dirty.add(consume_log)
+        self.indexed_offset = end
+        self.entries += len(items)
+        if self.on_ids is not None:
+            self.on_ids(ids, stored_at)
+        if self.on_indexed is not None and touched:
+            self.on_indexed(set(touched))
+
+    @property
+    def waiting(self) -> int:
+        """Batches appended but not yet indexed (an earlier one is still on its way)."""
+        return len(self._waiting)
+
+    def take_dirty(self) -> list[ConsumeLog]:
+        dirty = list(self.dirty)
+        self.dirty.clear()
+        return dirty
+
+    def close(self, logs: Iterable[ConsumeLog] | None = None) -> None:
+        for consume_log in self.logs.values() if logs is None else logs:
+            consume_log.close()
+
+
+__all__ = ["REPLAY_LIMITS", "Indexer", "Item"]

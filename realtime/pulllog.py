@@ -1,0 +1,219 @@
+"""Pull logs (one per consumer of a group and subject) and a consumer's ack progress.
+
+A pull log lists, in order, the consume-log sequences handed to one consumer, so
+the consumer's progress is one number, its acked position in its own pull log,
+whatever other consumers of the group took. An entry (16 bytes, big-endian)::
+
+    offset size  field
+    0      8     sequence      u64  consume-log sequence handed out
+    8      2     redeliveries  u16  times the group had it back before this hand-out
+    10     2     reserved      u16  0
+    12     4     crc           u32  CRC-32 of bytes 0..12
+
+Entry *n* (the pull-log sequence *n*) sits at byte ``n * 16`` of
+``pull/<stem>.log``; ``pull/<stem>.json`` names the subject, group and consumer.
+The lmdb state holds the committed length (a longer file is cut back on open:
+those hand-outs were never committed, and their messages are handed out again).
+
+``AckRanges`` is the sans-IO part: the acked position plus the acked (or given
+back) ranges above it, merged as acks arrive in any order.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+import struct
+import zlib
+from collections.abc import Iterable
+from pathlib import Path
+
+PULL_ENTRY = struct.Struct(">QHHI")
+PULL_ENTRY_SIZE = PULL_ENTRY.size  # 16
+PULL_VERSION = 1
+PULL_FORMAT = {"format": "pull-log", "version": PULL_VERSION, "entry_size": PULL_ENTRY_SIZE}
+_BODY = struct.Struct(">QHH")
+
+
+def encode_pull_entries(sequences: Iterable[int], redeliveries: Iterable[int]) -> bytes:
+    out = bytearray()
+    pack = _BODY.pack
+    crc32 = zlib.crc32
+    for sequence, count in zip(sequences, redeliveries, strict=True):
+        body = pack(sequence, count, 0)
+        out += body
+        out += crc32(body).to_bytes(4, "big")
+    return bytes(out)
+
+
+def decode_pull_entries(data: bytes) -> tuple[list[int], list[int]]:
+    """Sequences and redelivery counts of whole entries; a bad CRC raises ValueError."""
+    sequences: list[int] = []
+    counts: list[int] = []
+    view = memoryview(data)
+    for index, (sequence, count, _reserved, crc) in enumerate(
+        PULL_ENTRY.iter_unpack(data[: len(data) - len(data) % PULL_ENTRY_SIZE])
+    ):
+        start = index * PULL_ENTRY_SIZE
+        if zlib.crc32(view[start : start + 12]) != crc:
+            raise ValueError(f"pull-log entry {index} of the block does not check")
+        sequences.append(sequence)
+        counts.append(count)
+    return sequences, counts
+
+
+def consumer_stem(subject: str, group: str, consumer: str) -> str:
+    """The file name stem of a consumer's pull log (and its key in the state store)."""
+    key = "\0".join((subject, group, consumer)).encode()
+    return hashlib.blake2b(key, digest_size=16, person=b"dq-consumer").hexdigest()
+
+
+class PullLog:
+    """One consumer's pull-log file. Holds no descriptor: consumers come and go."""
+
+    def __init__(self, directory: Path, stem: str) -> None:
+        self.path = directory / f"{stem}.log"
+        self._names = directory / f"{stem}.json"
+        self.created = False
+
+    def create(self, subject: str, group: str, consumer: str) -> None:
+        """Write the names file if this is a new pull log (fsynced by the checkpoint)."""
+        if self._names.exists():
+            return
+        data = json.dumps({"subject": subject, "group": group, "consumer": consumer}).encode()
+        fd = os.open(self._names, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+        self.created = True
+
+    def write(self, position: int, data: bytes) -> None:
+        """Write entries at pull-log sequence ``position`` (page cache; fsync in ``flush``)."""
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            view = memoryview(data)
+            offset = position * PULL_ENTRY_SIZE
+            while view:
+                written = os.pwrite(fd, view, offset)
+                view = view[written:]
+                offset += written
+        finally:
+            os.close(fd)
+
+    def read(self, start: int, stop: int) -> tuple[list[int], list[int]]:
+        """Entries ``[start, stop)``; blocking (a worker thread, or at start-up)."""
+        if stop <= start:
+            return [], []
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            data = os.pread(fd, (stop - start) * PULL_ENTRY_SIZE, start * PULL_ENTRY_SIZE)
+        finally:
+            os.close(fd)
+        if len(data) != (stop - start) * PULL_ENTRY_SIZE:
+            raise ValueError(f"pull log {self.path} ends before entry {stop}")
+        return decode_pull_entries(data)
+
+    def truncate(self, length: int) -> None:
+        """Cut entries past the committed ``length`` (start-up)."""
+        try:
+            size = os.stat(self.path).st_size
+        except FileNotFoundError:
+            size = 0
+        if size > length * PULL_ENTRY_SIZE:
+            os.truncate(self.path, length * PULL_ENTRY_SIZE)
+
+    def flush(self) -> bool:
+        """fsync (blocking); True if the folder needs an fsync too."""
+        for path in (self.path, self._names) if self.created else (self.path,):
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        created, self.created = self.created, False
+        return created
+
+
+class AckRanges:
+    """A consumer's progress in its pull log: ``acked``, and done ranges above it.
+
+    Everything below ``acked`` is done (acked, or given back to the group); the
+    ranges are sorted, disjoint, not touching each other and all above
+    ``acked``. Marking merges, so the ranges stay as few as the gaps.
+    """
+
+    __slots__ = ("acked", "_starts", "_ends")
+
+    def __init__(self, acked: int = 0, ranges: Iterable[tuple[int, int]] = ()) -> None:
+        self.acked = acked
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+        for start, end in ranges:
+            self.mark(start, end)
+
+    def ranges(self) -> list[tuple[int, int]]:
+        return list(zip(self._starts, self._ends))
+
+    def mark(self, start: int, end: int) -> None:
+        """Mark ``[start, end)`` done (already-done parts are fine)."""
+        start = max(start, self.acked)
+        if start >= end:
+            return
+        starts, ends = self._starts, self._ends
+        # Ranges touching or overlapping [start, end): the first whose end >= start
+        # up to the last whose start <= end.
+        low = bisect.bisect_left(ends, start)
+        high = bisect.bisect_right(starts, end)
+        if low < high:
+            start = min(start, starts[low])
+            end = max(end, ends[high - 1])
+        starts[low:high] = [start]
+        ends[low:high] = [end]
+        if starts[0] <= self.acked:
+            self.acked = ends[0]
+            del starts[0], ends[0]
+
+    def is_done(self, sequence: int) -> bool:
+        if sequence < self.acked:
+            return True
+        index = bisect.bisect_right(self._starts, sequence) - 1
+        return index >= 0 and sequence < self._ends[index]
+
+    def undone(self, start: int, end: int) -> list[tuple[int, int]]:
+        """The parts of ``[start, end)`` not done yet, in order."""
+        start = max(start, self.acked)
+        gaps: list[tuple[int, int]] = []
+        if start >= end:
+            return gaps
+        starts, ends = self._starts, self._ends
+        index = bisect.bisect_right(ends, start)
+        position = start
+        while position < end:
+            if index < len(starts) and starts[index] <= position:
+                position = ends[index]
+                index += 1
+                continue
+            gap_end = min(end, starts[index]) if index < len(starts) else end
+            gaps.append((position, gap_end))
+            position = gap_end
+        return gaps
+
+    def __repr__(self) -> str:
+        return f"AckRanges(acked={self.acked}, ranges={self.ranges()})"
+
+
+__all__ = [
+    "PULL_ENTRY_SIZE",
+    "PULL_FORMAT",
+    "AckRanges",
+    "PullLog",
+    "consumer_stem",
+    "decode_pull_entries",
+    "encode_pull_entries",
+]

@@ -1,0 +1,196 @@
+"""The realtime commands' request metadata, checked: every refusal names its field and limit.
+
+A map from the network is checked here once and becomes a small frozen object,
+so the handlers work on values they can trust. Unknown keys are refused (a typo
+in an option must not silently change behaviour).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from delaymq.protocol.errors import RemoteProtocolError
+from delaymq.protocol.limits import Limits
+
+#: Longest group or consumer name, in UTF-8 bytes.
+MAX_NAME = 255
+#: Most messages one PULL may ask for.
+MAX_PULL = 10_000
+#: Longest long poll, and the one used when a PULL gives none.
+MAX_TIMEOUT_MS = 300_000
+DEFAULT_TIMEOUT_MS = 30_000
+#: Most subjects one CONSUMER_HEARTBEAT may name.
+MAX_HEARTBEAT_SUBJECTS = 10_000
+#: Room left in a PULL answer's frame for its header and metadata.
+FRAME_RESERVE = 64 * 1024
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
+@dataclass(frozen=True, slots=True)
+class PullRequest:
+    group: str
+    consumer: str
+    subject: str
+    max: int
+    max_bytes: int
+    tags: tuple[str, ...]
+    timeout_ms: int
+    broadcast: bool
+    earliest: bool
+
+
+@dataclass(frozen=True, slots=True)
+class AckRequest:
+    group: str
+    consumer: str
+    subject: str
+    start: int
+    end: int
+    delay_ms: int | None  # NACK only
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatRequest:
+    group: str
+    consumer: str
+    subjects: tuple[str, ...]
+
+
+def _refuse(message: str, code: str, field: str, limit: int | None = None) -> RemoteProtocolError:
+    return RemoteProtocolError(message, code=code, field=field, limit=limit)
+
+
+def _check_keys(command: str, metadata: dict[str, Any], allowed: frozenset[str]) -> None:
+    for key in metadata:
+        if key not in allowed:
+            raise _refuse(
+                f"{command}: unknown field {key!r} (known: {', '.join(sorted(allowed))})",
+                "bad_request",
+                key,
+            )
+
+
+def _text(command: str, metadata: dict[str, Any], name: str, limit: int) -> str:
+    if name not in metadata:
+        raise _refuse(f"{command}: field {name!r} is required", "bad_request", name)
+    return check_text(command, name, metadata[name], limit)
+
+
+def check_text(command: str, name: str, value: Any, limit: int) -> str:
+    if type(value) is not str:
+        raise _refuse(f"{command}: {name} is of type {type(value).__name__}, not str", "bad_value", name)
+    size = len(value.encode("utf-8", "surrogatepass"))
+    if not 0 < size <= limit:
+        raise _refuse(f"{command}: {name} is {size} UTF-8 bytes, must be 1 to {limit}", "limit", name, limit)
+    if not value.isprintable() and _CONTROL.search(value):
+        raise _refuse(f"{command}: {name} {value!r} holds a control character", "bad_value", name)
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        raise _refuse(f"{command}: {name} {value!r} is not valid Unicode text", "bad_value", name) from None
+    return value
+
+
+def _integer(command: str, metadata: dict[str, Any], name: str, low: int, high: int, default: int | None) -> int:
+    value = metadata.get(name, default)
+    if value is None:
+        raise _refuse(f"{command}: field {name!r} is required", "bad_request", name)
+    if type(value) is not int:
+        raise _refuse(f"{command}: {name} is of type {type(value).__name__}, not int", "bad_value", name)
+    if not low <= value <= high:
+        limit = high if value > high else low
+        raise _refuse(f"{command}: {name} is {value}, must be {low} to {high}", "limit", name, limit)
+    return value
+
+
+def _flag(command: str, metadata: dict[str, Any], name: str) -> bool:
+    value = metadata.get(name, False)
+    if type(value) is not bool:
+        raise _refuse(f"{command}: {name} is of type {type(value).__name__}, not bool", "bad_value", name)
+    return value
+
+
+_PULL_KEYS = frozenset(
+    {"group", "consumer", "subject", "max", "max_bytes", "tags", "timeout_ms", "broadcast", "from"}
+)
+_ACK_KEYS = frozenset({"group", "consumer", "subject", "start", "end"})
+_NACK_KEYS = _ACK_KEYS | {"delay_ms"}
+_HEARTBEAT_KEYS = frozenset({"group", "consumer", "subjects"})
+_I64_MAX = (1 << 63) - 1
+
+
+def parse_pull(metadata: dict[str, Any], limits: Limits) -> PullRequest:
+    _check_keys("PULL", metadata, _PULL_KEYS)
+    group = _text("PULL", metadata, "group", MAX_NAME)
+    consumer = _text("PULL", metadata, "consumer", MAX_NAME)
+    subject = _text("PULL", metadata, "subject", limits.max_subject)
+    count = _integer("PULL", metadata, "max", 1, MAX_PULL, None)
+    byte_cap = max(1, limits.max_frame - FRAME_RESERVE)
+    max_bytes = _integer("PULL", metadata, "max_bytes", 1, byte_cap, byte_cap)
+    timeout_ms = _integer("PULL", metadata, "timeout_ms", 0, MAX_TIMEOUT_MS, DEFAULT_TIMEOUT_MS)
+    broadcast = _flag("PULL", metadata, "broadcast")
+    start = metadata.get("from", "latest")
+    if start not in ("latest", "earliest"):
+        raise _refuse(f"PULL: from is {start!r}, must be 'latest' or 'earliest'", "bad_value", "from")
+    raw_tags = metadata.get("tags", ())
+    if raw_tags is None:
+        raw_tags = ()
+    if not isinstance(raw_tags, list | tuple):
+        raise _refuse(f"PULL: tags is of type {type(raw_tags).__name__}, not a list", "bad_value", "tags")
+    if len(raw_tags) > limits.max_tags:
+        raise _refuse(f"PULL: {len(raw_tags)} tags, limit {limits.max_tags}", "limit", "tags", limits.max_tags)
+    tags = tuple(check_text("PULL", "tag", tag, limits.max_tag) for tag in raw_tags)
+    return PullRequest(group, consumer, subject, count, max_bytes, tags, timeout_ms, broadcast, start == "earliest")
+
+
+def parse_ack(metadata: dict[str, Any], limits: Limits, *, nack: bool = False) -> AckRequest:
+    command = "NACK" if nack else "ACK"
+    _check_keys(command, metadata, _NACK_KEYS if nack else _ACK_KEYS)
+    group = _text(command, metadata, "group", MAX_NAME)
+    consumer = _text(command, metadata, "consumer", MAX_NAME)
+    subject = _text(command, metadata, "subject", limits.max_subject)
+    start = _integer(command, metadata, "start", 0, _I64_MAX, None)
+    end = _integer(command, metadata, "end", 0, _I64_MAX, None)
+    if end <= start:
+        raise _refuse(f"{command}: range [{start}, {end}) is empty; end must exceed start", "bad_value", "end")
+    delay_ms = None
+    if nack and metadata.get("delay_ms") is not None:
+        delay_ms = _integer(command, metadata, "delay_ms", 0, limits.horizon_ms, None)
+    return AckRequest(group, consumer, subject, start, end, delay_ms)
+
+
+def parse_heartbeat(metadata: dict[str, Any], limits: Limits) -> HeartbeatRequest:
+    _check_keys("CONSUMER_HEARTBEAT", metadata, _HEARTBEAT_KEYS)
+    group = _text("CONSUMER_HEARTBEAT", metadata, "group", MAX_NAME)
+    consumer = _text("CONSUMER_HEARTBEAT", metadata, "consumer", MAX_NAME)
+    raw = metadata.get("subjects")
+    if not isinstance(raw, list | tuple):
+        raise _refuse(
+            f"CONSUMER_HEARTBEAT: subjects is of type {type(raw).__name__}, not a list", "bad_value", "subjects"
+        )
+    if len(raw) > MAX_HEARTBEAT_SUBJECTS:
+        raise _refuse(
+            f"CONSUMER_HEARTBEAT: {len(raw)} subjects, limit {MAX_HEARTBEAT_SUBJECTS}",
+            "limit",
+            "subjects",
+            MAX_HEARTBEAT_SUBJECTS,
+        )
+    subjects = tuple(check_text("CONSUMER_HEARTBEAT", "subject", s, limits.max_subject) for s in raw)
+    return HeartbeatRequest(group, consumer, subjects)
+
+
+__all__ = [
+    "DEFAULT_TIMEOUT_MS",
+    "MAX_NAME",
+    "MAX_PULL",
+    "MAX_TIMEOUT_MS",
+    "AckRequest",
+    "HeartbeatRequest",
+    "PullRequest",
+    "check_text",
+    "parse_ack",
+    "parse_heartbeat",
+    "parse_pull",
+]

@@ -1,0 +1,148 @@
+"""A tiny frame-speaking client for the realtime tests (the real Consumer is built elsewhere)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from delaymq.protocol.commands import Command
+from delaymq.protocol.frames import Frame
+from delaymq.protocol.limits import Limits
+from delaymq.protocol.records import Message, decode_batch, encode_batch
+from delaymq.protocol.transport import Connection
+
+Call = Callable[[int, dict[str, Any], bytes], Awaitable[Frame]]
+
+
+@dataclass
+class Pulled:
+    start: int
+    count: int
+    acked: int
+    messages: list[Message]
+
+    @property
+    def end(self) -> int:
+        return self.start + self.count
+
+    @property
+    def ids(self) -> list[str]:
+        return [message.id for message in self.messages]
+
+
+class Client:
+    """SEND / PULL / ACK / NACK / CONSUMER_HEARTBEAT as plain calls."""
+
+    def __init__(self, call: Call, *, group: str = "g", consumer: str = "c", subject: str = "orders") -> None:
+        self._call = call
+        self.group = group
+        self.consumer = consumer
+        self.subject = subject
+
+    async def send(self, messages: list[Message]) -> list[str]:
+        frame = await self._call(Command.SEND, {}, encode_batch(messages))
+        return frame.metadata["results"]
+
+    async def send_raw(self, metadata: dict[str, Any], body: bytes) -> Frame:
+        return await self._call(Command.SEND, metadata, body)
+
+    async def pull(self, max: int = 100, *, timeout_ms: int = 0, **options: Any) -> Pulled:
+        metadata = {
+            "group": self.group,
+            "consumer": self.consumer,
+            "subject": self.subject,
+            "max": max,
+            "timeout_ms": timeout_ms,
+            **options,
+        }
+        frame = await self._call(Command.PULL, metadata, b"")
+        meta = frame.metadata
+        messages = decode_batch(frame.body) if frame.body else []
+        assert len(messages) == meta["count"]
+        return Pulled(meta["pull_start"], meta["count"], meta["acked"], messages)
+
+    async def ack(self, start: int, end: int, **extra: Any) -> int:
+        metadata = {"group": self.group, "consumer": self.consumer, "subject": self.subject, "start": start, "end": end}
+        frame = await self._call(Command.ACK, {**metadata, **extra}, b"")
+        return frame.metadata["acked"]
+
+    async def nack(self, start: int, end: int) -> int:
+        metadata = {"group": self.group, "consumer": self.consumer, "subject": self.subject, "start": start, "end": end}
+        frame = await self._call(Command.NACK, metadata, b"")
+        return frame.metadata["acked"]
+
+    async def heartbeat(self) -> None:
+        await self._call(
+            Command.CONSUMER_HEARTBEAT,
+            {"group": self.group, "consumer": self.consumer, "subjects": [self.subject]},
+            b"",
+        )
+
+
+def messages(count: int, *, prefix: str = "m", subject: str = "orders", tags: tuple[str, ...] = ()) -> list[Message]:
+    return [Message(f"{prefix}{i:05d}", subject, tags=tags, body=f"body {prefix}{i}".encode()) for i in range(count)]
+
+
+def peers_client(peers: Any, address: str, **names: Any) -> Client:
+    async def call(command: int, metadata: dict[str, Any], body: bytes) -> Frame:
+        return await peers.call(address, command, metadata, body, timeout=60)
+
+    return Client(call, **names)
+
+
+@asynccontextmanager
+async def memory_client(server: Any, **names: Any) -> AsyncIterator[Client]:
+    """A client on an in-memory connection to ``server`` (safe with autojump_clock)."""
+    client_end, server_end = trio.testing.memory_stream_pair()
+    connection = Connection("memory", client_end, limits=Limits())
+
+    async def call(command: int, metadata: dict[str, Any], body: bytes) -> Frame:
+        return await connection.call(command, metadata, body, timeout=3600)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server.serve_stream, server_end)
+        nursery.start_soon(connection.read_responses)
+        yield Client(call, **names)
+        nursery.cancel_scope.cancel()
+
+
+async def wait_until(predicate: Callable[[], bool], *, seconds: float = 10) -> None:
+    """Wait for a condition of the server (checked at every scheduling round)."""
+    with trio.fail_after(seconds):
+        while not predicate():
+            await trio.sleep(0.001)
+
+
+@pytest.fixture
+def inline_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run the server's blocking calls (fsync, lmdb, reads) inline instead of in threads.
+
+    With ``autojump_clock`` a task waiting for a worker thread looks idle, so the
+    clock would jump (past request and consumer timeouts) while an fsync runs.
+    Inline, the disk work happens between scheduling rounds and virtual time only
+    moves when every task truly waits for time.
+    """
+
+    async def run_inline(sync_fn: Callable[..., Any], *args: Any, **_options: Any) -> Any:
+        await trio.lowlevel.checkpoint()
+        return sync_fn(*args)
+
+    monkeypatch.setattr(trio.to_thread, "run_sync", run_inline)
+
+
+@pytest.fixture
+def rt() -> SimpleNamespace:
+    return SimpleNamespace(
+        Client=Client,
+        messages=messages,
+        peers_client=peers_client,
+        memory_client=memory_client,
+        wait_until=wait_until,
+    )

@@ -1,0 +1,333 @@
+"""The sans-IO parts: entry layouts, ack ranges, redelivery decisions by time, dedup, requests."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from delaymq.protocol.errors import RemoteProtocolError
+from delaymq.protocol.limits import Limits
+from delaymq.realtime.consumelog import ENTRY_SIZE, ConsumeLog, decode_entry, encode_entry, list_subjects
+from delaymq.realtime.dedup import DedupWindow
+from delaymq.realtime.delivery import pick
+from delaymq.realtime.groups import ConsumerState, Groups, Share, UnknownPull
+from delaymq.realtime.pulllog import (
+    PULL_ENTRY_SIZE,
+    AckRanges,
+    PullLog,
+    decode_pull_entries,
+    encode_pull_entries,
+)
+from delaymq.realtime.requests import parse_ack, parse_heartbeat, parse_pull
+from delaymq.storage.errors import CorruptLog
+
+# ----------------------------------------------------------------- consume log
+
+
+def test_consume_entry_layout_is_fixed_and_checked() -> None:
+    entry = encode_entry(0x0102030405060708, 300, 1 << 63 | 5, 1_700_000_000_123)
+    assert len(entry) == ENTRY_SIZE == 32
+    assert entry[:8] == bytes.fromhex("0102030405060708")
+    assert struct.unpack(">I", entry[8:12]) == (300,)
+    assert struct.unpack(">Q", entry[12:20]) == (1 << 63 | 5,)
+    assert struct.unpack(">q", entry[20:28]) == (1_700_000_000_123,)
+    assert struct.unpack(">I", entry[28:]) == (zlib.crc32(entry[:28]),)
+    assert decode_entry(entry) == (0x0102030405060708, 300, 1 << 63 | 5, 1_700_000_000_123)
+    assert decode_entry(entry[:5] + b"\0" + entry[6:]) is None
+
+
+def test_consume_log_is_an_array_of_entries(tmp_path: Path) -> None:
+    log = ConsumeLog.open(tmp_path, "orders")
+    for n in range(5):
+        log.add(n * 100, 100, n, 7)
+    log.write_pending()
+    assert log.count == 5
+    data = (tmp_path / f"{log.path.stem}.log").read_bytes()
+    assert data[3 * ENTRY_SIZE : 4 * ENTRY_SIZE] == encode_entry(300, 100, 3, 7)
+    assert log.entry(3).offset == 300
+    assert log.read(4, 10) == encode_entry(400, 100, 4, 7)
+    log.close()
+    assert list_subjects(tmp_path) == {log.path.stem: "orders"}
+
+
+def test_consume_log_recovery_keeps_matching_entries_and_rewrites_the_rest(tmp_path: Path) -> None:
+    log = ConsumeLog.open(tmp_path, "orders")
+    for n in range(6):
+        log.add(n * 100, 100, 0, 1000 + n)
+    log.write_pending()
+    log.close()
+    path = log.path
+    # Entry 4 is garbled and half of entry 5 is lost; the checkpoint had 2.
+    data = bytearray(path.read_bytes())
+    data[4 * ENTRY_SIZE + 1] ^= 0xFF
+    path.write_bytes(bytes(data[: 5 * ENTRY_SIZE + 10]))
+    log = ConsumeLog.open(tmp_path, "orders", checkpoint_count=2)
+    assert log.count == 2
+    for n in range(2, 6):  # replay of the message log from the checkpoint
+        log.add(n * 100, 100, 0, 2000 + n)
+    log.finish_recovery()
+    stamps = [log.entry(n).stored_at for n in range(6)]
+    assert stamps == [1000, 1001, 1002, 1003, 2004, 2005]  # confirmed entries keep their time
+    log.close()
+
+
+def test_consume_log_recovery_cuts_entries_replay_does_not_confirm(tmp_path: Path) -> None:
+    log = ConsumeLog.open(tmp_path, "orders")
+    for n in range(4):
+        log.add(n * 100, 100, 0, 0)
+    log.write_pending()
+    log.close()
+    log = ConsumeLog.open(tmp_path, "orders", checkpoint_count=1)
+    log.add(100, 100, 0, 0)
+    log.finish_recovery()
+    assert log.count == 2 and log.path.stat().st_size == 2 * ENTRY_SIZE
+    log.close()
+    with pytest.raises(CorruptLog, match="checkpoint says 3"):
+        ConsumeLog.open(tmp_path, "orders", checkpoint_count=3)
+
+
+def test_pick_hands_out_given_back_entries_first_within_the_limits(tmp_path: Path) -> None:
+    log = ConsumeLog.open(tmp_path, "orders")
+    for n in range(10):
+        log.add(n * 100, 100, 0b01 if n % 2 else 0b10, 0)
+    log.write_pending()
+    groups, share = make_groups()
+    share.redeliver.extend([(3, 1), (5, 2)])
+    picked, more = pick(log, groups, share, limit=4, max_bytes=10_000, mask=0)
+    assert [(seq, red) for seq, red, _, _ in picked] == [(3, 1), (5, 2), (0, 0), (1, 0)]
+    assert share.position == 2 and not more
+    picked, _ = pick(log, groups, share, limit=100, max_bytes=250, mask=0)
+    assert [seq for seq, *_ in picked] == [2, 3]  # 2 x 100 bytes fit in 250
+    picked, _ = pick(log, groups, share, limit=100, max_bytes=1, mask=0)
+    assert [seq for seq, *_ in picked] == [4]  # always one, even over max_bytes
+    picked, _ = pick(log, groups, share, limit=100, max_bytes=10_000, mask=0b01)
+    assert [seq for seq, *_ in picked] == [5, 7, 9]  # 6 and 8 skipped by the bitmask
+    assert share.position == 10
+    assert pick(log, groups, share, limit=1, max_bytes=1, mask=0) == ([], False)
+    log.close()
+
+
+# ----------------------------------------------------------------- pull log
+
+
+def test_pull_log_entries_round_trip_and_are_checked(tmp_path: Path) -> None:
+    data = encode_pull_entries([5, 9, 2**40], [0, 3, 65535])
+    assert len(data) == 3 * PULL_ENTRY_SIZE
+    assert decode_pull_entries(data) == ([5, 9, 2**40], [0, 3, 65535])
+    with pytest.raises(ValueError, match="entry 1"):
+        decode_pull_entries(data[:17] + b"\xee" + data[18:])
+    log = PullLog(tmp_path, "ab" * 16)
+    log.create("orders", "g", "c")
+    log.write(0, data)
+    log.write(3, encode_pull_entries([11], [1]))
+    assert log.read(1, 4) == ([9, 2**40, 11], [3, 65535, 1])
+    log.truncate(2)
+    assert log.path.stat().st_size == 2 * PULL_ENTRY_SIZE
+
+
+def test_ack_ranges_merge_out_of_order_acks() -> None:
+    ranges = AckRanges()
+    ranges.mark(5, 7)
+    ranges.mark(2, 3)
+    assert (ranges.acked, ranges.ranges()) == (0, [(2, 3), (5, 7)])
+    ranges.mark(3, 5)  # touching both: one range
+    assert ranges.ranges() == [(2, 7)]
+    ranges.mark(0, 2)
+    assert (ranges.acked, ranges.ranges()) == (7, [])
+    ranges.mark(1, 4)  # a repeat below the acked position changes nothing
+    assert ranges.acked == 7
+    ranges.mark(9, 10)
+    assert ranges.undone(6, 12) == [(7, 9), (10, 12)]
+    assert ranges.is_done(9) and not ranges.is_done(8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(1, 8)), max_size=30))
+def test_ack_ranges_match_a_set_model(marks: list[tuple[int, int]]) -> None:
+    ranges = AckRanges()
+    done: set[int] = set()
+    for start, length in marks:
+        ranges.mark(start, start + length)
+        done.update(range(start, start + length))
+    acked = 0
+    while acked in done:
+        acked += 1
+    assert ranges.acked == acked
+    assert all(ranges.is_done(n) == (n in done) for n in range(60))
+    assert [n for start, end in ranges.undone(0, 60) for n in range(start, end)] == [
+        n for n in range(60) if n not in done
+    ]
+    spans = ranges.ranges()
+    assert all(a_end < b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+
+
+# ----------------------------------------------------------------- groups
+
+
+def make_groups(ack: int = 60_000, consumer: int = 30_000) -> tuple[Groups, Share]:
+    groups = Groups(ack_timeout_ms=ack, consumer_timeout_ms=consumer)
+    share = groups.add_share(Share(b"s" * 16, "orders", "g", None, 0))
+    return groups, share
+
+
+def make_consumer(groups: Groups, share: Share, name: str, now: int) -> ConsumerState:
+    return groups.add_consumer(ConsumerState(name.encode().ljust(16, b"."), "orders", "g", name, share), now)
+
+
+def test_unacked_hand_outs_go_back_after_the_ack_timeout() -> None:
+    groups, share = make_groups(ack=10_000, consumer=1_000_000)
+    consumer = make_consumer(groups, share, "c", 0)
+    assert groups.record_pull(consumer, [0, 1, 2], [0, 0, 0], now=0) == 0
+    assert groups.record_pull(consumer, [3], [2], now=4_000) == 3
+    groups.ack(consumer, 1, 2)
+    assert groups.next_deadline() == 10_000
+    assert groups.expire(9_999) == []
+    assert groups.expire(10_000) == [share]
+    assert list(share.redeliver) == [(0, 1), (2, 1)]
+    assert consumer.acked == 3  # given back counts as done for the consumer
+    assert groups.next_deadline() == 14_000
+    groups.expire(14_000)
+    assert list(share.redeliver)[-1] == (3, 3)
+    assert groups.redelivered == 3
+    # Taking them hands them out before anything new.
+    assert groups.take_redeliveries(share, 2) == [(0, 1), (2, 1)]
+
+
+def test_a_silent_consumer_loses_its_hand_outs_a_waiting_one_does_not() -> None:
+    groups, share = make_groups(ack=60_000, consumer=30_000)
+    silent = make_consumer(groups, share, "silent", 0)
+    polling = make_consumer(groups, share, "polling", 0)
+    groups.record_pull(silent, [0, 1], [0, 0], now=0)
+    groups.record_pull(polling, [2], [0], now=0)
+    polling.waiting = 1  # parked in a long poll
+    assert groups.next_deadline() == 30_000
+    assert groups.expire(30_000) == [share]
+    assert [s for s, _ in share.redeliver] == [0, 1]
+    assert list(groups.live) == [polling.key]  # kept alive by its poll
+    assert not silent.live
+    groups.touch(silent, 35_000)  # it comes back: alive again, nothing to give back
+    assert groups.expire(40_000) == []
+    assert groups.expire(60_000) == [share]  # the polling one's ack timeout still applies
+    assert [s for s, _ in share.redeliver] == [0, 1, 2]
+
+
+def test_acking_what_was_never_handed_out_is_refused_and_changes_nothing() -> None:
+    groups, share = make_groups()
+    consumer = make_consumer(groups, share, "c", 0)
+    groups.record_pull(consumer, [7, 8], [0, 0], now=0)
+    with pytest.raises(UnknownPull) as error:
+        groups.ack(consumer, 1, 3, "consumer 'c'")
+    assert (error.value.code, error.value.field, error.value.limit) == ("unknown_pull", "end", 2)
+    assert "[1, 3)" in str(error.value) and "[0, 2)" in str(error.value)
+    assert consumer.acked == 0 and consumer.progress.ranges() == []
+    with pytest.raises(UnknownPull):
+        groups.ack(None, 0, 1)
+    with pytest.raises(RemoteProtocolError) as empty:
+        groups.ack(consumer, 1, 1)
+    assert empty.value.code == "bad_value"
+
+
+def test_nack_gives_back_at_once_and_only_the_unacked() -> None:
+    groups, share = make_groups()
+    consumer = make_consumer(groups, share, "c", 0)
+    groups.record_pull(consumer, [4, 5, 6], [0, 1, 0], now=0)
+    groups.ack(consumer, 0, 1)
+    acked, woken = groups.nack(consumer, 0, 3, now=5)
+    assert (acked, woken) == (3, [share])
+    assert list(share.redeliver) == [(5, 2), (6, 1)]
+    assert groups.expire(60_000) == []  # nothing left to time out
+
+
+def test_forget_idle_drops_only_gone_committed_empty_consumers() -> None:
+    groups, share = make_groups(consumer=1000)
+    gone = make_consumer(groups, share, "gone", 0)
+    busy = make_consumer(groups, share, "busy", 0)
+    groups.record_pull(busy, [1], [0], now=0)
+    groups.expire(1000)  # both silent: gone has nothing, busy's hand-out goes back
+    assert groups.forget_idle() == [gone.key]  # busy is dirty: not committed yet
+    assert set(groups.consumers) == {busy.key}
+    groups.take_dirty()  # a checkpoint took (and wrote) it
+    assert groups.forget_idle() == [busy.key]
+
+
+# ----------------------------------------------------------------- dedup
+
+
+def test_dedup_window_admits_once_and_forgets_failed_appends() -> None:
+    window = DedupWindow(window_ms=1000, memory_ids=100, covers_from=0)
+    assert window.to_look_up(["a"], now=500) == ["a"]  # memory does not cover [-500, 500] yet
+    assert window.admit(["a", "b", "a"], now=1000) == [True, True, False]
+    assert window.admit(["a"], now=1001) == [False]  # pending counts
+    window.forget(["b"])
+    assert window.admit(["b"], now=1002) == [True]
+    window.indexed(["a", "b"], 1002)
+    window.committed(window.take_unpersisted(), now=1002)
+    assert window.admit(["a"], now=2001) == [False]
+    assert window.admit(["a"], now=2002) == [True]  # the window has passed
+    assert window.admit(["c"], now=3000, stored=["c"]) == [False]  # lmdb said so
+
+
+def test_dedup_memory_cap_moves_coverage_forward() -> None:
+    window = DedupWindow(window_ms=10_000, memory_ids=3, covers_from=0)
+    for n in range(5):
+        window.admit([f"id{n}"], now=10_000 + n)
+        window.indexed([f"id{n}"], 10_000 + n)
+    window.committed(window.take_unpersisted(), now=10_005)
+    assert len(window) == 3
+    assert window.covers_from == 10_002  # id0 and id1 were evicted
+    assert window.to_look_up(["id0", "id4"], now=15_000) == ["id0"]
+    assert window.to_look_up(["id0"], now=20_002) == []  # memory covers the window again
+
+
+# ----------------------------------------------------------------- requests
+
+
+LIMITS = Limits()
+
+
+def test_pull_request_defaults_and_refusals() -> None:
+    pull = parse_pull({"group": "g", "consumer": "c", "subject": "s", "max": 5}, LIMITS)
+    assert (pull.timeout_ms, pull.broadcast, pull.earliest, pull.tags) == (30_000, False, False, ())
+    assert pull.max_bytes == LIMITS.max_frame - 64 * 1024
+    base = {"group": "g", "consumer": "c", "subject": "s", "max": 5}
+    refusals = [
+        ({**base, "maxx": 1}, ("bad_request", "maxx", None)),
+        ({**base, "max": 10_001}, ("limit", "max", 10_000)),
+        ({**base, "max": "5"}, ("bad_value", "max", None)),
+        ({**base, "timeout_ms": 300_001}, ("limit", "timeout_ms", 300_000)),
+        ({**base, "subject": "x" * 256}, ("limit", "subject", 255)),
+        ({**base, "group": ""}, ("limit", "group", 255)),
+        ({**base, "consumer": "a\nb"}, ("bad_value", "consumer", None)),
+        ({**base, "tags": "red"}, ("bad_value", "tags", None)),
+        ({**base, "tags": ["x" * 65]}, ("limit", "tag", 64)),
+        ({**base, "from": "start"}, ("bad_value", "from", None)),
+        ({**base, "broadcast": 1}, ("bad_value", "broadcast", None)),
+        ({k: v for k, v in base.items() if k != "group"}, ("bad_request", "group", None)),
+    ]
+    for metadata, expected in refusals:
+        with pytest.raises(RemoteProtocolError) as error:
+            parse_pull(metadata, LIMITS)
+        assert (error.value.code, error.value.field, error.value.limit) == expected, metadata
+
+
+def test_ack_and_heartbeat_requests() -> None:
+    base = {"group": "g", "consumer": "c", "subject": "s", "start": 2, "end": 4}
+    assert parse_ack(base, LIMITS).end == 4
+    assert parse_ack({**base, "delay_ms": 5000}, LIMITS, nack=True).delay_ms == 5000
+    for metadata, expected in [
+        ({**base, "delay_ms": 5}, ("bad_request", "delay_ms")),  # only NACK takes a delay
+        ({**base, "end": 2}, ("bad_value", "end")),
+        ({**base, "start": -1}, ("limit", "start")),
+    ]:
+        with pytest.raises(RemoteProtocolError) as error:
+            parse_ack(metadata, LIMITS)
+        assert (error.value.code, error.value.field) == expected
+    assert parse_heartbeat({"group": "g", "consumer": "c", "subjects": ["a", "b"]}, LIMITS).subjects == ("a", "b")
+    with pytest.raises(RemoteProtocolError) as error:
+        parse_heartbeat({"group": "g", "consumer": "c"}, LIMITS)
+    assert error.value.field == "subjects"
