@@ -8,15 +8,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 from pathlib import Path
 
-import trio
-
 from delaymq.cli import options
-from delaymq.metaserver.registry import RegistryError
+from delaymq.cli.serving import fail, run_server, wait_for_stop_signal
 from delaymq.metaserver.server import open_metaserver
-from delaymq.storage.errors import StorageError
 from delaymq.wheel.clock import SystemClock
 
 log = logging.getLogger("delaymq.metaserver")
@@ -60,57 +56,34 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.data is None:
-        return _fail("--data DIR is required (or data = \"DIR\" in the [metaserver] table of --config)")
+        return fail("--data DIR is required (or data = \"DIR\" in the [metaserver] table of --config)")
     try:
         evict_ms = options.duration_ms(args.evict_after)
         interval_ms = options.duration_ms(args.heartbeat_interval)
     except argparse.ArgumentTypeError as error:
-        return _fail(str(error))
+        return fail(str(error))
     if interval_ms < 1 or evict_ms <= interval_ms:
-        return _fail(
+        return fail(
             f"--heartbeat-interval ({options.show_duration(interval_ms)}) must be at least 1ms and shorter "
             f"than --evict-after ({options.show_duration(evict_ms)})"
         )
-    try:
-        trio.run(_serve, args.listen, args.data, evict_ms, interval_ms)
-    except (OSError, StorageError, RegistryError, BaseExceptionGroup) as raised:
-        error = _sole(raised)
-        if isinstance(error, KeyboardInterrupt):
-            raise KeyboardInterrupt from None  # Ctrl-C while starting or stopping
-        if not isinstance(error, (OSError, StorageError, RegistryError)):
-            raise
-        return _fail(f"cannot run the metaserver on {args.listen} with data {args.data}: {error}", code=1)
-    return 0
-
-
-def _sole(error: BaseException) -> BaseException:
-    """The one exception inside nested single-member exception groups (trio wraps them)."""
-    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
-        error = error.exceptions[0]
-    return error
+    what = f"the metaserver on {args.listen} with data {args.data}"
+    return run_server(_serve, args.listen, args.data, evict_ms, interval_ms, what=what)
 
 
 async def _serve(listen: str, data: Path, evict_ms: int, interval_ms: int) -> None:
-    with trio.open_signal_receiver(signal.SIGTERM) as signals:
-        async with open_metaserver(
-            listen=listen,
-            data_dir=data,
-            clock=SystemClock(),
-            evict_after_ms=evict_ms,
-            heartbeat_interval_ms=interval_ms,
-        ) as metaserver:
-            log.info(
-                "metaserver listening on %s (data %s, evict after %s, heartbeat every %s)",
-                metaserver.address,
-                data,
-                options.show_duration(evict_ms),
-                options.show_duration(interval_ms),
-            )
-            async for signum in signals:
-                log.info("stopping on %s", signal.Signals(signum).name)
-                break
-
-
-def _fail(message: str, *, code: int = 2) -> int:
-    log.error("%s", message)
-    return code
+    async with open_metaserver(
+        listen=listen,
+        data_dir=data,
+        clock=SystemClock(),
+        evict_after_ms=evict_ms,
+        heartbeat_interval_ms=interval_ms,
+    ) as metaserver:
+        log.info(
+            "metaserver listening on %s (data %s, evict after %s, heartbeat every %s)",
+            metaserver.address,
+            data,
+            options.show_duration(evict_ms),
+            options.show_duration(interval_ms),
+        )
+        await wait_for_stop_signal()

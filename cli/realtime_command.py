@@ -1,0 +1,108 @@
+"""``delaymq realtime``: run a realtime server until Ctrl-C or SIGTERM.
+
+It logs the address it bound (``realtime server GROUP listening on HOST:PORT``)
+and registers with the metaserver given by ``--meta``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from delaymq.cli import options
+from delaymq.cli.serving import fail, run_server, wait_for_stop_signal
+from delaymq.realtime.server import open_realtime_server
+from delaymq.wheel.clock import SystemClock
+
+log = logging.getLogger("delaymq.realtime")
+
+
+def add_server_options(parser: argparse.ArgumentParser, *, group: str) -> None:
+    """The options every server process shares: where it listens, registers and keeps data."""
+    parser.add_argument(
+        "--listen",
+        type=options.listen_address,
+        default="127.0.0.1:0",
+        metavar="HOST:PORT",
+        help="address to listen on; port 0 picks a free one (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--meta",
+        type=options.address,
+        action="append",
+        metavar="HOST:PORT",
+        help="metaserver to register with; repeat for several (default: 127.0.0.1:20880)",
+    )
+    parser.add_argument("--data", type=Path, metavar="DIR", help="data folder (required; may come from --config)")
+    parser.add_argument("--group", default=group, help="server group name (default: %(default)s)")
+    parser.add_argument(
+        "--flush",
+        choices=("sync", "async"),
+        default="sync",
+        help="sync: answer after fsync (group commit); async: fsync every 100 ms (default: %(default)s)",
+    )
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "realtime",
+        help="run a realtime server: message, consume and pull logs; hands messages to consumers",
+        description=(
+            "Run a realtime server. It stores immediate messages (from producers and schedulers), "
+            "indexes them per subject and hands them to consumer groups."
+        ),
+    )
+    add_server_options(parser, group="realtime-1")
+    parser.add_argument(
+        "--dedup-window",
+        type=options.duration,
+        default="10m",
+        metavar="DURATION",
+        help="a message id seen again within this window is stored once (default: 10m)",
+    )
+    parser.add_argument(
+        "--ack-timeout",
+        type=options.duration,
+        default="60s",
+        metavar="DURATION",
+        help="a message pulled and not acked within this goes back to its group (default: 60s)",
+    )
+    parser.add_argument(
+        "--consumer-timeout",
+        type=options.duration,
+        default="30s",
+        metavar="DURATION",
+        help="a consumer silent this long loses what it holds to its group (default: 30s)",
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.data is None:
+        return fail('--data DIR is required (or data = "DIR" in the [realtime] table of --config)')
+    try:
+        settings = {
+            "dedup_window_ms": options.duration_ms(args.dedup_window),
+            "ack_timeout_ms": options.duration_ms(args.ack_timeout),
+            "consumer_timeout_ms": options.duration_ms(args.consumer_timeout),
+        }
+    except argparse.ArgumentTypeError as error:
+        return fail(str(error))
+    meta = args.meta or ["127.0.0.1:20880"]
+    what = f"realtime server {args.group} on {args.listen} with data {args.data}"
+    return run_server(_serve, args, meta, settings, what=what)
+
+
+async def _serve(args: argparse.Namespace, meta: list[str], settings: dict[str, int]) -> None:
+    async with open_realtime_server(
+        data_dir=args.data,
+        clock=SystemClock(),
+        listen=args.listen,
+        group=args.group,
+        meta_address=meta,
+        flush=args.flush,
+        **settings,
+    ) as server:
+        log.info("realtime server %s listening on %s (data %s, metaserver %s)", args.group, server.address, args.data, ", ".join(meta))
+        await wait_for_stop_signal()
