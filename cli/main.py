@@ -14,13 +14,31 @@ from importlib import metadata
 from pathlib import Path
 from typing import Sequence
 
-from delaymq.cli import admin_command, bench_command, metaserver_command, status_command
+from delaymq.cli import (
+    admin_command,
+    bench_command,
+    cluster_command,
+    consume_command,
+    metaserver_command,
+    realtime_command,
+    send_command,
+    status_command,
+)
 from delaymq.cli.config import ConfigError, apply_config, load_config
 
 log = logging.getLogger("delaymq")
 
 #: Modules that contribute a subcommand, in the order ``--help`` lists them.
-SUBCOMMANDS = [metaserver_command, status_command, admin_command, bench_command]
+SUBCOMMANDS = [
+    cluster_command,
+    metaserver_command,
+    realtime_command,
+    send_command,
+    consume_command,
+    status_command,
+    admin_command,
+    bench_command,
+]
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 

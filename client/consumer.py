@@ -1,0 +1,451 @@
+"""The consumer, for trio code: ``open_consumer(meta, subject, group=...)``, then iterate.
+
+One task pulls from each realtime group of the ``consumer`` route (long polls,
+so a message arrives as soon as it is stored), a task re-reads the route and
+starts or stops pullers as groups come and go, one sends acks and nacks in
+batches of ``[start, end)`` pull-log ranges, one sends CONSUMER_HEARTBEAT.
+The decisions (what to pull, the exact tag filter, flow control, ack ranges)
+are ``delaymq.client.delivery.ConsumerCore``'s, shared with the blocking twin.
+
+Example::
+
+    async with open_consumer("127.0.0.1:20880", "orders", group="billing", tags=["paid"]) as consumer:
+        async for message in consumer:
+            print(message.id, message.body)
+            await message.ack()
+
+    # or: handler returns -> ack; handler raises -> nack (and the error is logged)
+    async with open_consumer(meta, "orders", group="billing") as consumer:
+        await consumer.run(handle_order)
+
+When the block ends, messages held and not acked are nacked (the group gets
+them back at once) and the acks not sent yet are flushed.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+
+from delaymq.client.delivery import ConsumerCore, ConsumerStatistics, ReceivedMessage, Settlement
+from delaymq.client.producer import meta_addresses
+from delaymq.client.routes import RouteClient, RouteTable
+from delaymq.metaserver.routes import RouteAnswer
+from delaymq.protocol.commands import Command
+from delaymq.protocol.errors import PeerError, ProtocolError
+from delaymq.protocol.limits import DEFAULT_LIMITS, MiB, Limits
+from delaymq.protocol.transport import Peers, TransportError, open_peers
+from delaymq.wheel.clock import Clock, SystemClock
+
+log = logging.getLogger(__name__)
+
+CONSUMER_ROUTE = "consumer"
+#: Extra time a long poll's request is given beyond the poll itself.
+POLL_MARGIN = 10.0
+#: Error codes an ACK/NACK may get that retrying cannot fix: the ranges are dropped.
+_GIVE_UP_CODES = frozenset({"unknown_pull", "bad_value", "bad_request", "limit"})
+
+Handler = Callable[[ReceivedMessage], Awaitable[Any] | Any]
+
+
+class ConsumerFailed(Exception):
+    """A server refused this consumer's pulls in a way retrying cannot fix (see ``__cause__``)."""
+
+
+def is_retryable(error: Exception) -> bool:
+    """No answer, or a refusal another moment (or group) may not repeat."""
+    return RouteTable.is_retryable(error)
+
+
+def send_failure(settlement: Settlement, error: Exception) -> bool:
+    """Log a failed ACK/NACK; True when it is worth sending again."""
+    if isinstance(error, PeerError) and error.code in _GIVE_UP_CODES:
+        log.warning("group %s refused acks of consumer: %s (dropped)", settlement.group, error)
+        return False
+    log.info("acks to group %s at %s failed, will retry: %s", settlement.group, settlement.address, error)
+    return True
+
+
+class Consumer:
+    """Receives messages of one subject for one consumer group. Build it with ``open_consumer``."""
+
+    def __init__(
+        self,
+        core: ConsumerCore,
+        *,
+        routes: RouteClient,
+        peers: Peers,
+        clock: Clock,
+        heartbeat_interval: float,
+        route_refresh: float,
+        peers_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.core = core
+        self._peers_options = peers_options or {}
+        self.routes = routes
+        self._peers = peers
+        self._clock = clock
+        self._heartbeat_ms = round(heartbeat_interval * 1000)
+        self._route_ms = round(route_refresh * 1000)
+        self._send, self._receive = trio.open_memory_channel[ReceivedMessage](math.inf)
+        self._ready: deque[ReceivedMessage] = deque()  # taken from the channel, not handed out yet
+        self._room = trio.lowlevel.ParkingLot()  # pullers waiting for flow-control room
+        self._settle_wanted = trio.Event()
+        self._settle_lock = trio.Lock()
+        self._route_wanted = trio.Event()
+        self._pullers: dict[str, trio.CancelScope] = {}
+        self._nursery: trio.Nursery | None = None
+        self._failure: BaseException | None = None
+        self._stopped = False
+
+    # -- receiving --------------------------------------------------------------
+
+    def __aiter__(self) -> Consumer:
+        return self
+
+    async def __anext__(self) -> ReceivedMessage:
+        try:
+            return await self.receive()
+        except trio.EndOfChannel:
+            raise StopAsyncIteration from None
+
+    async def receive(self) -> ReceivedMessage:
+        """The next message; ``trio.EndOfChannel`` once closed, ``ConsumerFailed`` if refused.
+
+        Messages that arrived together are handed out with a full checkpoint
+        per arrival, not per message (a scheduler round per message would
+        cost more than everything else a message takes).
+        """
+        if self._ready:
+            await trio.lowlevel.checkpoint_if_cancelled()
+            if self._ready:
+                return self._ready.popleft()
+        batch = await self.receive_batch()
+        self._ready.extend(batch[1:])
+        return batch[0]
+
+    async def receive_batch(self, max_messages: int | None = None) -> list[ReceivedMessage]:
+        """Wait for a message, then take every one already here (up to ``max_messages``)."""
+        ready = self._ready
+        if ready:
+            await trio.lowlevel.checkpoint_if_cancelled()
+        else:
+            try:
+                ready.append(await self._receive.receive())
+            except (trio.EndOfChannel, trio.ClosedResourceError):
+                if self._failure is not None:
+                    raise ConsumerFailed(str(self._failure)) from self._failure
+                raise trio.EndOfChannel from None
+        limit = len(ready) + self._receive.statistics().current_buffer_used
+        if max_messages is not None:
+            limit = min(limit, max_messages)
+        batch = [ready.popleft() for _ in range(min(limit, len(ready)))]
+        while len(batch) < limit:
+            try:
+                batch.append(self._receive.receive_nowait())
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                break
+        return batch
+
+    async def ack(self, message: ReceivedMessage) -> None:
+        """Done with ``message`` (same as ``await message.ack()``); sent in the next ack batch."""
+        await self._settle(message, True)
+
+    async def nack(self, message: ReceivedMessage) -> None:
+        """Give ``message`` back to the group at once (same as ``await message.nack()``)."""
+        await self._settle(message, False)
+
+    async def _settle(self, message: ReceivedMessage, ack: bool) -> None:
+        # A local mark (the ack travels in the next batch), so no full checkpoint:
+        # yielding to the scheduler for every message would cost more than the rest.
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if self.core.settle(message, ack):
+            self._settle_wanted.set()
+            self._room.unpark_all()
+
+    async def run(self, handler: Handler, *, concurrency: int = 1) -> None:
+        """Hand every message to ``handler`` until stopped: it returns → ack, it raises → nack.
+
+        ``handler`` may be a coroutine function or a plain one. With
+        ``concurrency`` > 1 that many messages are handled at once.
+        """
+        if concurrency < 1:
+            raise ValueError(f"concurrency is {concurrency}, must be at least 1")
+        limit = trio.Semaphore(concurrency)
+
+        async def handle(message: ReceivedMessage) -> None:
+            try:
+                result = handler(message)
+                if inspect.isawaitable(result):
+                    await result
+            except Exception:
+                log.exception("handler failed on message %s (attempt %d); nacked", message.id, message.attempts)
+                await self.nack(message)
+            else:
+                await self.ack(message)
+            finally:
+                limit.release()
+
+        failure: ConsumerFailed | None = None
+        async with trio.open_nursery() as nursery:
+            try:
+                async for message in self:
+                    await limit.acquire()
+                    nursery.start_soon(handle, message)
+            except ConsumerFailed as error:
+                failure = error  # raised below, not inside an ExceptionGroup
+        if failure is not None:
+            raise failure
+
+    async def flush(self) -> bool:
+        """Send every ack and nack not sent yet; False if some could not be (they stay queued)."""
+        async with self._settle_lock:
+            return await self._settle_round(self._peers)
+
+    def stop(self) -> None:
+        """Pull no more: iteration (and ``run``) ends once the messages already received are handed out.
+
+        What is held and not acked when the ``open_consumer`` block ends goes back to the group.
+        """
+        self._stopped = True
+        for scope in self._pullers.values():
+            scope.cancel()
+        self._send.close()
+
+    def statistics(self) -> ConsumerStatistics:
+        return self.core.statistics()
+
+    # -- tasks --------------------------------------------------------------------
+
+    def _start(self, nursery: trio.Nursery, answer: RouteAnswer) -> None:
+        self._nursery = nursery
+        self._apply_route(answer)
+        nursery.start_soon(self._route_loop)
+        nursery.start_soon(self._settle_loop)
+        nursery.start_soon(self._heartbeat_loop)
+
+    async def _refresh_routes(self) -> None:
+        self._apply_route(await self.routes.groups(CONSUMER_ROUTE))
+
+    def _apply_route(self, answer: RouteAnswer) -> None:
+        if self._stopped:
+            return
+        started, stopped = self.core.update_route((group.group, group.address) for group in answer.groups)
+        for name in stopped:
+            log.info("consumer %s: group %s left the route; stop pulling it", self.core.consumer_id, name)
+            scope = self._pullers.pop(name, None)
+            if scope is not None:
+                scope.cancel()
+        assert self._nursery is not None
+        for name in started:
+            scope = self._pullers[name] = trio.CancelScope()
+            self._nursery.start_soon(self._pull_loop, name, scope)
+        if not self.core.links or not any(link.active for link in self.core.links.values()):
+            log.warning("consumer %s: no realtime group serves consumers yet; waiting", self.core.consumer_id)
+
+    async def _route_loop(self) -> None:
+        while True:
+            with trio.move_on_at(self._deadline(self._route_ms)):
+                await self._route_wanted.wait()
+            self._route_wanted = trio.Event()
+            try:
+                await self._refresh_routes()
+            except (TransportError, ProtocolError, LookupError) as error:
+                log.info("consumer %s: route refresh failed: %s", self.core.consumer_id, error)
+
+    def _deadline(self, ms: int) -> float:
+        return trio.current_time() + ms / 1000
+
+    async def _pull_loop(self, name: str, scope: trio.CancelScope) -> None:
+        core = self.core
+        timeout = core.poll_timeout_ms / 1000 + POLL_MARGIN
+        with scope:
+            while True:
+                request = core.pull_request(name)
+                if request is None:
+                    await self._room.park()
+                    continue
+                link = core.links[name]
+                try:
+                    frame = await self._peers.call(link.address, Command.PULL, request, timeout=timeout)
+                    messages = core.accept_pull(name, frame.metadata, frame.body, self._clock.now_ms(), self._settle)
+                except (PeerError, TransportError, ProtocolError) as error:
+                    if not is_retryable(error):
+                        self._fail(error)
+                        return
+                    backoff = core.pull_failed(name)
+                    log.info("consumer %s: pull from group %s failed (%s); retry in %d ms",
+                             core.consumer_id, name, error, backoff)  # fmt: skip
+                    self.routes.table.cache.invalidate(CONSUMER_ROUTE)
+                    self._route_wanted.set()
+                    await trio.sleep(backoff / 1000)
+                    continue
+                if core.has_pending():
+                    self._settle_wanted.set()
+                for message in messages:
+                    self._send.send_nowait(message)
+
+    def _fail(self, error: BaseException) -> None:
+        log.error("consumer %s stops: %s", self.core.consumer_id, error)
+        if self._failure is None:
+            self._failure = error
+        self.stop()
+
+    async def _settle_loop(self) -> None:
+        while True:
+            await self._settle_wanted.wait()
+            self._settle_wanted = trio.Event()
+            async with self._settle_lock:
+                done = await self._settle_round(self._peers)
+            if not done:
+                await trio.sleep(1.0)
+                self._settle_wanted.set()
+
+    async def _settle_round(self, peers: Peers) -> bool:
+        """Send what is pending to every group at once; True if all of it went."""
+        results: list[bool] = []
+
+        async def send(settlement: Settlement) -> None:
+            results.append(await self._send_settlement(settlement, peers))
+
+        async with trio.open_nursery() as nursery:
+            for settlement in self.core.take_pending():
+                nursery.start_soon(send, settlement)
+        return all(results)
+
+    async def _send_settlement(self, settlement: Settlement, peers: Peers) -> bool:
+        core = self.core
+        nacks, acks = list(settlement.nacks), list(settlement.acks)
+        try:
+            for command, ranges in ((Command.NACK, nacks), (Command.ACK, acks)):
+                while ranges:
+                    start, end = ranges[0]
+                    try:
+                        await peers.call(settlement.address, command, core.settle_metadata(start, end))
+                    except (PeerError, TransportError) as error:
+                        if send_failure(settlement, error):
+                            core.settle_failed(settlement, acks, nacks)
+                            return False
+                    ranges.pop(0)
+        except BaseException:  # cancelled: what was not confirmed is sent again (repeats are harmless)
+            core.settle_failed(settlement, acks, nacks)
+            raise
+        return True
+
+    async def _heartbeat_loop(self) -> None:
+        core = self.core
+        while True:
+            await trio.sleep_until(self._deadline(self._heartbeat_ms))
+
+            async def beat(name: str, address: str) -> None:
+                try:
+                    await self._peers.call(address, Command.CONSUMER_HEARTBEAT, core.heartbeat_metadata())
+                except (PeerError, TransportError) as error:
+                    log.debug("consumer %s: heartbeat to %s failed: %s", core.consumer_id, name, error)
+
+            async with trio.open_nursery() as nursery:
+                for name, address in core.heartbeat_targets():
+                    nursery.start_soon(beat, name, address)
+
+    async def _close(self, flush_timeout: float) -> None:
+        self.stop()
+        released = self.core.release_all()
+        if released:
+            log.info("consumer %s: gave back %d unacked message(s)", self.core.consumer_id, released)
+        # Fresh connections: when the consumer closes because its caller was
+        # cancelled, the tasks reading the old ones are cancelled too.
+        sent = False
+        with trio.move_on_after(flush_timeout):
+            async with self._settle_lock:
+                if self.core.has_pending():
+                    async with open_peers(**self._peers_options) as peers:
+                        sent = await self._settle_round(peers)
+                else:
+                    sent = True
+        if not sent:
+            log.warning("consumer %s: some acks could not be sent before closing", self.core.consumer_id)
+
+
+@asynccontextmanager
+async def open_consumer(
+    meta: str | Sequence[str],
+    subject: str,
+    *,
+    group: str,
+    tags: Iterable[str] = (),
+    broadcast: bool = False,
+    start: str = "latest",
+    max_messages_held: int = 1000,
+    max_bytes_held: int = 64 * MiB,
+    pull_batch: int = 100,
+    poll_timeout: float = 30.0,
+    consumer_id: str | None = None,
+    heartbeat_interval: float = 5.0,
+    route_refresh: float = 10.0,
+    flush_timeout: float = 5.0,
+    clock: Clock | None = None,
+    limits: Limits = DEFAULT_LIMITS,
+    connect_timeout: float = 5.0,
+    request_timeout: float = 10.0,
+) -> AsyncIterator[Consumer]:
+    """A consumer of ``subject`` in consumer group ``group``, pulling until the block ends.
+
+    ``tags``: receive only messages carrying one of them. ``broadcast``: this
+    consumer gets every message (its own read position) instead of sharing
+    the group's. ``start``: where a new group begins, ``"latest"`` (messages
+    stored from now on) or ``"earliest"``. Pulls stop while
+    ``max_messages_held`` messages or ``max_bytes_held`` body bytes are held
+    (received, not acked or nacked). ``consumer_id`` names this consumer to
+    the servers (default: host-pid-random); reuse one to take over what an
+    earlier run held. Raises ``NoRouteError`` when no metaserver answers.
+    """
+    core = ConsumerCore(
+        subject,
+        group=group,
+        consumer_id=consumer_id,
+        tags=tags,
+        broadcast=broadcast,
+        start=start,
+        max_messages_held=max_messages_held,
+        max_bytes_held=max_bytes_held,
+        pull_batch=pull_batch,
+        poll_timeout_ms=round(poll_timeout * 1000),
+        limits=limits,
+    )
+    addresses = meta_addresses(meta)
+    clock = clock if clock is not None else SystemClock()
+    async with open_peers(limits=limits, connect_timeout=connect_timeout, request_timeout=request_timeout) as peers:
+        routes = RouteClient(peers, addresses, clock=clock, refresh_interval_ms=round(route_refresh * 1000))
+        consumer = Consumer(
+            core,
+            routes=routes,
+            peers=peers,
+            clock=clock,
+            heartbeat_interval=heartbeat_interval,
+            route_refresh=route_refresh,
+            peers_options={"limits": limits, "connect_timeout": connect_timeout, "request_timeout": request_timeout},
+        )
+        answer = await routes.groups(CONSUMER_ROUTE)  # before the nursery: errors stay unwrapped
+        body_error: Exception | None = None
+        async with trio.open_nursery() as nursery:
+            consumer._start(nursery, answer)
+            try:
+                yield consumer
+            except Exception as error:
+                body_error = error  # raised below, not inside an ExceptionGroup
+            finally:
+                with trio.CancelScope(shield=True):
+                    await consumer._close(flush_timeout)
+                nursery.cancel_scope.cancel()
+        if body_error is not None:
+            raise body_error
+
+
+__all__ = ["CONSUMER_ROUTE", "Consumer", "ConsumerFailed", "Handler", "open_consumer"]

@@ -1,0 +1,336 @@
+"""The producer's sans-IO core: build and check messages, and pack batches into frames.
+
+Everything a ``Producer`` (trio) and a ``BlockingProducer`` decide before any
+byte leaves the process lives here, fed the time in epoch milliseconds:
+
+- ``delivery_time`` turns ``delay=`` / ``at=`` into an absolute ``deliver_at``;
+- ``build_message`` makes a checked ``Message`` with a client-side id, so a
+  batch refused by one server group and sent again to another carries the
+  same ids (servers drop an id they already stored);
+- ``plan_frames`` encodes a batch (every record checked, the horizon too),
+  splits it by route (immediate → realtime SEND, delayed → scheduler
+  SCHEDULE) and packs each route's records into frames under the size limits.
+
+A refusal is a ``LocalProtocolError`` naming the field and the limit broken,
+and, for a batch, the message's ``index``; nothing is sent then.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from delaymq.protocol.commands import Command
+from delaymq.protocol.errors import LocalProtocolError, RemoteProtocolError
+from delaymq.protocol.limits import DEFAULT_LIMITS, MiB, Limits
+from delaymq.protocol.records import Message, encode_message, new_message_id
+
+#: Route of messages due now (a realtime group), and of messages due later (a scheduler).
+IMMEDIATE_ROUTE = "immediate-producer"
+DELAYED_ROUTE = "delayed-producer"
+#: Room kept in a frame for its header and metadata.
+FRAME_RESERVE = 64 * 1024
+DEFAULT_BATCH_BYTES = 4 * MiB
+DEFAULT_BATCH_MESSAGES = 1000
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_MS = timedelta(milliseconds=1)
+_DAY_MS = 86_400_000
+
+#: What ``delay=`` takes: seconds, or a timedelta.
+Delay = float | int | timedelta
+#: What ``at=`` takes: an aware datetime, or epoch milliseconds.
+At = datetime | int
+
+
+def iso(ms: int) -> str:
+    """Epoch ms as ISO 8601 UTC text, for messages and output."""
+    try:
+        return (_EPOCH + ms * _MS).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    except OverflowError:
+        return f"epoch ms {ms}"
+
+
+def delivery_time(*, delay: Delay | None = None, at: At | None = None, now_ms: int) -> int | None:
+    """The ``deliver_at`` that ``delay``/``at`` ask for; None when neither is given.
+
+    ``delay`` is seconds (int or float) or a ``timedelta``, rounded up to the
+    millisecond (a delay queue must never deliver early); ``at`` is a
+    timezone-aware ``datetime`` or epoch milliseconds. A naive datetime is
+    refused: its meaning depends on the machine's local time.
+    """
+    if delay is not None and at is not None:
+        raise LocalProtocolError("give delay or at, not both", code="bad_value", field="at")
+    if delay is not None:
+        return now_ms + _delay_ms(delay)
+    if at is not None:
+        return _at_ms(at)
+    return None
+
+
+def _delay_ms(delay: Delay) -> int:
+    if isinstance(delay, timedelta):
+        ms = -(-delay // _MS)  # ceil
+    elif isinstance(delay, int | float) and not isinstance(delay, bool):
+        if not math.isfinite(delay):
+            raise LocalProtocolError(
+                f"delay is {delay!r}, not a finite number of seconds", code="bad_value", field="delay"
+            )
+        ms = math.ceil(delay * 1000)
+    else:
+        raise LocalProtocolError(
+            f"delay is of type {type(delay).__name__}; give seconds (int or float) or a timedelta",
+            code="bad_value",
+            field="delay",
+        )
+    if ms < 0:
+        raise LocalProtocolError(f"delay is {delay!r}; it must be zero or more", code="limit", field="delay", limit=0)
+    return ms
+
+
+def _at_ms(at: At) -> int:
+    if isinstance(at, datetime):
+        if at.tzinfo is None or at.utcoffset() is None:
+            raise LocalProtocolError(
+                f"at is the naive datetime {at.isoformat()}; give a timezone "
+                "(e.g. tzinfo=timezone.utc) so the moment does not depend on this machine's local time",
+                code="bad_value",
+                field="at",
+            )
+        return (at - _EPOCH) // _MS
+    if isinstance(at, int) and not isinstance(at, bool):
+        return at
+    raise LocalProtocolError(
+        f"at is of type {type(at).__name__}; give an aware datetime or epoch milliseconds (int)",
+        code="bad_value",
+        field="at",
+    )
+
+
+def check_horizon(deliver_at: int, now_ms: int, limits: Limits) -> None:
+    """Refuse a ``deliver_at`` further ahead than ``limits.horizon_ms`` (never clamp it)."""
+    ahead = deliver_at - now_ms
+    if ahead > limits.horizon_ms:
+        raise LocalProtocolError(
+            f"deliver_at {iso(deliver_at)} is {ahead / _DAY_MS:.1f} days ahead; the horizon is "
+            f"{limits.horizon_ms / _DAY_MS:g} days (horizon_ms {limits.horizon_ms})",
+            code="horizon",
+            field="deliver_at",
+            limit=limits.horizon_ms,
+        )
+
+
+def build_message(
+    subject: str,
+    body: bytes | str = b"",
+    *,
+    tags: Iterable[str] = (),
+    properties: Mapping[str, Any] | None = None,
+    id: str | None = None,
+    delay: Delay | None = None,
+    at: At | None = None,
+    now_ms: int,
+    limits: Limits = DEFAULT_LIMITS,
+    check: bool = True,
+) -> Message:
+    """A checked message: id made here unless given, ``created_at`` now, ``deliver_at`` resolved.
+
+    A message due now gets ``deliver_at = now`` (or the past ``at`` asked for),
+    so a consumer can tell how late it arrived. A ``str`` body is sent as UTF-8.
+    ``check=False`` leaves the field checks to ``plan_frames`` (which encodes
+    anyway), so a message sent at once is encoded only once.
+    """
+    if isinstance(body, str):
+        body = body.encode()
+    if isinstance(tags, str):
+        raise LocalProtocolError("tags is a str, not a sequence of str", code="bad_value", field="tags")
+    deliver_at = delivery_time(delay=delay, at=at, now_ms=now_ms)
+    if deliver_at is None:
+        deliver_at = now_ms
+    message = Message(
+        new_message_id(now_ms) if id is None else id,
+        subject,
+        tags=tuple(tags),
+        # A non-mapping is left for encode() to refuse, naming the field.
+        properties=dict(properties) if isinstance(properties, Mapping) else (properties or {}),  # type: ignore
+        body=body,
+        deliver_at=deliver_at,
+        created_at=now_ms,
+    )
+    check_horizon(deliver_at, now_ms, limits)
+    if check:
+        message.encode(limits)  # every field and limit checked now, not at send time
+    return message
+
+
+# --------------------------------------------------------------------- frames
+
+
+@dataclass(frozen=True, slots=True)
+class OutgoingFrame:
+    """One request to send: a batch body for one route, and which messages it holds."""
+
+    route: str
+    command: Command
+    body: bytes
+    indexes: tuple[int, ...]  # positions of its records in the caller's batch
+
+    def __len__(self) -> int:
+        return len(self.indexes)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchPlan:
+    """A checked batch: the id of every message, in order, and the frames carrying them."""
+
+    ids: list[str]
+    frames: list[OutgoingFrame]
+
+
+def plan_frames(
+    messages: Sequence[Message],
+    *,
+    now_ms: int,
+    limits: Limits = DEFAULT_LIMITS,
+    max_bytes: int = DEFAULT_BATCH_BYTES,
+    max_messages: int = DEFAULT_BATCH_MESSAGES,
+) -> BatchPlan:
+    """Encode and check every message, split by route, pack into frames.
+
+    A message with an empty id gets a fresh one, one with ``created_at == 0``
+    gets ``now``. ``deliver_at > now`` goes to the scheduler, anything else to
+    a realtime group. Frames hold at most ``max_messages`` records and
+    ``max_bytes`` bytes (and always fit ``limits.max_frame``); a record larger
+    than ``max_bytes`` travels alone. Order within a route is kept.
+    """
+    if max_messages < 1:
+        raise ValueError(f"max_messages is {max_messages}, must be at least 1")
+    if max_bytes < 1:
+        raise ValueError(f"max_bytes is {max_bytes}, must be at least 1")
+    frame_bytes = min(max_bytes, max(1, limits.max_frame - FRAME_RESERVE))
+    ids: list[str] = []
+    packers = {
+        IMMEDIATE_ROUTE: _Packer(IMMEDIATE_ROUTE, Command.SEND),
+        DELAYED_ROUTE: _Packer(DELAYED_ROUTE, Command.SCHEDULE),
+    }
+    frames: list[OutgoingFrame] = []
+    for index, message in enumerate(messages):
+        try:
+            if not isinstance(message, Message):
+                raise LocalProtocolError(
+                    f"is of type {type(message).__name__}, not Message (build one with producer.message(...))",
+                    code="bad_value",
+                    field="messages",
+                )
+            if not message.id or not message.created_at:
+                message = replace(
+                    message,
+                    id=message.id or new_message_id(now_ms),
+                    created_at=message.created_at or now_ms,
+                )
+            check_horizon(message.deliver_at, now_ms, limits)
+            record = encode_message(
+                message.id,
+                message.subject,
+                tags=message.tags,
+                properties=message.properties or None,
+                body=message.body,
+                deliver_at=message.deliver_at,
+                created_at=message.created_at,
+                attempts=message.attempts,
+                limits=limits,
+            )
+        except LocalProtocolError as error:
+            error.index = index
+            error.message = f"messages[{index}]: {error.message}"
+            error.args = (error.message,)
+            raise
+        if len(record) > limits.max_frame - FRAME_RESERVE:
+            raise LocalProtocolError(
+                f"messages[{index}]: the record is {len(record)} bytes; a frame holds at most "
+                f"{limits.max_frame - FRAME_RESERVE} (max_frame {limits.max_frame})",
+                code="limit",
+                field="max_frame",
+                limit=limits.max_frame,
+                index=index,
+            )
+        ids.append(message.id)
+        packer = packers[DELAYED_ROUTE if message.deliver_at > now_ms else IMMEDIATE_ROUTE]
+        frame = packer.add(index, record, frame_bytes, max_messages)
+        if frame is not None:
+            frames.append(frame)
+    for packer in packers.values():
+        frame = packer.flush()
+        if frame is not None:
+            frames.append(frame)
+    return BatchPlan(ids, frames)
+
+
+class _Packer:
+    """Records of one route, cut into frames as they fill."""
+
+    __slots__ = ("route", "command", "records", "indexes", "size")
+
+    def __init__(self, route: str, command: Command) -> None:
+        self.route = route
+        self.command = command
+        self.records: list[bytes] = []
+        self.indexes: list[int] = []
+        self.size = 0
+
+    def add(self, index: int, record: bytes, max_bytes: int, max_messages: int) -> OutgoingFrame | None:
+        full = None
+        if self.records and (self.size + len(record) > max_bytes or len(self.records) >= max_messages):
+            full = self.flush()
+        self.records.append(record)
+        self.indexes.append(index)
+        self.size += len(record)
+        return full
+
+    def flush(self) -> OutgoingFrame | None:
+        if not self.records:
+            return None
+        frame = OutgoingFrame(self.route, self.command, b"".join(self.records), tuple(self.indexes))
+        self.records, self.indexes, self.size = [], [], 0
+        return frame
+
+
+def check_results(frame: OutgoingFrame, metadata: Mapping[str, Any]) -> list[str]:
+    """The per-record results of a SEND/SCHEDULE answer, checked against the frame sent."""
+    results = metadata.get("results")
+    if not isinstance(results, list) or len(results) != len(frame) or not all(isinstance(r, str) for r in results):
+        raise RemoteProtocolError(
+            f"{frame.command.name} answer 'results' should be a list of {len(frame)} strings, "
+            f"got {results!r:.200}",
+            code="bad_metadata",
+            field="results",
+        )
+    return results
+
+
+def with_batch_index(error: Exception, frame: OutgoingFrame) -> Exception:
+    """A refusal naming a record of the frame, renumbered to the caller's batch."""
+    index = getattr(error, "index", None)
+    if isinstance(index, int) and 0 <= index < len(frame.indexes):
+        error.index = frame.indexes[index]  # type: ignore[attr-defined]
+    return error
+
+
+__all__ = [
+    "DELAYED_ROUTE",
+    "IMMEDIATE_ROUTE",
+    "At",
+    "BatchPlan",
+    "Delay",
+    "OutgoingFrame",
+    "build_message",
+    "check_horizon",
+    "check_results",
+    "delivery_time",
+    "iso",
+    "plan_frames",
+    "with_batch_index",
+]
