@@ -169,6 +169,9 @@ class FrameServer:
                 data = await stream.receive_some(RECEIVE_SIZE)
                 try:
                     if not data:
+                        # The peer is gone: its answers cannot be delivered, so a
+                        # long poll must not go on holding what it would hand out.
+                        nursery.cancel_scope.cancel()
                         decoder.end_of_stream()
                         break
                     decoder.feed(data)

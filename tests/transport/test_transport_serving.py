@@ -237,3 +237,32 @@ async def test_blocking_twin_speaks_the_same_protocol() -> None:
         result = await trio.to_thread.run_sync(blocking_client)
         assert result == [{"echo": 1}, b"abc", "bad_request", {"echo": 2}, True, {"echo": 3}]
         nursery.cancel_scope.cancel()
+
+
+async def test_a_closed_connection_cancels_its_waiting_handlers() -> None:
+    cancelled = trio.Event()
+    entered = trio.Event()
+
+    async def long_poll(req: Request) -> dict:
+        try:
+            entered.set()
+            await trio.sleep_forever()
+        finally:
+            cancelled.set()
+
+    server = FrameServer({Command.PULL: long_poll})
+    async with trio.open_nursery() as nursery:
+        address = await nursery.start(server.serve)
+        async with open_peers() as peers:
+
+            async def waiting_consumer() -> None:
+                with pytest.raises(PeerUnavailable):
+                    await peers.call(address, Command.PULL, timeout=600)
+
+            nursery.start_soon(waiting_consumer)
+            await entered.wait()
+        # open_peers closed the connection; the server notices and cancels the poll.
+        with trio.fail_after(10):  # a guard against hanging, not a synchronisation
+            await cancelled.wait()
+        assert server.statistics().connections_open == 0
+        nursery.cancel_scope.cancel()
