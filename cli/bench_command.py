@@ -18,6 +18,7 @@ SUITES: dict[str, tuple[str, str, bool]] = {
     "codec": ("delaymq.protocol.bench", "bench_codec", False),
     "log": ("delaymq.storage.bench", "bench_log_append", True),
     "realtime": ("delaymq.cli.bench_cluster", "bench_realtime", True),
+    "delay": ("delaymq.cli.bench_cluster", "bench_delay", True),
 }
 
 

@@ -1,6 +1,6 @@
 """``delaymq cluster``: the all-in-one local cluster, one process on loopback.
 
-A metaserver, a realtime server and (with the delay path) a scheduler, each
+A metaserver, a realtime server and a scheduler, each
 with its own folder under ``--data``; the embedded default a new user starts
 with (``make run``). Stops cleanly on Ctrl-C or SIGTERM.
 """
@@ -16,6 +16,7 @@ from delaymq.cli import options
 from delaymq.cli.serving import fail, run_server, wait_for_stop_signal
 from delaymq.metaserver.server import open_metaserver
 from delaymq.realtime.server import open_realtime_server
+from delaymq.scheduler.server import open_scheduler
 from delaymq.wheel.clock import SystemClock
 
 log = logging.getLogger("delaymq.cluster")
@@ -63,8 +64,12 @@ async def _serve(args: argparse.Namespace) -> None:
                 data_dir=data / "realtime-1", clock=clock, meta_address=meta.address, flush=args.flush
             )
         )
+        scheduler = await stack.enter_async_context(
+            open_scheduler(data_dir=data / "scheduler-1", clock=clock, meta_address=meta.address, flush=args.flush)
+        )
         print(f"metaserver  {meta.address}", flush=True)
         print(f"realtime    {realtime.address}  (group {realtime.group})", flush=True)
+        print(f"scheduler   {scheduler.address}  (group {scheduler.group})", flush=True)
         print(f"data        {data.resolve()}", flush=True)
         print(f"try: delaymq send --meta {meta.address} demo hello", flush=True)
         print("Ctrl-C stops the cluster.", flush=True)

@@ -21,6 +21,7 @@ from delaymq.cli import (
     consume_command,
     metaserver_command,
     realtime_command,
+    scheduler_command,
     send_command,
     status_command,
 )
@@ -33,6 +34,7 @@ SUBCOMMANDS = [
     cluster_command,
     metaserver_command,
     realtime_command,
+    scheduler_command,
     send_command,
     consume_command,
     status_command,

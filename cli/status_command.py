@@ -1,4 +1,8 @@
-"""``delaymq status``: the metaserver's view of every server, as a table or JSON."""
+"""``delaymq status``: the metaserver's view of every server, as a table or JSON.
+
+Each scheduler the metaserver knows (and has not evicted) is asked for its own
+STATUS: its tick and the pending count of each hour with messages still to deliver.
+"""
 
 from __future__ import annotations
 
@@ -41,7 +45,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_meta_option(parser)
     parser.add_argument("--json", action="store_true", help="print the answer as JSON")
+    parser.add_argument(
+        "--hours",
+        type=_hour_count,
+        default=24,
+        metavar="N",
+        help="list each scheduler's first N hours with messages to deliver (default: %(default)s)",
+    )
     parser.set_defaults(func=run)
+
+
+def _hour_count(text: str) -> int:
+    if not text.strip().isdigit() or not 1 <= int(text) <= 20_000:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of hours from 1 to 20000")
+    return int(text)
 
 
 def ask_metaserver(
@@ -65,11 +82,58 @@ def run(args: argparse.Namespace) -> int:
     answer = ask_metaserver("status", args, Command.STATUS, {})
     if answer is None:
         return 1
+    schedulers = ask_schedulers(args, answer.get("rows") or [])
     if args.json:
-        print(json.dumps({"metaserver": args.meta, **answer}, indent=2, sort_keys=True))
+        print(json.dumps({"metaserver": args.meta, **answer, "schedulers": schedulers}, indent=2, sort_keys=True))
         return 0
     print(format_table(args.meta, answer))
+    for row in answer.get("rows") or []:
+        key = f"{row['group']} {row['address']}"
+        if key in schedulers:
+            print(format_scheduler(row["group"], row["address"], schedulers[key]))
     return 0
+
+
+def ask_schedulers(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each live scheduler's STATUS answer (or ``{"error": ...}``), keyed "GROUP ADDRESS"."""
+    wanted = [row for row in rows if row.get("kind") == "scheduler" and not row.get("evicted")]
+    if not wanted:
+        return {}
+    answers: dict[str, dict[str, Any]] = {}
+    timeout = options.duration_ms(args.timeout) / 1000
+    with BlockingPeers(connect_timeout=timeout, request_timeout=timeout) as peers:
+        for row in wanted:
+            key = f"{row['group']} {row['address']}"
+            try:
+                answers[key] = peers.call(row["address"], Command.STATUS, {"hours": args.hours}).metadata
+            except (TransportError, ProtocolError) as error:
+                answers[key] = {"error": str(error)}
+    return answers
+
+
+def format_scheduler(group: str, address: str, answer: dict[str, Any]) -> str:
+    """A scheduler's tick and pending hours, for people."""
+    head = f"scheduler {group} at {address}"
+    if "error" in answer:
+        return f"{head}: no status ({answer['error']})"
+    tick = answer.get("tick") or {}
+    stats = answer.get("statistics") or {}
+    second = int(tick.get("second", 0))
+    clock = f"{second // 3600 % 24:02d}:{second // 60 % 60:02d}:{second % 60:02d}"
+    lines = [
+        f"{head}: tick {tick.get('hour', '?')} {clock} UTC (+{tick.get('done', 0)} done), "
+        f"{stats.get('pending', '?')} pending, {stats.get('dispatched', '?')} dispatched, "
+        f"lateness max {stats.get('lateness_max_ms', '?')} ms"
+    ]
+    hours = answer.get("hours") or []
+    if not hours:
+        lines.append("  no messages to deliver")
+        return "\n".join(lines)
+    lines.append("  HOUR (UTC)  PENDING")
+    for hour in hours:
+        note = "  overdue" if hour.get("overdue") else ""
+        lines.append(f"  {hour['name']}  {hour['pending']:>7}{note}")
+    return "\n".join(lines)
 
 
 def format_table(meta: str, answer: dict[str, Any]) -> str:

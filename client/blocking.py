@@ -15,7 +15,9 @@ Example::
             consumer.ack(message)  # or message.ack()
 
 The consumer runs a thread per realtime group that pulls (each with its own
-connection, so a long poll never holds up an ack) and one housekeeping thread
+connection, so a long poll never holds up an ack), one more per group for the
+group's retry subject (where nacked messages come back after their retry
+delay; see ``open_consumer``), and one housekeeping thread
 that sends acks in batches, heartbeats and re-reads the route. Blocking
 sockets cannot be woken, so ``close()`` waits for the pulls in flight; pulls
 therefore poll in short rounds (``poll_timeout``, default 1 s).
@@ -28,12 +30,14 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from datetime import timedelta
 from typing import Any
 
 from delaymq.client.consumer import CONSUMER_ROUTE, POLL_MARGIN, ConsumerFailed, is_retryable, send_failure
 from delaymq.client.delivery import ConsumerCore, ConsumerStatistics, ReceivedMessage, Settlement
 from delaymq.client.messages import DEFAULT_BATCH_BYTES, DEFAULT_BATCH_MESSAGES, At, BatchPlan, Delay, with_batch_index
 from delaymq.client.producer import DEFAULT_META, ProducerCore, ProducerStatistics, meta_addresses
+from delaymq.client.retry import DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_DELAYS
 from delaymq.client.routes import BlockingRouteClient
 from delaymq.metaserver.routes import RouteAnswer
 from delaymq.protocol.blocking import BlockingPeers
@@ -124,7 +128,10 @@ class BlockingProducer(ProducerCore):
 
 
 class BlockingConsumer:
-    """``Consumer`` for plain code. Starts pulling on ``start()``, ``with`` or the first receive."""
+    """``Consumer`` for plain code. Starts pulling on ``start()``, ``with`` or the first receive.
+
+    Takes the options of ``open_consumer`` (``retry_delays`` and ``max_attempts`` too).
+    """
 
     def __init__(
         self,
@@ -139,6 +146,8 @@ class BlockingConsumer:
         max_bytes_held: int = 64 * MiB,
         pull_batch: int = 100,
         poll_timeout: float = 1.0,
+        retry_delays: Sequence[float | timedelta] = DEFAULT_RETRY_DELAYS,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         consumer_id: str | None = None,
         heartbeat_interval: float = 5.0,
         route_refresh: float = 10.0,
@@ -158,6 +167,8 @@ class BlockingConsumer:
             max_bytes_held=max_bytes_held,
             pull_batch=pull_batch,
             poll_timeout_ms=round(poll_timeout * 1000),
+            retry_delays=retry_delays,
+            max_attempts=max_attempts,
             limits=limits,
         )
         self._clock = clock if clock is not None else SystemClock()
@@ -174,7 +185,7 @@ class BlockingConsumer:
         self._settle_lock = threading.Lock()  # one settle round at a time
         self._queue: queue.SimpleQueue[ReceivedMessage | None] = queue.SimpleQueue()
         self._stop = threading.Event()
-        self._pullers: dict[str, threading.Thread] = {}
+        self._pullers: dict[tuple[str, bool], threading.Thread] = {}  # (group, retry subject?)
         self._housekeeper: threading.Thread | None = None
         self._failure: BaseException | None = None
         self._started = False
@@ -257,7 +268,7 @@ class BlockingConsumer:
         self._settle(message, True)
 
     def nack(self, message: ReceivedMessage) -> None:
-        """Give ``message`` back to the group at once (same as ``message.nack()``)."""
+        """Not done with ``message`` (same as ``message.nack()``): retried after a delay, or dead."""
         self._settle(message, False)
 
     def _settle(self, message: ReceivedMessage, ack: bool) -> None:
@@ -303,16 +314,19 @@ class BlockingConsumer:
         with self._lock:
             active = [name for name, link in self.core.links.items() if link.active]
         for name in active:
-            old = self._pullers.get(name)
-            if old is not None and old.is_alive():
-                continue  # pulling (or finishing its last poll; it sees the group active again)
-            thread = threading.Thread(target=self._pull, args=(name,), name=f"delaymq-pull-{name}", daemon=True)
-            self._pullers[name] = thread
-            thread.start()
+            for lane in self.core.lanes:
+                old = self._pullers.get((name, lane))
+                if old is not None and old.is_alive():
+                    continue  # pulling (or finishing its last poll; it sees the group active again)
+                thread_name = f"delaymq-pull-{name}{'-retry' if lane else ''}"
+                thread = threading.Thread(target=self._pull, args=(name, lane), name=thread_name, daemon=True)
+                self._pullers[(name, lane)] = thread
+                thread.start()
         if not any(link.active for link in self.core.links.values()):
             log.warning("consumer %s: no realtime group serves consumers yet; waiting", self.core.consumer_id)
 
-    def _pull(self, name: str) -> None:
+    def _pull(self, name: str, retry: bool) -> None:
+        """Pull one subject (``retry``: the group's retry subject) from one group."""
         core = self.core
         timeout = core.poll_timeout_ms / 1000 + POLL_MARGIN
         with BlockingPeers(
@@ -324,7 +338,7 @@ class BlockingConsumer:
                         link = core.links[name]
                         if self._stop.is_set() or not link.active:
                             return
-                        request = core.pull_request(name)
+                        request = core.pull_request(name, retry=retry)
                         if request is not None:
                             break
                         self._lock.wait()
@@ -333,7 +347,7 @@ class BlockingConsumer:
                     frame = peers.call(address, Command.PULL, request, timeout=timeout)
                     with self._lock:
                         now = self._clock.now_ms()
-                        messages = core.accept_pull(name, frame.metadata, frame.body, now, self._settle)
+                        messages = core.accept_pull(name, frame.metadata, frame.body, now, self._settle, retry=retry)
                         if core.has_pending():
                             self._lock.notify_all()
                 except (PeerError, TransportError, ProtocolError) as error:
@@ -341,9 +355,9 @@ class BlockingConsumer:
                         self._fail(error)
                         return
                     with self._lock:
-                        backoff = core.pull_failed(name)
-                    log.info("consumer %s: pull from group %s failed (%s); retry in %d ms",
-                             core.consumer_id, name, error, backoff)  # fmt: skip
+                        backoff = core.pull_failed(name, retry=retry)
+                    log.info("consumer %s: pull of %s from group %s failed (%s); retry in %d ms",
+                             core.consumer_id, request["subject"], name, error, backoff)  # fmt: skip
                     self._stop.wait(backoff / 1000)
                     continue
                 for message in messages:
@@ -401,18 +415,18 @@ class BlockingConsumer:
 
     def _send_settlement(self, settlement: Settlement) -> bool:
         core = self.core
-        nacks, acks = list(settlement.nacks), list(settlement.acks)
-        for command, ranges in ((Command.NACK, nacks), (Command.ACK, acks)):
-            while ranges:
-                start, end = ranges[0]
-                try:
-                    self._control.call(settlement.address, command, core.settle_metadata(start, end))
-                except (PeerError, TransportError) as error:
-                    if send_failure(settlement, error):
-                        with self._lock:
-                            core.settle_failed(settlement, acks, nacks)
-                        return False
-                ranges.pop(0)
+        unsent = settlement.requests()
+        while unsent:
+            request = unsent[0]
+            command = Command.ACK if request.ack else Command.NACK
+            try:
+                self._control.call(settlement.address, command, core.settle_metadata(settlement, request))
+            except (PeerError, TransportError) as error:
+                if send_failure(settlement, error):
+                    with self._lock:
+                        core.settle_failed(settlement, unsent)
+                    return False
+            unsent.pop(0)
         return True
 
 

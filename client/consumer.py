@@ -1,7 +1,9 @@
 """The consumer, for trio code: ``open_consumer(meta, subject, group=...)``, then iterate.
 
 One task pulls from each realtime group of the ``consumer`` route (long polls,
-so a message arrives as soon as it is stored), a task re-reads the route and
+so a message arrives as soon as it is stored), and one more the group's retry
+subject there (``%retry%<group>%<subject>``, where nacked messages come back
+after their delay; see ``delaymq.client.retry``), a task re-reads the route and
 starts or stops pullers as groups come and go, one sends acks and nacks in
 batches of ``[start, end)`` pull-log ranges, one sends CONSUMER_HEARTBEAT.
 The decisions (what to pull, the exact tag filter, flow control, ack ranges)
@@ -15,11 +17,14 @@ Example::
             await message.ack()
 
     # or: handler returns -> ack; handler raises -> nack (and the error is logged)
-    async with open_consumer(meta, "orders", group="billing") as consumer:
+    async with open_consumer(meta, "orders", group="billing", retry_delays=(1, 10, 60), max_attempts=5) as consumer:
         await consumer.run(handle_order)
 
-When the block ends, messages held and not acked are nacked (the group gets
-them back at once) and the acks not sent yet are flushed.
+A nacked message comes back after the next of ``retry_delays`` (the last one
+repeats), with ``attempts`` one higher; the nack of its ``max_attempts``-th
+delivery sends it to ``%dead%<group>%<subject>`` instead, a subject like any
+other. When the block ends, messages held and not settled are given back to the
+group at once (no retry delay) and the acks not sent yet are flushed.
 """
 
 from __future__ import annotations
@@ -30,12 +35,14 @@ import math
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
+from datetime import timedelta
 from typing import Any
 
 import trio
 
 from delaymq.client.delivery import ConsumerCore, ConsumerStatistics, ReceivedMessage, Settlement
 from delaymq.client.producer import meta_addresses
+from delaymq.client.retry import DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_DELAYS
 from delaymq.client.routes import RouteClient, RouteTable
 from delaymq.metaserver.routes import RouteAnswer
 from delaymq.protocol.commands import Command
@@ -100,7 +107,7 @@ class Consumer:
         self._settle_wanted = trio.Event()
         self._settle_lock = trio.Lock()
         self._route_wanted = trio.Event()
-        self._pullers: dict[str, trio.CancelScope] = {}
+        self._pullers: dict[tuple[str, bool], trio.CancelScope] = {}  # (group, retry subject?)
         self._nursery: trio.Nursery | None = None
         self._failure: BaseException | None = None
         self._stopped = False
@@ -159,7 +166,11 @@ class Consumer:
         await self._settle(message, True)
 
     async def nack(self, message: ReceivedMessage) -> None:
-        """Give ``message`` back to the group at once (same as ``await message.nack()``)."""
+        """Not done with ``message`` (same as ``await message.nack()``): it is retried later, or dead.
+
+        It comes back after the retry delay for its ``attempts``, or goes to the
+        dead-letter subject after the last attempt (see ``open_consumer``).
+        """
         await self._settle(message, False)
 
     async def _settle(self, message: ReceivedMessage, ack: bool) -> None:
@@ -240,13 +251,15 @@ class Consumer:
         started, stopped = self.core.update_route((group.group, group.address) for group in answer.groups)
         for name in stopped:
             log.info("consumer %s: group %s left the route; stop pulling it", self.core.consumer_id, name)
-            scope = self._pullers.pop(name, None)
-            if scope is not None:
-                scope.cancel()
+            for lane in self.core.lanes:
+                scope = self._pullers.pop((name, lane), None)
+                if scope is not None:
+                    scope.cancel()
         assert self._nursery is not None
         for name in started:
-            scope = self._pullers[name] = trio.CancelScope()
-            self._nursery.start_soon(self._pull_loop, name, scope)
+            for lane in self.core.lanes:
+                scope = self._pullers[(name, lane)] = trio.CancelScope()
+                self._nursery.start_soon(self._pull_loop, name, lane, scope)
         if not self.core.links or not any(link.active for link in self.core.links.values()):
             log.warning("consumer %s: no realtime group serves consumers yet; waiting", self.core.consumer_id)
 
@@ -263,26 +276,29 @@ class Consumer:
     def _deadline(self, ms: int) -> float:
         return trio.current_time() + ms / 1000
 
-    async def _pull_loop(self, name: str, scope: trio.CancelScope) -> None:
+    async def _pull_loop(self, name: str, retry: bool, scope: trio.CancelScope) -> None:
+        """Pull one subject (``retry``: the group's retry subject) from one group."""
         core = self.core
         timeout = core.poll_timeout_ms / 1000 + POLL_MARGIN
         with scope:
             while True:
-                request = core.pull_request(name)
+                request = core.pull_request(name, retry=retry)
                 if request is None:
                     await self._room.park()
                     continue
                 link = core.links[name]
                 try:
                     frame = await self._peers.call(link.address, Command.PULL, request, timeout=timeout)
-                    messages = core.accept_pull(name, frame.metadata, frame.body, self._clock.now_ms(), self._settle)
+                    messages = core.accept_pull(
+                        name, frame.metadata, frame.body, self._clock.now_ms(), self._settle, retry=retry
+                    )
                 except (PeerError, TransportError, ProtocolError) as error:
                     if not is_retryable(error):
                         self._fail(error)
                         return
-                    backoff = core.pull_failed(name)
-                    log.info("consumer %s: pull from group %s failed (%s); retry in %d ms",
-                             core.consumer_id, name, error, backoff)  # fmt: skip
+                    backoff = core.pull_failed(name, retry=retry)
+                    log.info("consumer %s: pull of %s from group %s failed (%s); retry in %d ms",
+                             core.consumer_id, request["subject"], name, error, backoff)  # fmt: skip
                     self.routes.table.cache.invalidate(CONSUMER_ROUTE)
                     self._route_wanted.set()
                     await trio.sleep(backoff / 1000)
@@ -322,20 +338,20 @@ class Consumer:
 
     async def _send_settlement(self, settlement: Settlement, peers: Peers) -> bool:
         core = self.core
-        nacks, acks = list(settlement.nacks), list(settlement.acks)
+        unsent = settlement.requests()
         try:
-            for command, ranges in ((Command.NACK, nacks), (Command.ACK, acks)):
-                while ranges:
-                    start, end = ranges[0]
-                    try:
-                        await peers.call(settlement.address, command, core.settle_metadata(start, end))
-                    except (PeerError, TransportError) as error:
-                        if send_failure(settlement, error):
-                            core.settle_failed(settlement, acks, nacks)
-                            return False
-                    ranges.pop(0)
+            while unsent:
+                request = unsent[0]
+                command = Command.ACK if request.ack else Command.NACK
+                try:
+                    await peers.call(settlement.address, command, core.settle_metadata(settlement, request))
+                except (PeerError, TransportError) as error:
+                    if send_failure(settlement, error):
+                        core.settle_failed(settlement, unsent)
+                        return False
+                unsent.pop(0)
         except BaseException:  # cancelled: what was not confirmed is sent again (repeats are harmless)
-            core.settle_failed(settlement, acks, nacks)
+            core.settle_failed(settlement, unsent)
             raise
         return True
 
@@ -386,6 +402,8 @@ async def open_consumer(
     max_bytes_held: int = 64 * MiB,
     pull_batch: int = 100,
     poll_timeout: float = 30.0,
+    retry_delays: Sequence[float | timedelta] = DEFAULT_RETRY_DELAYS,
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS,
     consumer_id: str | None = None,
     heartbeat_interval: float = 5.0,
     route_refresh: float = 10.0,
@@ -404,7 +422,10 @@ async def open_consumer(
     ``max_messages_held`` messages or ``max_bytes_held`` body bytes are held
     (received, not acked or nacked). ``consumer_id`` names this consumer to
     the servers (default: host-pid-random); reuse one to take over what an
-    earlier run held. Raises ``NoRouteError`` when no metaserver answers.
+    earlier run held. ``retry_delays`` (seconds or timedeltas; default 5 s,
+    10 s, 30 s, 1 min, 2 min, 5 min, 10 min, 30 min, 1 h, then 2 h) and
+    ``max_attempts`` (default 16) are the group's retry policy: give every
+    consumer of a group the same. Raises ``NoRouteError`` when no metaserver answers.
     """
     core = ConsumerCore(
         subject,
@@ -417,6 +438,8 @@ async def open_consumer(
         max_bytes_held=max_bytes_held,
         pull_batch=pull_batch,
         poll_timeout_ms=round(poll_timeout * 1000),
+        retry_delays=retry_delays,
+        max_attempts=max_attempts,
         limits=limits,
     )
     addresses = meta_addresses(meta)

@@ -4,16 +4,19 @@
 times; ``Consumer`` (trio) and ``BlockingConsumer`` (threads) only move bytes
 around it, so both behave alike:
 
-- per realtime group an ``AckTracker``: the consumer's pull-log sequences as
-  handed out, the contiguous settled prefix, and the acked / nacked ranges
-  not sent yet (merged, so many acks travel as a few ``[start, end)`` ranges);
+- per realtime group and subject pulled (the subject, and the group's retry
+  subject ``%retry%<group>%<subject>`` where nacked messages come back) an
+  ``AckTracker``: the consumer's pull-log sequences as handed out, the
+  contiguous settled prefix, and the acked / nacked ranges not sent yet
+  (merged, so many acks travel as a few ``[start, end)`` ranges; nacks kept
+  apart by the retry delay the ``RetryPolicy`` gives their ``attempts``);
 - a ``TagFilter``: the server filters by a 64-bit mask, which lets through
   tags that share a bit, so the exact check runs here; a message whose tags do
   not match is acked silently and never shown;
 - ``FlowControl``: messages and bytes held (pulled, not yet acked or nacked);
   pulls stop while either cap is reached.
 
-Held messages are keyed by (group, epoch, sequence): settling one twice is a
+Held messages are keyed by (group, subject, epoch, sequence): settling one twice is a
 no-op, and an answer showing that a server lost the tail of its pull log (it
 hands out a sequence already seen) starts a new epoch, so acks of the old
 numbering are never sent against the new one.
@@ -27,8 +30,18 @@ import re
 import socket
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import KW_ONLY, dataclass, field
-from typing import Any
+from datetime import timedelta
+from typing import Any, NamedTuple
 
+from delaymq.client.retry import (
+    DEFAULT_MAX_ATTEMPTS,
+    DEFAULT_RETRY_DELAYS,
+    RetryNack,
+    RetryPolicy,
+    group_problem,
+    original_subject,
+    retry_subject,
+)
 from delaymq.protocol.errors import LocalProtocolError, RemoteProtocolError
 from delaymq.protocol.limits import DEFAULT_LIMITS, MiB, Limits
 from delaymq.protocol.records import decode_batch
@@ -146,10 +159,13 @@ class AckTracker:
 
     ``acked`` is the contiguous settled prefix (everything below it is acked,
     nacked or filtered); ``end`` the next sequence the server will hand out.
-    ``to_ack`` / ``to_nack`` are the settled ranges not yet sent.
+    ``to_ack`` / ``to_nack`` are the settled ranges not yet sent (``to_nack``:
+    give back at once); ``to_retry`` the nacked ranges to re-schedule, by what
+    their NACK asks for (one NACK carries one delay, so ranges are kept apart
+    by it).
     """
 
-    __slots__ = ("acked", "end", "epoch", "started", "_settled", "to_ack", "to_nack")
+    __slots__ = ("acked", "end", "epoch", "started", "_settled", "to_ack", "to_nack", "to_retry")
 
     def __init__(self) -> None:
         self.acked = 0
@@ -159,6 +175,7 @@ class AckTracker:
         self._settled = RangeSet()  # settled sequences at or above ``acked``
         self.to_ack = RangeSet()
         self.to_nack = RangeSet()
+        self.to_retry: dict[RetryNack, RangeSet] = {}
 
     def handed(self, start: int, count: int, server_acked: int) -> tuple[int, int] | None:
         """Take a PULL answer's ``[start, start + count)``.
@@ -173,6 +190,7 @@ class AckTracker:
                 self.epoch += 1
                 self.to_ack.take()
                 self.to_nack.take()
+                self.to_retry.clear()
                 self._settled.take()
             self.started = True
             self.acked = self.end = min(server_acked, start)
@@ -185,14 +203,34 @@ class AckTracker:
         self.end = max(self.end, start + count)
         return gap
 
-    def settle(self, sequence: int, *, ack: bool) -> bool:
-        """Mark one sequence acked (or nacked); False if it was settled already or never handed."""
+    def settle(self, sequence: int, *, ack: bool, retry: RetryNack | None = None) -> bool:
+        """Mark one sequence acked (or nacked); False if it was settled already or never handed.
+
+        A nack with ``retry`` is re-scheduled as it says; without, given back at once.
+        """
         if not self.acked <= sequence < self.end or sequence in self._settled:
             return False
         self._settled.add(sequence, sequence + 1)
-        (self.to_ack if ack else self.to_nack).add(sequence, sequence + 1)
+        if ack:
+            self.to_ack.add(sequence, sequence + 1)
+        elif retry is None:
+            self.to_nack.add(sequence, sequence + 1)
+        else:
+            self.retry_ranges(retry).add(sequence, sequence + 1)
         self._advance()
         return True
+
+    def retry_ranges(self, retry: RetryNack) -> RangeSet:
+        ranges = self.to_retry.get(retry)
+        if ranges is None:
+            ranges = self.to_retry[retry] = RangeSet()
+        return ranges
+
+    def take_retries(self) -> list[tuple[RetryNack, list[tuple[int, int]]]]:
+        """The retry nacks not sent yet, by what they ask for; the tracker forgets them."""
+        taken = [(retry, ranges.take()) for retry, ranges in self.to_retry.items() if ranges]
+        self.to_retry.clear()
+        return taken
 
     def _advance(self) -> None:
         first = self._settled.first()
@@ -201,7 +239,7 @@ class AckTracker:
 
     @property
     def pending(self) -> bool:
-        return bool(self.to_ack) or bool(self.to_nack)
+        return bool(self.to_ack) or bool(self.to_nack) or any(self.to_retry.values())
 
     def outstanding(self) -> int:
         """Sequences handed out and not settled."""
@@ -277,7 +315,10 @@ class ReceivedMessage:
     From a trio ``Consumer`` ``ack()``/``nack()`` are awaited; from a
     ``BlockingConsumer`` they are plain calls. ``received_at``, ``deliver_at``
     and ``created_at`` are epoch milliseconds (UTC). ``server_group`` and
-    ``sequence`` say where it sits in this consumer's pull log.
+    ``sequence`` say where it sits in this consumer's pull log. A message that
+    came back after a nack keeps its id and ``subject``; ``attempts`` counts
+    the deliveries before this one, ``deliver_at`` is when the retry was due,
+    and ``pulled_subject`` is the group's retry subject it was pulled from.
     """
 
     id: str
@@ -292,6 +333,7 @@ class ReceivedMessage:
     server_group: str
     sequence: int
     _: KW_ONLY
+    pulled_subject: str = ""  # "" or ``subject``: pulled from the subject itself
     epoch: int = field(default=0, repr=False)
     settle: Callable[[ReceivedMessage, bool], Any] | None = field(default=None, repr=False)
 
@@ -300,7 +342,12 @@ class ReceivedMessage:
         return self._settle(True)
 
     def nack(self) -> Any:
-        """Not done: give it back to the group now (its ``attempts`` goes up)."""
+        """Not done: it comes back after the group's next retry delay, or goes to the dead letters.
+
+        The dead-letter subject ``%dead%<group>%<subject>`` takes it after the
+        consumer's ``max_attempts``-th delivery. A broadcast consumer gets it
+        back at once.
+        """
         return self._settle(False)
 
     def _settle(self, ack: bool) -> Any:
@@ -323,27 +370,52 @@ class ReceivedMessage:
 
 @dataclass(slots=True)
 class GroupLink:
-    """One realtime group this consumer pulls from."""
+    """One realtime group this consumer pulls from: the subject, and the group's retry subject."""
 
     name: str
     address: str
-    tracker: AckTracker = field(default_factory=AckTracker)
+    # One pull log per subject pulled: [0] the subject, [1] the group's retry subject.
+    trackers: tuple[AckTracker, AckTracker] = field(default_factory=lambda: (AckTracker(), AckTracker()))
     active: bool = True  # still in the consumer route
-    failures: int = 0  # consecutive failed pulls, for the backoff
+    failures: list[int] = field(default_factory=lambda: [0, 0])  # consecutive failed pulls, per subject
 
-    def backoff_ms(self) -> int:
-        return min(5_000, 100 * (1 << min(self.failures, 6)))
+    @property
+    def tracker(self) -> AckTracker:
+        """The subject's pull log (``trackers[1]`` is the retry subject's)."""
+        return self.trackers[0]
+
+    def backoff_ms(self, retry: bool = False) -> int:
+        return min(5_000, 100 * (1 << min(self.failures[retry], 6)))
+
+
+class SettleRequest(NamedTuple):
+    """One ACK or NACK of a pull-log range; a NACK's ``retry`` says what it asks for (None: at once)."""
+
+    ack: bool
+    start: int
+    end: int
+    retry: RetryNack | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Settlement:
-    """Acks and nacks to send to one group (taken from its tracker)."""
+    """Acks and nacks to send to one group for one subject (taken from its tracker)."""
 
     group: str
     address: str
     epoch: int
     acks: list[tuple[int, int]]
-    nacks: list[tuple[int, int]]
+    nacks: list[tuple[int, int]]  # give back at once
+    retries: list[tuple[RetryNack, list[tuple[int, int]]]] = field(default_factory=list)
+    subject: str = ""
+    retry_lane: bool = False  # the ranges are of the group's retry subject
+
+    def requests(self) -> list[SettleRequest]:
+        """Every request, in sending order: nacks first (the group gets them back sooner), then acks."""
+        out = [SettleRequest(False, start, end) for start, end in self.nacks]
+        out += [SettleRequest(False, start, end, retry) for retry, ranges in self.retries for start, end in ranges]
+        out += [SettleRequest(True, start, end) for start, end in self.acks]
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -362,10 +434,19 @@ class ConsumerStatistics:
     pull_failures: int
     gaps_nacked: int  # sequences handed out but never seen (lost answers), given back
     settle_failures: int  # ACK/NACK requests that failed (retried)
+    retried: int = 0  # nacks that asked for a retry after a delay
+    dead: int = 0  # nacks of a last attempt: sent to the dead-letter subject
+    received_retries: int = 0  # messages that came back from the retry subject
 
 
 class ConsumerCore:
-    """Every decision of a consumer of one subject in one consumer group. Not thread-safe."""
+    """Every decision of a consumer of one subject in one consumer group. Not thread-safe.
+
+    A clustered consumer pulls two subjects from every realtime group: the
+    subject, and the group's retry subject (``%retry%<group>%<subject>``) where
+    its nacked messages come back. ``retry=True`` picks the second in the
+    methods that take it.
+    """
 
     def __init__(
         self,
@@ -380,10 +461,15 @@ class ConsumerCore:
         max_bytes_held: int = 64 * MiB,
         pull_batch: int = 100,
         poll_timeout_ms: int = 30_000,
+        retry_delays: Iterable[float | int | timedelta] = DEFAULT_RETRY_DELAYS,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         limits: Limits = DEFAULT_LIMITS,
     ) -> None:
         self.subject = check_name(subject, "subject", limits.max_subject)
         self.group = check_name(group, "group", MAX_NAME)
+        problem = group_problem(group)
+        if problem:
+            raise LocalProtocolError(problem, code="bad_value", field="group")
         self.consumer_id = check_name(
             default_consumer_id() if consumer_id is None else consumer_id, "consumer_id", MAX_NAME
         )
@@ -399,9 +485,24 @@ class ConsumerCore:
         self.flow = FlowControl(max_messages_held, max_bytes_held)
         self.pull_batch = _check_int(pull_batch, "pull_batch", 1, MAX_PULL)
         self.poll_timeout_ms = _check_int(poll_timeout_ms, "poll_timeout_ms", 0, MAX_POLL_MS)
+        self.retry_policy = RetryPolicy.from_options(retry_delays, max_attempts)
+        #: Where nacked messages come back; None for a broadcast consumer (its nacks give back at once).
+        self.retry_subject: str | None = None
+        if not broadcast and retry_subject(group, subject) != subject:
+            self.retry_subject = retry_subject(group, subject)
+            size = len(self.retry_subject.encode())
+            if size > limits.max_subject:
+                raise LocalProtocolError(
+                    f"subject and group make the retry subject {self.retry_subject!r} of {size} UTF-8 bytes, "
+                    f"over max_subject {limits.max_subject}; use a shorter subject or group",
+                    code="limit",
+                    field="subject",
+                    limit=limits.max_subject,
+                )
         self.limits = limits
         self.links: dict[str, GroupLink] = {}
-        self._held: dict[tuple[str, int, int], int] = {}  # (group, epoch, sequence) -> body size
+        # (group, retry lane, epoch, sequence) -> (body size, attempts)
+        self._held: dict[tuple[str, bool, int, int], tuple[int, int]] = {}
         self._received = 0
         self._filtered = 0
         self._acked = 0
@@ -410,8 +511,22 @@ class ConsumerCore:
         self._pull_failures = 0
         self._gaps = 0
         self._settle_failures = 0
+        self._retried = 0
+        self._dead = 0
+        self._received_retries = 0
 
     # -- routes ---------------------------------------------------------------
+
+    @property
+    def lanes(self) -> tuple[bool, ...]:
+        """The subjects pulled from every group: ``(False,)`` the subject, ``True`` the retry subject too."""
+        return (False,) if self.retry_subject is None else (False, True)
+
+    def lane_subject(self, retry: bool) -> str:
+        if retry:
+            assert self.retry_subject is not None
+            return self.retry_subject
+        return self.subject
 
     def update_route(self, groups: Iterable[tuple[str, str]]) -> tuple[list[str], list[str]]:
         """Take the consumer route's (group, address) pairs; returns (groups to start, groups to stop)."""
@@ -435,7 +550,7 @@ class ConsumerCore:
 
     # -- pulling --------------------------------------------------------------
 
-    def pull_request(self, name: str) -> dict[str, Any] | None:
+    def pull_request(self, name: str, *, retry: bool = False) -> dict[str, Any] | None:
         """The next PULL's metadata for a group, or None while the flow caps are reached."""
         room = self.flow.room()
         if room is None:
@@ -444,7 +559,7 @@ class ConsumerCore:
         metadata: dict[str, Any] = {
             "group": self.group,
             "consumer": self.consumer_id,
-            "subject": self.subject,
+            "subject": self.lane_subject(retry),
             "max": min(self.pull_batch, messages),
             "max_bytes": max(1, min(size, self.limits.max_frame - FRAME_RESERVE)),
             "timeout_ms": self.poll_timeout_ms,
@@ -453,7 +568,8 @@ class ConsumerCore:
             metadata["tags"] = list(self.filter.wire)
         if self.broadcast:
             metadata["broadcast"] = True
-        if self.start == "earliest":
+        # The retry subject holds only this group's retries: a new share starts at its first.
+        if self.start == "earliest" or retry:
             metadata["from"] = "earliest"
         return metadata
 
@@ -464,6 +580,8 @@ class ConsumerCore:
         body: bytes,
         now_ms: int,
         settle: Callable[[ReceivedMessage, bool], Any] | None = None,
+        *,
+        retry: bool = False,
     ) -> list[ReceivedMessage]:
         """The messages of a PULL answer to hand to the application.
 
@@ -481,8 +599,8 @@ class ConsumerCore:
                 field="count",
             )
         self._pulls += 1
-        link.failures = 0
-        tracker = link.tracker
+        link.failures[retry] = 0
+        tracker = link.trackers[retry]
         gap = tracker.handed(start, count, server_acked)
         if gap is not None:
             self._gaps += gap[1] - gap[0]
@@ -490,6 +608,7 @@ class ConsumerCore:
         out: list[ReceivedMessage] = []
         held = self._held
         matches = self.filter.matches
+        pulled_subject = self.lane_subject(retry) if retry else ""
         size_total = 0
         for offset, message in enumerate(messages):
             sequence = start + offset
@@ -498,12 +617,12 @@ class ConsumerCore:
                 self._filtered += 1
                 continue
             size = len(message.body)
-            held[(name, epoch, sequence)] = size
+            held[(name, retry, epoch, sequence)] = (size, message.attempts)
             size_total += size
             out.append(
                 ReceivedMessage(
                     message.id,
-                    message.subject,
+                    original_subject(self.group, message.subject) if retry else message.subject,
                     message.tags,
                     message.properties,
                     message.body,
@@ -513,84 +632,131 @@ class ConsumerCore:
                     now_ms,
                     name,
                     sequence,
+                    pulled_subject=pulled_subject,
                     epoch=epoch,
                     settle=settle,
                 )
             )
         self.flow.take(len(out), size_total)
         self._received += len(out)
+        if retry:
+            self._received_retries += len(out)
         return out
 
-    def pull_failed(self, name: str) -> int:
+    def pull_failed(self, name: str, *, retry: bool = False) -> int:
         """A pull got no answer or a refusal worth retrying; returns the backoff in ms."""
         link = self.links[name]
-        link.failures += 1
+        link.failures[retry] += 1
         self._pull_failures += 1
-        return link.backoff_ms()
+        return link.backoff_ms(retry)
 
     # -- settling -------------------------------------------------------------
 
+    def _lane_of(self, message: ReceivedMessage) -> bool:
+        return bool(message.pulled_subject) and message.pulled_subject != self.subject
+
     def settle(self, message: ReceivedMessage, ack: bool) -> bool:
-        """Ack (or nack) a held message; False when it was settled already."""
-        size = self._held.pop((message.server_group, message.epoch, message.sequence), None)
-        if size is None:
+        """Ack (or nack) a held message; False when it was settled already.
+
+        A nack asks for a retry after the policy's delay, or for the dead
+        letters after the last attempt (a broadcast consumer's gives it back at once).
+        """
+        lane = self._lane_of(message)
+        held = self._held.pop((message.server_group, lane, message.epoch, message.sequence), None)
+        if held is None:
             return False  # settled already (or never held by this consumer)
+        size, attempts = held
         self.flow.release(1, size)
+        retry = None
+        if not ack and self.retry_subject is not None:
+            retry = self.retry_policy.nack_for(attempts)
         link = self.links.get(message.server_group)
-        if link is not None and link.tracker.epoch == message.epoch:
-            link.tracker.settle(message.sequence, ack=ack)
+        if link is not None and link.trackers[lane].epoch == message.epoch:
+            link.trackers[lane].settle(message.sequence, ack=ack, retry=retry)
         if ack:
             self._acked += 1
         else:
             self._nacked += 1
+            if retry is not None:
+                if retry.dead:
+                    self._dead += 1
+                else:
+                    self._retried += 1
         return True
 
     def release_all(self) -> int:
-        """Nack every held message (the consumer is closing); returns how many."""
+        """Nack every held message (the consumer is closing): the group gets them back at once."""
         count = 0
-        for name, epoch, sequence in list(self._held):
-            size = self._held.pop((name, epoch, sequence))
+        for name, lane, epoch, sequence in list(self._held):
+            size, _attempts = self._held.pop((name, lane, epoch, sequence))
             self.flow.release(1, size)
             link = self.links.get(name)
-            if link is not None and link.tracker.epoch == epoch:
-                link.tracker.settle(sequence, ack=False)
+            if link is not None and link.trackers[lane].epoch == epoch:
+                link.trackers[lane].settle(sequence, ack=False)
             self._nacked += 1
             count += 1
         return count
 
     def has_pending(self) -> bool:
-        return any(link.tracker.pending for link in self.links.values())
+        return any(tracker.pending for link in self.links.values() for tracker in link.trackers)
 
     def take_pending(self) -> list[Settlement]:
-        """Every group's unsent acks and nacks, taken out to send."""
+        """Every group's unsent acks and nacks, per subject, taken out to send."""
         out = []
         for link in self.links.values():
-            tracker = link.tracker
-            if tracker.pending:
-                acks, nacks = tracker.to_ack.take(), tracker.to_nack.take()
-                out.append(Settlement(link.name, link.address, tracker.epoch, acks, nacks))
+            for lane in (False, True):
+                tracker = link.trackers[lane]
+                if tracker.pending:
+                    acks, nacks, retries = tracker.to_ack.take(), tracker.to_nack.take(), tracker.take_retries()
+                    subject = self.retry_subject if lane and self.retry_subject is not None else self.subject
+                    out.append(Settlement(link.name, link.address, tracker.epoch, acks, nacks, retries, subject, lane))
         return out
 
-    def settle_failed(self, settlement: Settlement, acks: list[tuple[int, int]], nacks: list[tuple[int, int]]) -> None:
-        """Put back the ranges a failed ACK/NACK round did not deliver, to try again."""
+    def settle_failed(self, settlement: Settlement, unsent: Iterable[SettleRequest]) -> None:
+        """Put back the requests a failed ACK/NACK round did not deliver, to try again."""
         self._settle_failures += 1
         link = self.links.get(settlement.group)
-        if link is None or link.tracker.epoch != settlement.epoch:
+        if link is None:
             return
-        for start, end in acks:
-            link.tracker.to_ack.add(start, end)
-        for start, end in nacks:
-            link.tracker.to_nack.add(start, end)
+        tracker = link.trackers[settlement.retry_lane]
+        if tracker.epoch != settlement.epoch:
+            return
+        for request in unsent:
+            if request.ack:
+                tracker.to_ack.add(request.start, request.end)
+            elif request.retry is None:
+                tracker.to_nack.add(request.start, request.end)
+            else:
+                tracker.retry_ranges(request.retry).add(request.start, request.end)
 
-    def settle_metadata(self, start: int, end: int) -> dict[str, Any]:
-        return {"group": self.group, "consumer": self.consumer_id, "subject": self.subject, "start": start, "end": end}
+    def settle_metadata(self, settlement: Settlement, request: SettleRequest) -> dict[str, Any]:
+        """The ACK or NACK request's metadata."""
+        metadata: dict[str, Any] = {
+            "group": self.group,
+            "consumer": self.consumer_id,
+            "subject": settlement.subject or self.subject,
+            "start": request.start,
+            "end": request.end,
+        }
+        if request.retry is not None:
+            metadata["delay_ms"] = request.retry.delay_ms
+            metadata["dead"] = request.retry.dead
+        return metadata
 
     def heartbeat_metadata(self) -> dict[str, Any]:
-        return {"group": self.group, "consumer": self.consumer_id, "subjects": [self.subject]}
+        return {
+            "group": self.group,
+            "consumer": self.consumer_id,
+            "subjects": [self.lane_subject(lane) for lane in self.lanes],
+        }
 
     def heartbeat_targets(self) -> list[tuple[str, str]]:
         """(group, address) of every group this consumer holds or pulls messages from."""
-        return [(link.name, link.address) for link in self.links.values() if link.active or link.tracker.outstanding()]
+        return [
+            (link.name, link.address)
+            for link in self.links.values()
+            if link.active or any(tracker.outstanding() for tracker in link.trackers)
+        ]
 
     def statistics(self) -> ConsumerStatistics:
         return ConsumerStatistics(
@@ -608,6 +774,9 @@ class ConsumerCore:
             pull_failures=self._pull_failures,
             gaps_nacked=self._gaps,
             settle_failures=self._settle_failures,
+            retried=self._retried,
+            dead=self._dead,
+            received_retries=self._received_retries,
         )
 
 
@@ -626,6 +795,7 @@ __all__ = [
     "GroupLink",
     "RangeSet",
     "ReceivedMessage",
+    "SettleRequest",
     "Settlement",
     "TagFilter",
     "check_name",

@@ -165,40 +165,47 @@ class FrameServer:
                 in_flight.release()
 
         async with trio.open_nursery() as nursery:
-            while True:
-                data = await stream.receive_some(RECEIVE_SIZE)
-                try:
-                    if not data:
-                        # The peer is gone: its answers cannot be delivered, so a
-                        # long poll must not go on holding what it would hand out.
-                        nursery.cancel_scope.cancel()
-                        decoder.end_of_stream()
-                        break
-                    decoder.feed(data)
-                    while True:
-                        try:
-                            frame = decoder.next_frame()
-                        except ProtocolError as error:
-                            if error.fatal:
-                                raise
-                            self._errors += 1
-                            log.info("bad frame from %s: %s", peer, error)
-                            await send(error_response(error, error))
-                            continue
-                        if frame is None:
+            try:
+                while True:
+                    data = await stream.receive_some(RECEIVE_SIZE)
+                    try:
+                        if not data:
+                            # The peer is gone: its answers cannot be delivered, so a
+                            # long poll must not go on holding what it would hand out.
+                            nursery.cancel_scope.cancel()
+                            decoder.end_of_stream()
                             break
-                        self._requests += 1
-                        await in_flight.acquire()
-                        nursery.start_soon(handle, frame)
-                except ProtocolError as error:
-                    # The stream can no longer be trusted: say why, then close.
-                    self._errors += 1
-                    self._dropped += 1
-                    log.warning("closing connection from %s: %s", peer, error)
-                    with trio.move_on_after(1):
-                        await send(error_response((error.command or 0, error.request_id or 0), error))
-                    nursery.cancel_scope.cancel()
-                    return
+                        decoder.feed(data)
+                        while True:
+                            try:
+                                frame = decoder.next_frame()
+                            except ProtocolError as error:
+                                if error.fatal:
+                                    raise
+                                self._errors += 1
+                                log.info("bad frame from %s: %s", peer, error)
+                                await send(error_response(error, error))
+                                continue
+                            if frame is None:
+                                break
+                            self._requests += 1
+                            await in_flight.acquire()
+                            nursery.start_soon(handle, frame)
+                    except ProtocolError as error:
+                        # The stream can no longer be trusted: say why, then close.
+                        self._errors += 1
+                        self._dropped += 1
+                        log.warning("closing connection from %s: %s", peer, error)
+                        with trio.move_on_after(1):
+                            await send(error_response((error.command or 0, error.request_id or 0), error))
+                        nursery.cancel_scope.cancel()
+                        return
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                # Gone without a goodbye (reset: a killed process). Left to escape, the
+                # error would reach the listener inside an exception group, and
+                # ``serve_listeners`` would stop the whole server.
+                log.debug("connection from %s broke", peer)
+                nursery.cancel_scope.cancel()
 
     async def _answer(self, frame: Frame, peer: str) -> Frame | None:
         expects_answer = frame.kind == FrameKind.REQUEST

@@ -1,7 +1,12 @@
 """Which message ids were stored within the dedup window, in bounded memory.
 
 A producer's retry or a scheduler's re-send carries the id of a message already
-stored; the realtime server answers "duplicate" and stores it once. The truth is
+stored; the realtime server answers "duplicate" and stores it once. A record is
+known by its **dedup key** (``dedup_key``): its id, or, for a record that comes
+back into the log (``attempts`` > 0: a consumer group's retry or dead letter,
+same id as the original), id, attempts and a hash of the subject. So each
+group's each retry is stored once, however often a scheduler re-sends it, and
+the original does not make it a duplicate. The truth is
 in lmdb (written at checkpoints, with the index); memory holds
 
 - ``pending``: ids admitted but not yet committed to lmdb (needed whatever the
@@ -16,8 +21,8 @@ are the blocking lmdb parts, run in a worker thread.
 
 lmdb layout (named dbs of the state store)::
 
-    dedup_ids      key: id (UTF-8)                 value: stored_at i64 BE
-    dedup_time     key: bucket u64 BE + id         value: empty
+    dedup_ids      key: dedup key (UTF-8)          value: stored_at i64 BE
+    dedup_time     key: bucket u64 BE + dedup key  value: empty
     dedup_buckets  key: bucket u64 BE              value: empty
 
 with ``bucket = stored_at // BUCKET_MS``, so pruning walks whole expired seconds.
@@ -25,10 +30,12 @@ with ``bucket = stored_at // BUCKET_MS``, so pruning walks whole expired seconds
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from collections import deque
 from collections.abc import Iterable, Sequence
 
+from delaymq.protocol.records import MessageBatch
 from delaymq.storage.state import StateStore, WriteBatch
 
 BUCKET_MS = 1000
@@ -37,6 +44,25 @@ TIME_DB = "dedup_time"
 BUCKETS_DB = "dedup_buckets"
 _I64 = struct.Struct(">q")
 _U64 = struct.Struct(">Q")
+
+
+def dedup_key(message_id: str, subject: str, attempts: int) -> str:
+    """The id for a first delivery; ``id NUL attempts NUL subject-hash`` for a record coming back.
+
+    NUL cannot occur in an id (no control characters), so the two kinds never meet.
+    """
+    if not attempts:
+        return message_id
+    subject_hash = hashlib.blake2b(subject.encode(), digest_size=8).hexdigest()
+    return f"{message_id}\x00{attempts}\x00{subject_hash}"
+
+
+def dedup_keys(batch: MessageBatch) -> list[str]:
+    """Every record's ``dedup_key``, in order (the ids themselves when no record is a retry)."""
+    attempts = batch.attempts
+    if not any(attempts):
+        return batch.ids
+    return list(map(dedup_key, batch.ids, batch.subjects, attempts))
 
 
 class DedupWindow:
@@ -235,6 +261,8 @@ __all__ = [
     "BUCKET_MS",
     "EVERYTHING",
     "DedupWindow",
+    "dedup_key",
+    "dedup_keys",
     "load_buckets",
     "load_recent",
     "lookup_stored",

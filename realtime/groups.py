@@ -11,7 +11,11 @@ log. What it was handed and did not ack goes back to its share when
 
 - the ack timeout passes after the hand-out (``ack_timeout_ms``),
 - it stops showing signs of life (pulls and heartbeats; ``consumer_timeout_ms``),
-- it nacks it.
+- it nacks it without asking for a retry (or the retry could not be placed).
+
+A NACK that asks for a retry or a dead letter ``claim``s its range: while the
+server re-schedules the messages (a scheduler round trip) nothing else may give
+them back; ``release`` then marks them done, or gives them back after all.
 
 This module is fed times and sequences; the server does the file and lmdb I/O.
 Deadlines come out in order: hand-outs sit in one deque in hand-out order (the
@@ -61,6 +65,7 @@ class ConsumerState:
     last_seen: int = 0
     waiting: int = 0  # pulls parked right now
     live: bool = False
+    claimed: list[tuple[int, int]] = field(default_factory=list)  # pull-log ranges being retried
 
     @property
     def broadcast(self) -> bool:
@@ -83,6 +88,33 @@ class ConsumerState:
 
 class UnknownPull(RemoteProtocolError):
     """An ack or nack of pull-log entries the consumer was never handed."""
+
+
+@dataclass(eq=False, slots=True)
+class Claim:
+    """Nacked pull-log ranges held back while their messages are re-scheduled."""
+
+    consumer: ConsumerState
+    ranges: list[tuple[int, int]]  # pull-log ranges
+    entries: list[tuple[int, int]]  # (consume-log sequence, redeliveries), in pull-log order
+
+
+def _subtract(gaps: list[tuple[int, int]], claimed: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``gaps`` without the ``claimed`` ranges (both sorted lists of disjoint ranges)."""
+    out: list[tuple[int, int]] = []
+    ordered = sorted(claimed)
+    for start, end in gaps:
+        for claim_start, claim_end in ordered:
+            if claim_end <= start or claim_start >= end:
+                continue
+            if claim_start > start:
+                out.append((start, claim_start))
+            start = max(start, claim_end)
+            if start >= end:
+                break
+        if start < end:
+            out.append((start, end))
+    return out
 
 
 class Groups:
@@ -213,16 +245,65 @@ class Groups:
         return consumer.progress.acked, [consumer.share] if given else []
 
     def return_nacked(self, consumer: ConsumerState, start: int, end: int) -> int:
-        """Where a nacked message goes: today back to its share at once, attempts + 1.
+        """A NACK without a retry: back to its share at once, attempts + 1.
 
-        The delay path will replace this with re-scheduling through the scheduler
-        (a growing delay, then a dead-letter subject after the retry limit);
-        this method is the one place to change.
+        A NACK that asks for a retry or a dead letter goes through ``claim`` and
+        ``release`` instead (the server re-schedules the messages in between).
         """
         return self._give_back(consumer, start, end)
 
-    def _give_back(self, consumer: ConsumerState, start: int, end: int) -> int:
+    def claim(
+        self, consumer: ConsumerState | None, start: int, end: int, now: int, names: str = "the consumer"
+    ) -> Claim | None:
+        """Hold back the unsettled part of ``[start, end)`` for a retry; None when nothing is left.
+
+        Parts claimed already (a repeated NACK while the first is at work) are
+        left to the first. Until ``release`` nothing gives the claimed messages
+        back: not the ack timeout, not the consumer timeout.
+        """
+        self._check_range(consumer, start, end, "NACK", names)
+        if consumer is None:  # pragma: no cover - _check_range refuses any range then
+            return None
+        self.nacks += 1
+        self.touch(consumer, now)
+        gaps = self._unsettled(consumer, start, end)
+        if not gaps:
+            return None
+        base = consumer.window_base
+        entries = [
+            (consumer.sequences[sequence - base], consumer.redeliveries[sequence - base])
+            for gap_start, gap_end in gaps
+            for sequence in range(gap_start, gap_end)
+        ]
+        consumer.claimed.extend(gaps)
+        return Claim(consumer, gaps, entries)
+
+    def release(self, claim: Claim, *, done: bool) -> list[Share]:
+        """End a claim: ``done`` marks its messages settled (re-scheduled), else they go back at once.
+
+        Returns the shares that got messages back.
+        """
+        consumer = claim.consumer
+        for claimed in claim.ranges:
+            consumer.claimed.remove(claimed)
+        if not done:
+            given = sum(self._give_back(consumer, start, end) for start, end in claim.ranges)
+            return [consumer.share] if given else []
+        for start, end in claim.ranges:
+            consumer.progress.mark(start, end)
+        consumer._trim()
+        self.dirty_consumers.add(consumer)
+        return []
+
+    def _unsettled(self, consumer: ConsumerState, start: int, end: int) -> list[tuple[int, int]]:
+        """The parts of ``[start, end)`` neither settled nor claimed."""
         gaps = consumer.progress.undone(start, end)
+        if consumer.claimed and gaps:
+            gaps = _subtract(gaps, consumer.claimed)
+        return gaps
+
+    def _give_back(self, consumer: ConsumerState, start: int, end: int) -> int:
+        gaps = self._unsettled(consumer, start, end)
         if not gaps:
             return 0
         share = consumer.share
@@ -299,4 +380,4 @@ class Groups:
         return shares, consumers
 
 
-__all__ = ["MAX_REDELIVERIES", "ConsumerState", "Groups", "Share", "UnknownPull"]
+__all__ = ["MAX_REDELIVERIES", "Claim", "ConsumerState", "Groups", "Share", "UnknownPull"]

@@ -19,6 +19,7 @@ from pathlib import Path
 from delaymq.protocol.limits import Limits
 from delaymq.protocol.records import scan_batch, tags_mask
 from delaymq.realtime.consumelog import ConsumeLog, list_subjects, subject_stem
+from delaymq.realtime.dedup import dedup_keys
 from delaymq.storage.errors import CorruptLog
 from delaymq.storage.log import SegmentedLog
 
@@ -95,7 +96,7 @@ class Indexer:
                 (subject, offset + start, end - start, tags_mask(tags) if tags else 0)
                 for subject, start, end, tags in zip(batch.subjects, batch.starts, batch.ends, batch.tags)
             ]
-            self.submit(offset, next_offset, items, batch.ids, now)
+            self.submit(offset, next_offset, items, dedup_keys(batch), now)
             count += len(items)
             offset = next_offset
         for consume_log in self.logs.values():

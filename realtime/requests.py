@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from delaymq.client.retry import group_problem, retry_subject
 from delaymq.protocol.errors import RemoteProtocolError
 from delaymq.protocol.limits import Limits
 
@@ -48,7 +49,13 @@ class AckRequest:
     subject: str
     start: int
     end: int
-    delay_ms: int | None  # NACK only
+    delay_ms: int | None  # NACK only: re-schedule after this delay (None: give back at once)
+    dead: bool = False  # NACK only: to the group's dead-letter subject
+
+    @property
+    def retry(self) -> bool:
+        """A NACK that re-schedules or buries, rather than gives back at once."""
+        return self.delay_ms is not None or self.dead
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +100,14 @@ def check_text(command: str, name: str, value: Any, limit: int) -> str:
     return value
 
 
+def _group(command: str, metadata: dict[str, Any]) -> str:
+    group = _text(command, metadata, "group", MAX_NAME)
+    problem = group_problem(group)
+    if problem:
+        raise _refuse(f"{command}: {problem}", "bad_value", "group")
+    return group
+
+
 def _integer(command: str, metadata: dict[str, Any], name: str, low: int, high: int, default: int | None) -> int:
     value = metadata.get(name, default)
     if value is None:
@@ -116,14 +131,14 @@ _PULL_KEYS = frozenset(
     {"group", "consumer", "subject", "max", "max_bytes", "tags", "timeout_ms", "broadcast", "from"}
 )
 _ACK_KEYS = frozenset({"group", "consumer", "subject", "start", "end"})
-_NACK_KEYS = _ACK_KEYS | {"delay_ms"}
+_NACK_KEYS = _ACK_KEYS | {"delay_ms", "dead"}
 _HEARTBEAT_KEYS = frozenset({"group", "consumer", "subjects"})
 _I64_MAX = (1 << 63) - 1
 
 
 def parse_pull(metadata: dict[str, Any], limits: Limits) -> PullRequest:
     _check_keys("PULL", metadata, _PULL_KEYS)
-    group = _text("PULL", metadata, "group", MAX_NAME)
+    group = _group("PULL", metadata)
     consumer = _text("PULL", metadata, "consumer", MAX_NAME)
     subject = _text("PULL", metadata, "subject", limits.max_subject)
     count = _integer("PULL", metadata, "max", 1, MAX_PULL, None)
@@ -148,7 +163,7 @@ def parse_pull(metadata: dict[str, Any], limits: Limits) -> PullRequest:
 def parse_ack(metadata: dict[str, Any], limits: Limits, *, nack: bool = False) -> AckRequest:
     command = "NACK" if nack else "ACK"
     _check_keys(command, metadata, _NACK_KEYS if nack else _ACK_KEYS)
-    group = _text(command, metadata, "group", MAX_NAME)
+    group = _group(command, metadata)
     consumer = _text(command, metadata, "consumer", MAX_NAME)
     subject = _text(command, metadata, "subject", limits.max_subject)
     start = _integer(command, metadata, "start", 0, _I64_MAX, None)
@@ -158,12 +173,25 @@ def parse_ack(metadata: dict[str, Any], limits: Limits, *, nack: bool = False) -
     delay_ms = None
     if nack and metadata.get("delay_ms") is not None:
         delay_ms = _integer(command, metadata, "delay_ms", 0, limits.horizon_ms, None)
-    return AckRequest(group, consumer, subject, start, end, delay_ms)
+    dead = nack and _flag(command, metadata, "dead")
+    if delay_ms is not None or dead:
+        # Where the retry or dead letter goes must be a subject these limits allow.
+        target = retry_subject(group, subject)
+        size = len(target.encode())
+        if size > limits.max_subject:
+            raise _refuse(
+                f"{command}: the retry subject {target!r} of group and subject is {size} UTF-8 bytes, "
+                f"limit {limits.max_subject}",
+                "limit",
+                "subject",
+                limits.max_subject,
+            )
+    return AckRequest(group, consumer, subject, start, end, delay_ms, dead)
 
 
 def parse_heartbeat(metadata: dict[str, Any], limits: Limits) -> HeartbeatRequest:
     _check_keys("CONSUMER_HEARTBEAT", metadata, _HEARTBEAT_KEYS)
-    group = _text("CONSUMER_HEARTBEAT", metadata, "group", MAX_NAME)
+    group = _group("CONSUMER_HEARTBEAT", metadata)
     consumer = _text("CONSUMER_HEARTBEAT", metadata, "consumer", MAX_NAME)
     raw = metadata.get("subjects")
     if not isinstance(raw, list | tuple):

@@ -10,6 +10,15 @@ Per request the work is one pass over a batch's headers (SEND), or one read of
 consume-log entries and one read of the records (PULL, in a worker thread);
 waiting pulls park on a per-subject ``ParkingLot`` and cost nothing until an
 entry for their subject is indexed or given back.
+
+A NACK with ``delay_ms`` re-schedules its messages: they are re-addressed to the
+group's retry subject ``%retry%<group>%<subject>`` (same id, ``attempts`` + 1,
+``deliver_at`` = now + delay) and handed to a scheduler (route
+``delayed-producer``, through the metaserver of ``meta_address``), which delivers
+them back to a realtime group when due. A NACK with ``dead`` appends them to this
+server's own log as ``%dead%<group>%<subject>`` at once (and so does a delay of
+0, as a retry). The range counts as settled only once the scheduler (or the log)
+took them; with no scheduler to take them they go back to the group at once.
 """
 
 from __future__ import annotations
@@ -26,12 +35,15 @@ from typing import Any
 
 import trio
 
+from delaymq.client.producer import DELAYED_ROUTE, meta_addresses
+from delaymq.client.retry import dead_subject, retry_subject
+from delaymq.client.routes import RouteClient, RouteError
 from delaymq.metaserver.agent import Registration, run_registration
 from delaymq.protocol.commands import Command
-from delaymq.protocol.errors import RemoteProtocolError
+from delaymq.protocol.errors import ProtocolError, RemoteProtocolError
 from delaymq.protocol.limits import DEFAULT_LIMITS, Limits
-from delaymq.protocol.records import scan_batch, tags_mask
-from delaymq.protocol.transport import FrameServer, Peers, Request
+from delaymq.protocol.records import MessageBatch, decode_batch, encode_message, scan_batch, tags_mask
+from delaymq.protocol.transport import FrameServer, Peers, Request, TransportError
 from delaymq.realtime import dedup as dedup_store
 from delaymq.realtime.checkpoint import (
     Committer,
@@ -44,13 +56,13 @@ from delaymq.realtime.checkpoint import (
     write_snapshot,
 )
 from delaymq.realtime.consumelog import CONSUME_FORMAT
-from delaymq.realtime.dedup import DedupWindow
-from delaymq.realtime.delivery import pick, read_records
-from delaymq.realtime.groups import ConsumerState, Groups, Share
-from delaymq.realtime.index import Indexer, Item
+from delaymq.realtime.dedup import DedupWindow, dedup_keys
+from delaymq.realtime.delivery import Picked, pick, read_records
+from delaymq.realtime.groups import Claim, ConsumerState, Groups, Share
+from delaymq.realtime.index import REPLAY_LIMITS, Indexer, Item
 from delaymq.realtime.pulllog import PULL_FORMAT, PullLog, consumer_stem, encode_pull_entries
 from delaymq.realtime.recovery import open_folder, recover
-from delaymq.realtime.requests import PullRequest, parse_ack, parse_heartbeat, parse_pull
+from delaymq.realtime.requests import AckRequest, PullRequest, parse_ack, parse_heartbeat, parse_pull
 from delaymq.storage.folder import DataFolder
 from delaymq.storage.log import DEFAULT_MAX_RECORD, DEFAULT_SEGMENT_SIZE, SegmentedLog
 from delaymq.storage.state import StateStore
@@ -58,6 +70,12 @@ from delaymq.storage.writer import FlushPolicy, LogWriter, open_log_writer
 from delaymq.wheel.clock import Clock
 
 log = logging.getLogger(__name__)
+
+#: How long a NACK may wait for a scheduler to take its retries (all attempts),
+#: and one attempt; past it the messages go back to the group at once.
+SCHEDULE_DEADLINE_S = 8.0
+SCHEDULE_TIMEOUT_S = 4.0
+_MAX_ATTEMPTS = 0xFFFF
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +93,10 @@ class RealtimeStatistics:
     acks: int
     nacks: int
     redeliveries: int  # messages given back to their group (timeouts, dead consumers, nacks)
+    retries_scheduled: int  # nacked messages a scheduler took, to come back after their delay
+    retries_stored: int  # nacked messages retried at once (delay 0), appended here
+    dead_letters: int  # nacked messages of a last attempt, appended to their dead-letter subject
+    retries_given_back: int  # nacked messages no scheduler took: given back to the group at once
     consumers: int  # consumers alive (pulled or heartbeated within the consumer timeout)
     subjects: int
     message_log_end: int
@@ -125,6 +147,12 @@ class RealtimeServer:
         self._sweep_scope: trio.CancelScope | None = None
         self._sweeping_for = math.inf  # the deadline the sweeper sleeps for
         self._sweep_step = max(1, min(groups.ack_timeout_ms, groups.consumer_timeout_ms) // 20)
+        #: Where retries go: a scheduler of the ``delayed-producer`` route (set up with a meta_address).
+        self.scheduler_routes: RouteClient | None = None
+        self._retries_scheduled = 0
+        self._retries_stored = 0
+        self._dead_letters = 0
+        self._retries_given_back = 0
         indexer.on_indexed = self._wake_subjects
         indexer.on_ids = dedup.indexed
         self.committer = Committer(
@@ -171,6 +199,10 @@ class RealtimeServer:
             acks=groups.acks,
             nacks=groups.nacks,
             redeliveries=groups.redelivered,
+            retries_scheduled=self._retries_scheduled,
+            retries_stored=self._retries_stored,
+            dead_letters=self._dead_letters,
+            retries_given_back=self._retries_given_back,
             consumers=len(groups.live),
             subjects=len(self._indexer.logs),
             message_log_end=self._log.end_offset,
@@ -193,8 +225,13 @@ class RealtimeServer:
         body = request.body
         if not body:
             raise RemoteProtocolError("SEND: the body holds no records", code="bad_request", field="body")
-        batch = scan_batch(body, self._limits)
-        ids = batch.ids
+        fresh = await self._append_batch(scan_batch(body, self._limits))
+        self._sends += 1
+        return {"results": ["stored" if new else "duplicate" for new in fresh]}
+
+    async def _append_batch(self, batch: MessageBatch) -> list[bool]:
+        """Append a checked batch's new records (dedup) and index them; which records were new."""
+        ids = dedup_keys(batch)
         dedup = self._dedup
         now = self._clock.now_ms()
         unsure = dedup.to_look_up(ids, now)
@@ -205,12 +242,10 @@ class RealtimeServer:
             )
             now = self._clock.now_ms()
         fresh = dedup.admit(ids, now, stored)
-        results = ["stored" if new else "duplicate" for new in fresh]
         kept = [index for index, new in enumerate(fresh) if new]
-        self._sends += 1
         self._duplicates += len(ids) - len(kept)
         if not kept:
-            return {"results": results}
+            return fresh
         starts, ends = batch.starts, batch.ends
         if len(kept) == len(ids):
             data = batch.buf
@@ -236,7 +271,7 @@ class RealtimeServer:
             offset += size
         self._indexer.submit(base, offset, items, kept_ids, self._clock.now_ms())
         self._stored += len(kept)
-        return {"results": results}
+        return fresh
 
     # --------------------------------------------------------------- consumers
 
@@ -383,12 +418,90 @@ class RealtimeServer:
         consumer = await self._consumer(nack.subject, nack.group, nack.consumer)
         names = f"consumer {nack.consumer!r} of group {nack.group!r} on subject {nack.subject!r}"
         now = self._clock.now_ms()
-        acked, shares = self._groups.nack(consumer, nack.start, nack.end, now, names)
+        if not nack.retry or consumer is None or consumer.broadcast:
+            # Back to the group at once: asked so, or a broadcast consumer (its own
+            # read position: a retry subject would reach every consumer of its group).
+            acked, shares = self._groups.nack(consumer, nack.start, nack.end, now, names)
+        else:
+            claim = self._groups.claim(consumer, nack.start, nack.end, now, names)
+            shares = []
+            if claim is not None:
+                # Shielded (and bounded): a claim must end, whether the consumer
+                # hangs up or not, or its messages would be held back for good.
+                with trio.CancelScope(shield=True):
+                    shares = await self._retry(claim, nack)
+            acked = consumer.acked
+        now = self._clock.now_ms()
         self._poke_sweeper(now)
         for share in shares:
             self._wake(share.subject)
         await self._commit()
         return {"acked": acked}
+
+    async def _retry(self, claim: Claim, nack: AckRequest) -> list[Share]:
+        """Re-address a claim's messages and place them (scheduler or log); ends the claim."""
+        done = False
+        count = len(claim.entries)
+        try:
+            records = await self._read_claimed(claim)
+            now = self._clock.now_ms()
+            if nack.dead:
+                subject, deliver_at = dead_subject(nack.group, nack.subject), now
+            else:
+                assert nack.delay_ms is not None
+                subject, deliver_at = retry_subject(nack.group, nack.subject), now + nack.delay_ms
+            body = readdress(records, subject=subject, deliver_at=deliver_at)
+            if nack.dead or deliver_at <= now:
+                await self._append_batch(scan_batch(body, REPLAY_LIMITS))
+                done = True
+                if nack.dead:
+                    self._dead_letters += count
+                    log.info("realtime: %d message(s) of group %s to %s after their last attempt",
+                             count, nack.group, subject)  # fmt: skip
+                else:
+                    self._retries_stored += count
+            else:
+                done = await self._schedule(body, count, subject)
+                if done:
+                    self._retries_scheduled += count
+                else:
+                    self._retries_given_back += count
+        finally:
+            shares = self._groups.release(claim, done=done)
+        return shares
+
+    async def _read_claimed(self, claim: Claim) -> bytes:
+        """The claimed records as their consumer got them (``attempts`` with redeliveries)."""
+        consume_log = self._indexer.consume_log(claim.consumer.subject)
+        assert consume_log is not None  # the consumer was handed entries of it
+        picked: list[Picked] = []
+        for sequence, redeliveries in claim.entries:
+            entry = consume_log.entry(sequence)
+            picked.append((sequence, redeliveries, entry.offset, entry.size))
+        return await trio.to_thread.run_sync(read_records, self._log, picked)
+
+    async def _schedule(self, body: bytes, count: int, subject: str) -> bool:
+        """Hand retries to a scheduler; False (logged) when none took them."""
+        routes = self.scheduler_routes
+        if routes is None:
+            log.warning("realtime: no scheduler (no meta_address) for %d retr%s on %s; given back at once",
+                        count, "y" if count == 1 else "ies", subject)  # fmt: skip
+            return False
+        try:
+            with trio.fail_after(SCHEDULE_DEADLINE_S):
+                frame = await routes.call(
+                    DELAYED_ROUTE, Command.SCHEDULE, {}, body, attempts=3, timeout=SCHEDULE_TIMEOUT_S
+                )
+        except (RouteError, ProtocolError, TransportError, trio.TooSlowError) as error:
+            log.warning("realtime: no scheduler took %d retr%s on %s (%s); given back at once",
+                        count, "y" if count == 1 else "ies", subject, str(error) or type(error).__name__)  # fmt: skip
+            return False
+        results = frame.metadata.get("results")
+        if not isinstance(results, list) or len(results) != count:
+            log.warning("realtime: scheduler answered SCHEDULE of %d retries with results %r; given back at once",
+                        count, results)  # fmt: skip
+            return False
+        return True  # "scheduled", or "duplicate": it holds them already
 
     async def _heartbeat(self, request: Request) -> dict[str, Any]:
         beat = parse_heartbeat(request.metadata, self._limits)
@@ -501,6 +614,26 @@ class RealtimeServer:
         self._pull_written.update(snapshot.pull_logs)
 
 
+def readdress(records: bytes, *, subject: str, deliver_at: int) -> bytes:
+    """The records again, sent to ``subject`` at ``deliver_at`` with ``attempts`` + 1; ids kept."""
+    out = []
+    for message in decode_batch(records, REPLAY_LIMITS):
+        out.append(
+            encode_message(
+                message.id,
+                subject,
+                tags=message.tags,
+                properties=message.properties or None,
+                body=message.body,
+                deliver_at=deliver_at,
+                created_at=message.created_at,
+                attempts=min(message.attempts + 1, _MAX_ATTEMPTS),
+                limits=REPLAY_LIMITS,
+            )
+        )
+    return b"".join(out)
+
+
 # ------------------------------------------------------------------- opening
 
 
@@ -605,6 +738,9 @@ async def open_realtime_server(
                 await nursery.start(server._sweep_loop)
                 server.address = await nursery.start(server.frame_server.serve, host, port)
                 if meta_address is not None:
+                    server.scheduler_routes = RouteClient(
+                        Peers(nursery, limits=limits), meta_addresses(meta_address), clock=clock
+                    )
                     server.registration = await _start_registration(
                         nursery, server, meta_address, advertise_address or server.address, clock
                     )
@@ -665,4 +801,4 @@ async def _start_registration(
     return registration
 
 
-__all__ = ["RealtimeServer", "RealtimeStatistics", "open_realtime_server"]
+__all__ = ["RealtimeServer", "RealtimeStatistics", "open_realtime_server", "readdress"]

@@ -1,0 +1,85 @@
+"""``delaymq scheduler``: run a scheduler (delay server) until Ctrl-C or SIGTERM.
+
+It logs the address it bound (``scheduler GROUP listening on HOST:PORT``), registers
+with the metaserver given by ``--meta`` and delivers due messages to the realtime
+servers the metaserver routes each subject to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from delaymq.cli import options
+from delaymq.cli.realtime_command import add_server_options
+from delaymq.cli.serving import fail, run_server, wait_for_stop_signal
+from delaymq.protocol.limits import Limits
+from delaymq.scheduler.server import open_scheduler
+from delaymq.wheel.clock import SystemClock
+
+log = logging.getLogger("delaymq.scheduler")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "scheduler",
+        help="run a scheduler: takes delayed messages, fires each at its millisecond",
+        description=(
+            "Run a scheduler (delay server). It stores delayed messages in a write-ahead log, files "
+            "them by hour and hands each to a realtime server at its deliver_at millisecond."
+        ),
+    )
+    add_server_options(parser, group="scheduler-1")
+    parser.add_argument(
+        "--horizon",
+        type=options.duration,
+        default="732d",
+        metavar="DURATION",
+        help="how far ahead a message may be scheduled; later ones are refused (default: 732d)",
+    )
+    parser.add_argument(
+        "--retention",
+        type=options.duration,
+        default="72h",
+        metavar="DURATION",
+        help="how long a fully delivered hour's files are kept (default: 72h)",
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.data is None:
+        return fail('--data DIR is required (or data = "DIR" in the [scheduler] table of --config)')
+    try:
+        horizon_ms = options.duration_ms(args.horizon)
+        retention_ms = options.duration_ms(args.retention)
+        limits = Limits(horizon_ms=horizon_ms)
+    except argparse.ArgumentTypeError as error:
+        return fail(str(error))
+    except ValueError as error:
+        return fail(f"--horizon: {error}")
+    meta = args.meta or ["127.0.0.1:20880"]
+    what = f"scheduler {args.group} on {args.listen} with data {args.data}"
+    return run_server(_serve, args, meta, limits, retention_ms, what=what)
+
+
+async def _serve(args: argparse.Namespace, meta: list[str], limits: Limits, retention_ms: int) -> None:
+    async with open_scheduler(
+        data_dir=args.data,
+        clock=SystemClock(),
+        listen=args.listen,
+        group=args.group,
+        meta_address=meta,
+        flush=args.flush,
+        limits=limits,
+        retention_ms=retention_ms,
+    ) as scheduler:
+        log.info(
+            "scheduler %s listening on %s (data %s, metaserver %s, horizon %s)",
+            args.group,
+            scheduler.address,
+            args.data,
+            ", ".join(meta),
+            options.show_duration(limits.horizon_ms),
+        )
+        await wait_for_stop_signal()

@@ -1,0 +1,476 @@
+"""The dispatcher: opens hours, loads seconds, fires due messages, hands them to realtime.
+
+Four kinds of trio task share one ``WheelSet`` (the pure rules) on the event loop;
+every disk read or write runs through ``run_blocking`` (a worker thread):
+
+- the **loader** opens due hours (heads table + dispatch log -> ``SecondWheel``), walks
+  the chains of seconds about ``load_ahead_ms`` ahead and reads their records into
+  memory (bounded by ``max_loaded`` entries and ``max_cached_bytes``), and closes
+  finished hours;
+- the **firer** sleeps until the next non-empty millisecond (or a poke), pops what is
+  due (never anything later than now) and appends each record to its subject's lane;
+- one **lane** per subject with messages on the way sends them in order, in batches
+  (``dispatch_batch`` records, ``dispatch_bytes`` bytes) through ``deliver`` (SEND
+  on the ``scheduler-delivery`` route: a realtime group for the subject, other groups
+  tried per call). A failed batch stays at the head of its lane and is retried with
+  a doubling backoff (capped), logged once per outage: nothing is dropped and order
+  within a subject holds;
+- the **confirmer** records what realtime accepted in the hours' dispatch logs (one
+  thread call and one fsync per round) and only then marks it done in the wheel, which
+  moves the tick and frees the memory budget.
+
+Docs: docs/scheduler.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, TypeVar
+
+import trio
+
+from delaymq.scheduler.alarm import Alarm
+from delaymq.scheduler.delayindex import Heads
+from delaymq.scheduler.schedulelog import HourLog, ScheduleStore
+from delaymq.scheduler.wheelset import Due, Load, WheelSet
+from delaymq.wheel.clock import Clock
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+RunBlocking = Callable[[Callable[[], T]], Awaitable[T]]
+#: Hands one batch (records end to end) of one subject to a realtime server; returns
+#: the per-record results once accepted, raises when it was not.
+Deliver = Callable[[str, bytes], Awaitable[list[str]]]
+
+DEFAULT_DISPATCH_BATCH = 1_000
+DEFAULT_DISPATCH_BYTES = 4 << 20
+DEFAULT_MAX_CACHED_BYTES = 256 << 20
+DEFAULT_MAX_SENDS = 16
+DEFAULT_BACKOFF_MS = 100
+DEFAULT_MAX_BACKOFF_MS = 5_000
+
+_LENGTHS = struct.Struct(">HH")  # id_len, subject_len at record byte 30
+_LENGTHS_AT = 30
+_TEXT_AT = 46  # RECORD_HEADER_SIZE: the id starts here, the subject after it
+
+
+def subject_of(record: bytes) -> bytes:
+    """The subject bytes of a message record (checked when it was received)."""
+    id_len, subject_len = _LENGTHS.unpack_from(record, _LENGTHS_AT)
+    start = _TEXT_AT + id_len
+    return record[start : start + subject_len]
+
+
+@dataclass(frozen=True, slots=True)
+class DispatcherStatistics:
+    dispatched: int  # records a realtime server accepted
+    batches: int  # SEND requests accepted
+    failures: int  # SEND requests that failed (each retried)
+    recorded: int  # entries newly written to dispatch logs
+    lateness_max_ms: int  # accepted - deliver_at, worst since start (overdue restarts included)
+    lateness_mean_ms: float
+    lanes: int  # subjects with messages on the way
+    waiting: int  # records in lanes, not yet accepted
+    cached_records: int  # records read ahead, not yet due
+    cached_bytes: int
+    in_outage: bool  # some subject's delivery is failing right now
+    hours_opened: int
+    seconds_loaded: int
+
+
+class _Lane:
+    """One subject's records on the way, in firing order."""
+
+    __slots__ = ("subject", "name", "items")
+
+    def __init__(self, subject: bytes) -> None:
+        self.subject = subject
+        self.name = subject.decode()
+        self.items: deque[tuple[int, int, int, bytes]] = deque()  # hour, deliver_at, entry, record
+
+
+class Dispatcher:
+    """Fires the ``WheelSet``'s due messages through ``deliver``. Run it with ``run``."""
+
+    def __init__(
+        self,
+        *,
+        store: ScheduleStore,
+        wheels: WheelSet,
+        deliver: Deliver,
+        clock: Clock,
+        run_blocking: RunBlocking[Any],
+        dispatch_batch: int = DEFAULT_DISPATCH_BATCH,
+        dispatch_bytes: int = DEFAULT_DISPATCH_BYTES,
+        max_cached_bytes: int = DEFAULT_MAX_CACHED_BYTES,
+        max_sends: int = DEFAULT_MAX_SENDS,
+        backoff_ms: int = DEFAULT_BACKOFF_MS,
+        max_backoff_ms: int = DEFAULT_MAX_BACKOFF_MS,
+    ) -> None:
+        for name, value in (
+            ("dispatch_batch", dispatch_batch),
+            ("dispatch_bytes", dispatch_bytes),
+            ("max_sends", max_sends),
+            ("backoff_ms", backoff_ms),
+        ):
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        if max_backoff_ms < backoff_ms:
+            raise ValueError(f"max_backoff_ms ({max_backoff_ms}) must be at least backoff_ms ({backoff_ms})")
+        self.store = store
+        self.wheels = wheels
+        self._deliver = deliver
+        self._clock = clock
+        self._run_blocking = run_blocking
+        self._batch = dispatch_batch
+        self._batch_bytes = dispatch_bytes
+        self._max_cached_bytes = max_cached_bytes
+        self._sends = trio.CapacityLimiter(max_sends)
+        self._backoff_ms = backoff_ms
+        self._max_backoff_ms = max_backoff_ms
+        self.load_alarm = Alarm(clock)
+        self.fire_alarm = Alarm(clock)
+        self._confirm_alarm = Alarm(clock)
+        self._readers: dict[int, HourLog] = {}
+        self._skip: dict[int, set[int]] = {}  # hour -> delivered entries (not read ahead)
+        self._cache: dict[int, dict[int, bytes]] = {}  # hour -> entry -> record, read ahead
+        self._cached_bytes = 0
+        self._cached_records = 0
+        self._lanes: dict[bytes, _Lane] = {}
+        self._waiting = 0
+        self._to_confirm: dict[int, list[tuple[int, int]]] = {}
+        self._failing: set[bytes] = set()
+        self._outage_since: int | None = None
+        self._outage_failures = 0
+        self._nursery: trio.Nursery | None = None
+        self._dispatched = 0
+        self._batches = 0
+        self._failures = 0
+        self.recorded = 0
+        self._lateness_max = 0
+        self._lateness_sum = 0
+        self._hours_opened = 0
+        self._seconds_loaded = 0
+
+    # ------------------------------------------------------------------ running
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Load, fire, send and confirm until cancelled."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._load_loop)
+                nursery.start_soon(self._fire_loop)
+                nursery.start_soon(self._confirm_loop)
+                task_status.started()
+        finally:
+            for reader in self._readers.values():
+                reader.close()
+            self._readers.clear()
+
+    def poke(self) -> None:
+        """Something arrived (or changed): both sleepers work out their next moment again."""
+        self.load_alarm.poke()
+        self.fire_alarm.poke()
+
+    def statistics(self) -> DispatcherStatistics:
+        accepted = self._dispatched
+        return DispatcherStatistics(
+            dispatched=accepted,
+            batches=self._batches,
+            failures=self._failures,
+            recorded=self.recorded,
+            lateness_max_ms=self._lateness_max,
+            lateness_mean_ms=self._lateness_sum / accepted if accepted else 0.0,
+            lanes=len(self._lanes),
+            waiting=self._waiting,
+            cached_records=self._cached_records,
+            cached_bytes=self._cached_bytes,
+            in_outage=self._outage_since is not None,
+            hours_opened=self._hours_opened,
+            seconds_loaded=self._seconds_loaded,
+        )
+
+    # ------------------------------------------------------------------ loader
+
+    async def _load_loop(self) -> None:
+        wheels = self.wheels
+        while True:
+            now = self._clock.now_ms()
+            for hour in wheels.hours_to_close(now):
+                self._close_hour(hour)
+            opening = wheels.hours_to_open(now)
+            for hour in opening:
+                await self._open_hour(hour)
+            loads = wheels.seconds_to_load(self._clock.now_ms())
+            if loads:
+                await self._load(loads)
+                self.fire_alarm.poke()
+                continue
+            if opening:
+                self.fire_alarm.poke()
+                continue
+            await self.load_alarm.wait(wheels.next_load_ms(self._clock.now_ms()))
+
+    async def _open_hour(self, hour: int) -> None:
+        self.wheels.begin_open(hour)
+        try:
+            with trio.CancelScope(shield=True):  # a reader opened in the thread must not leak
+                reader, heads, delivered = await self._run_blocking(partial(_read_hour, self.store, hour))
+        except BaseException:
+            self.wheels.open_failed(hour)
+            raise
+        self._readers[hour] = reader
+        self._skip[hour] = delivered
+        self._cache.setdefault(hour, {})
+        self.wheels.opened(hour, heads.counts, heads.entries, delivered)
+        self._hours_opened += 1
+        if delivered:
+            log.info(
+                "hour %s: %d of %d entries were delivered before; skipping them",
+                reader.name,
+                len(delivered),
+                heads.entries,
+            )
+
+    def _close_hour(self, hour: int) -> None:
+        self.wheels.close(hour)
+        reader = self._readers.pop(hour, None)
+        if reader is not None:
+            reader.close()
+        self._skip.pop(hour, None)
+        cache = self._cache.pop(hour, None)
+        if cache:  # normally empty by now: every entry read ahead was handed out
+            self._cached_records -= len(cache)
+            self._cached_bytes -= sum(map(len, cache.values()))
+
+    async def _load(self, loads: list[Load]) -> None:
+        """Walk the chains of ``loads`` (one thread call per hour) and read their records."""
+        by_hour: dict[int, list[Load]] = {}
+        for load in loads:
+            by_hour.setdefault(load.hour, []).append(load)
+        for hour, group in by_hour.items():
+            reader = self._readers[hour]
+            with_records = self._cached_bytes < self._max_cached_bytes
+            self.wheels.begin_load(group)
+            try:
+                chains, records = await self._run_blocking(
+                    partial(_walk, reader, group, self._skip.get(hour), with_records)
+                )
+            except BaseException:
+                for load in group:
+                    self.wheels.load_failed(load)
+                raise
+            for i, (load, chain) in enumerate(zip(group, chains)):
+                try:
+                    self.wheels.loaded(load, chain)
+                except BaseException:
+                    for rest in group[i + 1 :]:
+                        self.wheels.load_failed(rest)
+                    raise
+            self._seconds_loaded += len(group)
+            if records:
+                self._cache[hour].update(records)
+                self._cached_records += len(records)
+                self._cached_bytes += sum(map(len, records.values()))
+
+    # ------------------------------------------------------------------ firer
+
+    async def _fire_loop(self) -> None:
+        wheels = self.wheels
+        while True:
+            now = self._clock.now_ms()
+            due = wheels.pop_due(now)
+            if due:
+                await self._hand_out(due)
+                continue
+            wake = wheels.next_due_ms()
+            if wake is not None and wake <= now:
+                self.load_alarm.poke()  # a due second is not walked yet
+                wake = None
+            await self.fire_alarm.wait(wake)
+
+    async def _hand_out(self, due: Due) -> None:
+        """Put each due record in its subject's lane, in firing order."""
+        for hour, items in due:
+            cache = self._cache.setdefault(hour, {})
+            missing = [entry for _at, entry in items if entry not in cache]
+            if missing:  # linked after its second was read ahead, or the cache was full
+                records = await self._run_blocking(partial(_read_records, self.store, hour, missing))
+                cache.update(zip(missing, records))
+                self._cached_records += len(missing)
+                self._cached_bytes += sum(map(len, records))
+            lanes = self._lanes
+            touched: list[_Lane] = []
+            size = 0
+            for at, entry in items:
+                record = cache.pop(entry)
+                size += len(record)
+                subject = subject_of(record)
+                lane = lanes.get(subject)
+                if lane is None:
+                    lane = lanes[subject] = _Lane(subject)
+                    touched.append(lane)
+                lane.items.append((hour, at, entry, record))
+            self._cached_records -= len(items)
+            self._cached_bytes -= size
+            self._waiting += len(items)
+            assert self._nursery is not None
+            for lane in touched:
+                self._nursery.start_soon(self._run_lane, lane)
+
+    # ------------------------------------------------------------------ lanes
+
+    async def _run_lane(self, lane: _Lane) -> None:
+        """Send the lane's records in order until it is empty; retry failures, never drop."""
+        items = lane.items
+        backoff = self._backoff_ms
+        try:
+            while items:
+                count = size = 0
+                for _hour, _at, _entry, record in items:
+                    if count and (count >= self._batch or size + len(record) > self._batch_bytes):
+                        break
+                    count += 1
+                    size += len(record)
+                batch = [items[i] for i in range(count)]
+                body = b"".join(item[3] for item in batch)
+                try:
+                    async with self._sends:
+                        results = await self._deliver(lane.name, body)
+                    if len(results) != count:
+                        raise ValueError(f"realtime answered {len(results)} results for {count} records")
+                except Exception as error:  # anything: the batch stays and is sent again
+                    self._send_failed(lane, error)
+                    await self._clock.sleep_until_ms(self._clock.now_ms() + backoff)
+                    backoff = min(backoff * 2, self._max_backoff_ms)
+                    continue
+                for _ in range(count):
+                    items.popleft()
+                backoff = self._backoff_ms
+                self._accepted(batch)
+                self._send_succeeded(lane)
+        finally:
+            if self._lanes.get(lane.subject) is lane:
+                del self._lanes[lane.subject]
+
+    def _accepted(self, batch: list[tuple[int, int, int, bytes]]) -> None:
+        now = self._clock.now_ms()
+        worst = self._lateness_max
+        total = 0
+        confirm = self._to_confirm
+        for hour, at, entry, _record in batch:
+            late = now - at
+            total += late
+            if late > worst:
+                worst = late
+            pending = confirm.get(hour)
+            if pending is None:
+                pending = confirm[hour] = []
+            pending.append((at, entry))
+        self._lateness_max = worst
+        self._lateness_sum += total
+        self._dispatched += len(batch)
+        self._waiting -= len(batch)
+        self._batches += 1
+        self._confirm_alarm.poke()
+
+    def _send_failed(self, lane: _Lane, error: Exception) -> None:
+        self._failures += 1
+        self._failing.add(lane.subject)
+        if self._outage_since is None:
+            self._outage_since = self._clock.now_ms()
+            self._outage_failures = 0
+            log.warning(
+                "delivery of subject %r failed (%s: %s); retrying with backoff up to %d ms, nothing is dropped",
+                lane.name,
+                type(error).__name__,
+                error,
+                self._max_backoff_ms,
+            )
+        else:
+            log.debug("delivery of subject %r failed again: %s", lane.name, error)
+        self._outage_failures += 1
+
+    def _send_succeeded(self, lane: _Lane) -> None:
+        self._failing.discard(lane.subject)
+        if self._outage_since is not None and not self._failing:
+            log.warning(
+                "delivery works again after %d failed attempt(s) over %.1f s",
+                self._outage_failures,
+                (self._clock.now_ms() - self._outage_since) / 1000,
+            )
+            self._outage_since = None
+
+    # ------------------------------------------------------------------ confirmer
+
+    async def _confirm_loop(self) -> None:
+        while True:
+            await self._confirm_alarm.wait(None)
+            while self._to_confirm:
+                batch, self._to_confirm = self._to_confirm, {}
+                self.recorded += await self._run_blocking(partial(_record, self.store, batch))
+                for hour, items in batch.items():
+                    self.wheels.confirm(hour, items)
+                self.load_alarm.poke()  # memory freed; an hour may be finished
+
+
+# ---------------------------------------------------------------------- blocking parts
+
+
+def _read_hour(store: ScheduleStore, hour: int) -> tuple[HourLog, Heads, set[int]]:
+    """Open a reader of ``hour``, its heads snapshot and its delivered set (in a thread)."""
+    reader = store.open_hour(hour)
+    try:
+        heads = reader.heads()
+        delivered = store.delivered(hour)
+    except BaseException:
+        reader.close()
+        raise
+    return reader, heads, delivered
+
+
+def _walk(
+    reader: HourLog, loads: list[Load], skip: set[int] | None, with_records: bool
+) -> tuple[list[list[tuple[int, int]]], dict[int, bytes]]:
+    """Walk each second's chain; read the records of entries not delivered yet."""
+    chains = [reader.chain(load.second, below=load.below, floor=load.floor) for load in loads]
+    if not with_records:
+        return chains, {}
+    if skip:
+        wanted = [entry for chain in chains for _ms, entry in chain if entry not in skip]
+    else:
+        wanted = [entry for chain in chains for _ms, entry in chain]
+    return chains, dict(zip(wanted, reader.read_records(wanted)))
+
+
+def _read_records(store: ScheduleStore, hour: int, entries: list[int]) -> list[bytes]:
+    """Records not read ahead, through a reader of their own (the loader's may be busy)."""
+    with store.open_hour(hour) as reader:
+        return reader.read_records(entries)
+
+
+def _record(store: ScheduleStore, batch: dict[int, list[tuple[int, int]]]) -> int:
+    """Append accepted entries to their dispatch logs and fsync them: one round."""
+    new = 0
+    for hour, items in batch.items():
+        new += store.record_dispatched(hour, [entry for _at, entry in items])
+    store.flush_dispatched()
+    return new
+
+
+__all__ = [
+    "DEFAULT_DISPATCH_BATCH",
+    "DEFAULT_DISPATCH_BYTES",
+    "Deliver",
+    "Dispatcher",
+    "DispatcherStatistics",
+    "RunBlocking",
+    "subject_of",
+]

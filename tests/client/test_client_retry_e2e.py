@@ -1,0 +1,263 @@
+"""Consumer retries end to end: metaserver, realtime and scheduler in-process.
+
+The trio-client tests run under ``autojump_clock`` with a ``TrioClock``, so
+retry delays take milliseconds. Every connection there is an in-memory stream
+(``trio.open_tcp_stream`` is routed to the servers' ``serve_stream``) and
+blocking calls run inline: with real sockets or worker threads the mock clock
+could jump while bytes or an fsync are still on their way. The blocking
+consumer's test runs on loopback with the real clock (delay 0 retries only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from delaymq.client import BlockingConsumer, BlockingProducer, ReceivedMessage, open_consumer, open_producer
+from delaymq.metaserver.server import open_metaserver, run_inline
+from delaymq.realtime.server import RealtimeServer, open_realtime_server
+from delaymq.scheduler.server import Scheduler, open_scheduler
+from delaymq.wheel.clock import SystemClock, TrioClock
+
+EPOCH = 1_767_225_600_000
+META = "meta.test:20880"
+SCHEDULER = "scheduler.test:20890"
+SECOND = 1000
+WAIT = 20.0  # seconds the real-clock test may wait for a message
+
+ServeStream = Callable[[trio.abc.Stream], Awaitable[None]]
+
+
+@pytest.fixture
+def inline_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocking calls (fsync, lmdb, reads) inline: a worker thread would let the mock clock jump."""
+
+    async def run_inline_sync(sync_fn: Callable[..., Any], *args: Any, **_options: Any) -> Any:
+        await trio.lowlevel.checkpoint()
+        return sync_fn(*args)
+
+    monkeypatch.setattr(trio.to_thread, "run_sync", run_inline_sync)
+
+
+@dataclass
+class MemoryNetwork:
+    """``trio.open_tcp_stream`` answered by in-process servers over in-memory streams."""
+
+    nursery: trio.Nursery
+    servers: dict[str, ServeStream] = field(default_factory=dict)
+
+    def serve(self, address: str, serve_stream: ServeStream) -> None:
+        self.servers[address] = serve_stream
+
+    async def open_tcp_stream(self, host: str, port: int, **_options: Any) -> trio.abc.Stream:
+        await trio.lowlevel.checkpoint()
+        serve_stream = self.servers.get(f"{host}:{port}")
+        if serve_stream is None:
+            raise OSError(f"connection to {host}:{port} refused (no in-process server there)")
+        client_end, server_end = trio.testing.memory_stream_pair()
+        self.nursery.start_soon(serve_stream, server_end)
+        return client_end
+
+
+@dataclass
+class Cluster:
+    clock: TrioClock
+    realtime: RealtimeServer
+    scheduler: Scheduler | None
+
+
+@asynccontextmanager
+async def open_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, scheduler: bool) -> AsyncIterator[Cluster]:
+    clock = TrioClock(EPOCH)
+    async with AsyncExitStack() as stack:
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        # Runs once the servers above it are closed (a cancel before would cut their shutdown short).
+        stack.callback(nursery.cancel_scope.cancel)
+        network = MemoryNetwork(nursery)
+        monkeypatch.setattr(trio, "open_tcp_stream", network.open_tcp_stream)
+        meta = await stack.enter_async_context(
+            open_metaserver(listen=None, data_dir=tmp_path / "meta", clock=clock, run_blocking=run_inline)
+        )
+        network.serve(META, meta.serve_stream)
+        realtime = await stack.enter_async_context(
+            open_realtime_server(data_dir=tmp_path / "rt1", clock=clock, group="rt1", meta_address=META)
+        )
+        network.serve(realtime.address, realtime.serve_stream)
+        delay_server = None
+        if scheduler:
+            delay_server = await stack.enter_async_context(
+                open_scheduler(
+                    data_dir=tmp_path / "scheduler", clock=clock, listen=None, advertise_address=SCHEDULER,
+                    meta_address=META, run_blocking=run_inline,
+                )
+            )  # fmt: skip
+            network.serve(SCHEDULER, delay_server.serve_stream)
+        yield Cluster(clock, realtime, delay_server)
+
+
+@dataclass
+class Seen:
+    """What one consumer group's handler saw: (id, subject, attempts, received_at)."""
+
+    messages: list[tuple[str, str, int, int]] = field(default_factory=list)
+    changed: trio.Event = field(default_factory=trio.Event)
+
+    def add(self, message: ReceivedMessage) -> None:
+        self.messages.append((message.id, message.subject, message.attempts, message.received_at))
+        self.changed.set()
+        self.changed = trio.Event()
+
+    async def wait_for(self, count: int) -> None:
+        while len(self.messages) < count:
+            await self.changed.wait()
+
+
+async def run_group(
+    cluster: Cluster, subject: str, group: str, seen: Seen, *, fail: bool,
+    task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED, **options: Any,
+) -> None:  # fmt: skip
+    """A consumer whose handler records each message and then raises (``fail``) or returns."""
+
+    async def handler(message: ReceivedMessage) -> None:
+        seen.add(message)
+        if fail:
+            raise RuntimeError(f"cannot handle {message.id} (attempt {message.attempts})")
+
+    async with open_consumer(META, subject, group=group, clock=cluster.clock, start="earliest", **options) as consumer:
+        task_status.started(consumer)
+        await consumer.run(handler)
+
+
+@pytest.mark.usefixtures("inline_threads")
+async def test_immediate_retries_then_the_dead_letter_subject_without_a_scheduler(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Delay 0 retries go through the realtime server's own log: no scheduler needed."""
+    async with open_cluster(tmp_path, monkeypatch, scheduler=False) as cluster, trio.open_nursery() as nursery:
+        billing, audit, ops = Seen(), Seen(), Seen()
+        await nursery.start(partial(
+            run_group, cluster, "orders", "billing", billing, fail=True, retry_delays=(0,), max_attempts=3
+        ))  # fmt: skip
+        await nursery.start(partial(run_group, cluster, "orders", "audit", audit, fail=False))
+        await nursery.start(partial(run_group, cluster, "%dead%billing%orders", "ops", ops, fail=False))
+        async with open_producer(META, clock=cluster.clock) as producer:
+            message_id = await producer.send("orders", b"flaky")
+        with trio.fail_after(600):
+            await ops.wait_for(1)
+            await audit.wait_for(1)
+        await trio.sleep(60)  # (virtual) time for anything else to turn up
+        assert [(m[0], m[1], m[2]) for m in billing.messages] == [(message_id, "orders", n) for n in range(3)]
+        assert [(m[0], m[1], m[2]) for m in ops.messages] == [(message_id, "%dead%billing%orders", 3)]
+        assert [(m[0], m[1], m[2]) for m in audit.messages] == [(message_id, "orders", 0)]
+        stats = cluster.realtime.statistics()
+        assert (stats.retries_stored, stats.dead_letters, stats.redeliveries) == (2, 1, 0)
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.usefixtures("inline_threads")
+async def test_nacks_come_back_on_the_backoff_schedule_then_land_in_the_dead_letters(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock
+) -> None:
+    async with open_cluster(tmp_path, monkeypatch, scheduler=True) as cluster, trio.open_nursery() as nursery:
+        billing, audit, ops = Seen(), Seen(), Seen()
+        await nursery.start(partial(
+            run_group, cluster, "orders", "billing", billing, fail=True, retry_delays=(5, 10, 30), max_attempts=4
+        ))  # fmt: skip
+        await nursery.start(partial(run_group, cluster, "orders", "audit", audit, fail=False))
+        async with open_producer(META, clock=cluster.clock) as producer:
+            message_id = await producer.send("orders", b"flaky")
+        with trio.fail_after(3600):
+            await billing.wait_for(4)
+            await audit.wait_for(1)
+        # Every delivery of the message to billing, with when it came.
+        assert [(m[0], m[1], m[2]) for m in billing.messages] == [(message_id, "orders", n) for n in range(4)]
+        times = [m[3] for m in billing.messages]
+        gaps = [later - earlier for earlier, later in zip(times, times[1:])]
+        for gap, delay in zip(gaps, (5 * SECOND, 10 * SECOND, 30 * SECOND), strict=True):
+            assert delay <= gap <= delay + 50, (gaps, delay)  # never early, hardly late
+        # The fourth attempt's nack buries it: it is consumed from the dead-letter subject.
+        await nursery.start(partial(run_group, cluster, "%dead%billing%orders", "ops", ops, fail=False))
+        with trio.fail_after(600):
+            await ops.wait_for(1)
+        ((dead_id, dead_subject, dead_attempts, _),) = ops.messages
+        assert (dead_id, dead_subject, dead_attempts) == (message_id, "%dead%billing%orders", 4)
+        await trio.sleep(3600)  # (virtual) an hour more: nothing else turns up
+        assert len(billing.messages) == 4 and len(ops.messages) == 1
+        assert [(m[0], m[1], m[2]) for m in audit.messages] == [(message_id, "orders", 0)]
+        stats = cluster.realtime.statistics()
+        counts = (stats.retries_scheduled, stats.dead_letters, stats.retries_given_back, stats.redeliveries)
+        assert counts == (3, 1, 0, 0)
+        assert stats.duplicates == 0
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.usefixtures("inline_threads")
+async def test_the_default_policy_retries_after_5_s_10_s_and_30_s(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock
+) -> None:
+    async with open_cluster(tmp_path, monkeypatch, scheduler=True) as cluster, trio.open_nursery() as nursery:
+        seen = Seen()
+
+        async def handler(message: ReceivedMessage) -> None:
+            seen.add(message)
+            if message.attempts < 3:
+                raise RuntimeError("not yet")
+
+        async with open_consumer(META, "orders", group="billing", clock=cluster.clock, start="earliest") as consumer:
+            nursery.start_soon(consumer.run, handler)
+            async with open_producer(META, clock=cluster.clock) as producer:
+                await producer.send("orders", b"slow")
+            with trio.fail_after(3600):
+                await seen.wait_for(4)
+            assert await consumer.flush()
+            stats = consumer.statistics()
+        times = [m[3] for m in seen.messages]
+        gaps = [later - earlier for earlier, later in zip(times, times[1:])]
+        assert [m[2] for m in seen.messages] == [0, 1, 2, 3]
+        for gap, delay in zip(gaps, (5 * SECOND, 10 * SECOND, 30 * SECOND), strict=True):
+            assert delay <= gap <= delay + 50, (gaps, delay)
+        assert (stats.retried, stats.dead, stats.acked, stats.received_retries) == (3, 0, 1, 3)
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_blocking_consumer_retries_and_buries_too(tmp_path: Path) -> None:
+    """Real threads, sockets and clock: immediate retries (delay 0) need no scheduler."""
+    clock = SystemClock()
+    async with open_metaserver(data_dir=tmp_path / "meta", clock=clock) as meta, open_realtime_server(
+        data_dir=tmp_path / "rt1", clock=clock, group="rt1", meta_address=meta.address, flush="async"
+    ):
+
+        def scenario() -> tuple[str, list[tuple[str, int, str]], list[tuple[str, str, int]]]:
+            with BlockingProducer(meta.address) as producer:
+                message_id = producer.send("orders", b"flaky")
+            seen: list[tuple[str, int, str]] = []
+            with BlockingConsumer(
+                meta.address, "orders", group="billing", start="earliest", poll_timeout=0.2,
+                retry_delays=(0,), max_attempts=2,
+            ) as consumer:  # fmt: skip
+                for message in consumer.messages(timeout=WAIT):
+                    seen.append((message.id, message.attempts, message.pulled_subject))
+                    consumer.nack(message)
+                    if len(seen) == 2:
+                        break
+                assert consumer.flush()
+            with BlockingConsumer(
+                meta.address, "%dead%billing%orders", group="ops", start="earliest", poll_timeout=0.2
+            ) as dead:
+                letter = dead.receive(timeout=WAIT)
+                assert letter is not None
+                dead.ack(letter)
+            return message_id, seen, [(letter.id, letter.subject, letter.attempts)]
+
+        with trio.fail_after(WAIT * 3):
+            message_id, seen, letters = await trio.to_thread.run_sync(scenario)
+    assert seen == [(message_id, 0, ""), (message_id, 1, "%retry%billing%orders")]
+    assert letters == [(message_id, "%dead%billing%orders", 2)]
