@@ -133,79 +133,26 @@ class FrameServer:
             task_status.started(address)
 
     async def serve_stream(self, stream: trio.abc.Stream) -> None:
+        """Serve one connection until the peer leaves or its bytes stop making sense."""
         peer = _peer_name(stream)
         self._open += 1
         self._total += 1
         try:
-            await self._serve_connection(stream, peer)
-        except trio.BrokenResourceError:
-            log.debug("connection from %s broke", peer)
+            async with trio.open_nursery() as nursery:
+                connection = _ServedConnection(self, stream, peer, nursery)
+                try:
+                    await connection.read_requests()
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    # Gone without a goodbye (reset: a killed process). Left to escape,
+                    # the error would reach the listener inside an exception group, and
+                    # ``serve_listeners`` would stop the whole server.
+                    log.debug("connection from %s broke", peer)
+                # The peer is gone or dropped: its answers cannot be delivered, so a
+                # long poll must not go on holding what it would hand out.
+                nursery.cancel_scope.cancel()
         finally:
             self._open -= 1
             await trio.aclose_forcefully(stream)
-
-    async def _serve_connection(self, stream: trio.abc.Stream, peer: str) -> None:
-        decoder = FrameDecoder(self.limits)
-        send_lock = trio.Lock()
-        in_flight = trio.Semaphore(MAX_IN_FLIGHT)
-
-        async def send(frame: Frame) -> None:
-            data = encode_frame(frame, self.limits)
-            async with send_lock:
-                await stream.send_all(data)
-
-        async def handle(frame: Frame) -> None:
-            try:
-                answer = await self._answer(frame, peer)
-                if answer is not None:
-                    await send(answer)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
-            finally:
-                in_flight.release()
-
-        async with trio.open_nursery() as nursery:
-            try:
-                while True:
-                    data = await stream.receive_some(RECEIVE_SIZE)
-                    try:
-                        if not data:
-                            # The peer is gone: its answers cannot be delivered, so a
-                            # long poll must not go on holding what it would hand out.
-                            nursery.cancel_scope.cancel()
-                            decoder.end_of_stream()
-                            break
-                        decoder.feed(data)
-                        while True:
-                            try:
-                                frame = decoder.next_frame()
-                            except ProtocolError as error:
-                                if error.fatal:
-                                    raise
-                                self._errors += 1
-                                log.info("bad frame from %s: %s", peer, error)
-                                await send(error_response(error, error))
-                                continue
-                            if frame is None:
-                                break
-                            self._requests += 1
-                            await in_flight.acquire()
-                            nursery.start_soon(handle, frame)
-                    except ProtocolError as error:
-                        # The stream can no longer be trusted: say why, then close.
-                        self._errors += 1
-                        self._dropped += 1
-                        log.warning("closing connection from %s: %s", peer, error)
-                        with trio.move_on_after(1):
-                            await send(error_response((error.command or 0, error.request_id or 0), error))
-                        nursery.cancel_scope.cancel()
-                        return
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                # Gone without a goodbye (reset: a killed process). Left to escape, the
-                # error would reach the listener inside an exception group, and
-                # ``serve_listeners`` would stop the whole server.
-                log.debug("connection from %s broke", peer)
-                nursery.cancel_scope.cancel()
 
     async def _answer(self, frame: Frame, peer: str) -> Frame | None:
         expects_answer = frame.kind == FrameKind.REQUEST
@@ -243,6 +190,66 @@ class FrameServer:
         if isinstance(reply, tuple):
             return response_to(frame, reply[0], reply[1])
         return response_to(frame, reply)
+
+
+class _ServedConnection:
+    """One client's connection on the server side: read frames, answer each in its own task."""
+
+    def __init__(self, server: FrameServer, stream: trio.abc.Stream, peer: str, nursery: trio.Nursery) -> None:
+        self._server = server
+        self._stream = stream
+        self._peer = peer
+        self._nursery = nursery
+        self._decoder = FrameDecoder(server.limits)
+        self._send_lock = trio.Lock()
+        self._in_flight = trio.Semaphore(MAX_IN_FLIGHT)
+
+    async def read_requests(self) -> None:
+        """Until end of stream; a fatal protocol error is answered, then ends it."""
+        try:
+            while data := await self._stream.receive_some(RECEIVE_SIZE):
+                self._decoder.feed(data)
+                await self._start_handlers()
+            self._decoder.end_of_stream()
+        except ProtocolError as error:
+            # The stream can no longer be trusted: say why, then close.
+            self._server._errors += 1
+            self._server._dropped += 1
+            log.warning("closing connection from %s: %s", self._peer, error)
+            with trio.move_on_after(1):
+                await self._send(error_response((error.command or 0, error.request_id or 0), error))
+
+    async def _start_handlers(self) -> None:
+        while True:
+            try:
+                frame = self._decoder.next_frame()
+            except ProtocolError as error:
+                if error.fatal:
+                    raise
+                self._server._errors += 1
+                log.info("bad frame from %s: %s", self._peer, error)
+                await self._send(error_response(error, error))
+                continue
+            if frame is None:
+                return
+            self._server._requests += 1
+            await self._in_flight.acquire()  # backpressure: stop reading this peer
+            self._nursery.start_soon(self._handle, frame)
+
+    async def _handle(self, frame: Frame) -> None:
+        try:
+            answer = await self._server._answer(frame, self._peer)
+            if answer is not None:
+                await self._send(answer)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            self._in_flight.release()
+
+    async def _send(self, frame: Frame) -> None:
+        data = encode_frame(frame, self._server.limits)
+        async with self._send_lock:
+            await self._stream.send_all(data)
 
 
 def _peer_name(stream: trio.abc.Stream) -> str:
