@@ -33,13 +33,13 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-from delaymq.client.consumer import CONSUMER_ROUTE, POLL_MARGIN, ConsumerFailed, is_retryable, send_failure
+from delaymq.client.consumer import POLL_MARGIN, ConsumerFailed, is_retryable, send_failure
 from delaymq.client.delivery import ConsumerCore, ConsumerStatistics, ReceivedMessage, Settlement
 from delaymq.client.messages import DEFAULT_BATCH_BYTES, DEFAULT_BATCH_MESSAGES, At, BatchPlan, Delay, with_batch_index
 from delaymq.client.producer import DEFAULT_META, ProducerCore, ProducerStatistics, meta_addresses
 from delaymq.client.retry import DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_DELAYS
 from delaymq.client.routes import BlockingRouteClient
-from delaymq.metaserver.routes import RouteAnswer
+from delaymq.metaserver.routes import RouteAnswer, RouteKind
 from delaymq.protocol.blocking import BlockingPeers
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError, ProtocolError
@@ -202,7 +202,7 @@ class BlockingConsumer:
                 raise RuntimeError("the consumer is closed")
             self._started = True
         try:
-            self._apply_route(self.routes.groups(CONSUMER_ROUTE))
+            self._apply_route(self.routes.groups(RouteKind.CONSUMER))
         except BaseException:
             with self._lock:
                 self._started = False
@@ -399,7 +399,7 @@ class BlockingConsumer:
             if now >= next_route:
                 next_route = now + self._route_refresh
                 try:
-                    self._apply_route(self.routes.groups(CONSUMER_ROUTE))
+                    self._apply_route(self.routes.groups(RouteKind.CONSUMER))
                 except (TransportError, ProtocolError, LookupError) as error:
                     log.info("consumer %s: route refresh failed: %s", self.core.consumer_id, error)
 

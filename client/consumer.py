@@ -44,7 +44,7 @@ from delaymq.client.delivery import ConsumerCore, ConsumerStatistics, ReceivedMe
 from delaymq.client.producer import meta_addresses
 from delaymq.client.retry import DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_DELAYS
 from delaymq.client.routes import RouteClient, RouteTable
-from delaymq.metaserver.routes import RouteAnswer
+from delaymq.metaserver.routes import RouteAnswer, RouteKind
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError, ProtocolError
 from delaymq.protocol.limits import DEFAULT_LIMITS, MiB, Limits
@@ -53,7 +53,6 @@ from delaymq.wheel.clock import Clock, SystemClock
 
 log = logging.getLogger(__name__)
 
-CONSUMER_ROUTE = "consumer"
 #: Extra time a long poll's request is given beyond the poll itself.
 POLL_MARGIN = 10.0
 #: Error codes an ACK/NACK may get that retrying cannot fix: the ranges are dropped.
@@ -243,7 +242,7 @@ class Consumer:
         nursery.start_soon(self._heartbeat_loop)
 
     async def _refresh_routes(self) -> None:
-        self._apply_route(await self.routes.groups(CONSUMER_ROUTE))
+        self._apply_route(await self.routes.groups(RouteKind.CONSUMER))
 
     def _apply_route(self, answer: RouteAnswer) -> None:
         if self._stopped:
@@ -299,7 +298,7 @@ class Consumer:
                     backoff = core.pull_failed(name, retry=retry)
                     log.info("consumer %s: pull of %s from group %s failed (%s); retry in %d ms",
                              core.consumer_id, request["subject"], name, error, backoff)  # fmt: skip
-                    self.routes.table.cache.invalidate(CONSUMER_ROUTE)
+                    self.routes.table.cache.invalidate(RouteKind.CONSUMER)
                     self._route_wanted.set()
                     await trio.sleep(backoff / 1000)
                     continue
@@ -455,7 +454,7 @@ async def open_consumer(
             route_refresh=route_refresh,
             peers_options={"limits": limits, "connect_timeout": connect_timeout, "request_timeout": request_timeout},
         )
-        answer = await routes.groups(CONSUMER_ROUTE)  # before the nursery: errors stay unwrapped
+        answer = await routes.groups(RouteKind.CONSUMER)  # before the nursery: errors stay unwrapped
         body_error: Exception | None = None
         async with trio.open_nursery() as nursery:
             consumer._start(nursery, answer)
@@ -471,4 +470,4 @@ async def open_consumer(
             raise body_error
 
 
-__all__ = ["CONSUMER_ROUTE", "Consumer", "ConsumerFailed", "Handler", "open_consumer"]
+__all__ = ["Consumer", "ConsumerFailed", "Handler", "open_consumer"]

@@ -33,18 +33,11 @@ from dataclasses import KW_ONLY, dataclass, field
 from datetime import timedelta
 from typing import Any, NamedTuple
 
-from delaymq.client.retry import (
-    DEFAULT_MAX_ATTEMPTS,
-    DEFAULT_RETRY_DELAYS,
-    RetryNack,
-    RetryPolicy,
-    group_problem,
-    original_subject,
-    retry_subject,
-)
+from delaymq.client.retry import DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_DELAYS, RetryNack, RetryPolicy
 from delaymq.protocol.errors import LocalProtocolError, RemoteProtocolError
 from delaymq.protocol.limits import DEFAULT_LIMITS, MiB, Limits
 from delaymq.protocol.records import decode_batch
+from delaymq.protocol.subjects import group_problem, original_subject, retry_subject, retry_subject_problem
 
 #: Longest group or consumer name (UTF-8 bytes), as the realtime server checks it.
 MAX_NAME = 255
@@ -489,16 +482,15 @@ class ConsumerCore:
         #: Where nacked messages come back; None for a broadcast consumer (its nacks give back at once).
         self.retry_subject: str | None = None
         if not broadcast and retry_subject(group, subject) != subject:
-            self.retry_subject = retry_subject(group, subject)
-            size = len(self.retry_subject.encode())
-            if size > limits.max_subject:
+            problem = retry_subject_problem(group, subject, limits.max_subject)
+            if problem:
                 raise LocalProtocolError(
-                    f"subject and group make the retry subject {self.retry_subject!r} of {size} UTF-8 bytes, "
-                    f"over max_subject {limits.max_subject}; use a shorter subject or group",
+                    f"{problem}; use a shorter subject or group",
                     code="limit",
                     field="subject",
                     limit=limits.max_subject,
                 )
+            self.retry_subject = retry_subject(group, subject)
         self.limits = limits
         self.links: dict[str, GroupLink] = {}
         # (group, retry lane, epoch, sequence) -> (body size, attempts)

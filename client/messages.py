@@ -23,14 +23,12 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+from delaymq.metaserver.routes import RouteKind
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import LocalProtocolError, RemoteProtocolError
 from delaymq.protocol.limits import DEFAULT_LIMITS, MiB, Limits
 from delaymq.protocol.records import Message, encode_message, new_message_id
 
-#: Route of messages due now (a realtime group), and of messages due later (a scheduler).
-IMMEDIATE_ROUTE = "immediate-producer"
-DELAYED_ROUTE = "delayed-producer"
 #: Room kept in a frame for its header and metadata.
 FRAME_RESERVE = 64 * 1024
 DEFAULT_BATCH_BYTES = 4 * MiB
@@ -71,21 +69,28 @@ def delivery_time(*, delay: Delay | None = None, at: At | None = None, now_ms: i
     return None
 
 
-def _delay_ms(delay: Delay) -> int:
-    if isinstance(delay, timedelta):
-        ms = -(-delay // _MS)  # ceil
-    elif isinstance(delay, int | float) and not isinstance(delay, bool):
-        if not math.isfinite(delay):
+def seconds_to_ms(value: Any, *, name: str = "delay", field: str = "delay") -> int:
+    """Seconds (int or float) or a ``timedelta`` as milliseconds, rounded up: a delay never ends early.
+
+    ``name`` is how a refusal names the value (``retry_delays[2]``), ``field`` the option it is in.
+    """
+    if isinstance(value, timedelta):
+        return -(-value // _MS)
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        if not math.isfinite(value):
             raise LocalProtocolError(
-                f"delay is {delay!r}, not a finite number of seconds", code="bad_value", field="delay"
+                f"{name} is {value!r}, not a finite number of seconds", code="bad_value", field=field
             )
-        ms = math.ceil(delay * 1000)
-    else:
-        raise LocalProtocolError(
-            f"delay is of type {type(delay).__name__}; give seconds (int or float) or a timedelta",
-            code="bad_value",
-            field="delay",
-        )
+        return math.ceil(value * 1000)
+    raise LocalProtocolError(
+        f"{name} is of type {type(value).__name__}; give seconds (int or float) or a timedelta",
+        code="bad_value",
+        field=field,
+    )
+
+
+def _delay_ms(delay: Delay) -> int:
+    ms = seconds_to_ms(delay)
     if ms < 0:
         raise LocalProtocolError(f"delay is {delay!r}; it must be zero or more", code="limit", field="delay", limit=0)
     return ms
@@ -173,7 +178,7 @@ def build_message(
 class OutgoingFrame:
     """One request to send: a batch body for one route, and which messages it holds."""
 
-    route: str
+    route: RouteKind
     command: Command
     body: bytes
     indexes: tuple[int, ...]  # positions of its records in the caller's batch
@@ -213,8 +218,8 @@ def plan_frames(
     frame_bytes = min(max_bytes, max(1, limits.max_frame - FRAME_RESERVE))
     ids: list[str] = []
     packers = {
-        IMMEDIATE_ROUTE: _Packer(IMMEDIATE_ROUTE, Command.SEND),
-        DELAYED_ROUTE: _Packer(DELAYED_ROUTE, Command.SCHEDULE),
+        RouteKind.IMMEDIATE_PRODUCER: _Packer(RouteKind.IMMEDIATE_PRODUCER, Command.SEND),
+        RouteKind.DELAYED_PRODUCER: _Packer(RouteKind.DELAYED_PRODUCER, Command.SCHEDULE),
     }
     frames: list[OutgoingFrame] = []
     for index, message in enumerate(messages):
@@ -258,8 +263,8 @@ def plan_frames(
                 index=index,
             )
         ids.append(message.id)
-        packer = packers[DELAYED_ROUTE if message.deliver_at > now_ms else IMMEDIATE_ROUTE]
-        frame = packer.add(index, record, frame_bytes, max_messages)
+        route = RouteKind.DELAYED_PRODUCER if message.deliver_at > now_ms else RouteKind.IMMEDIATE_PRODUCER
+        frame = packers[route].add(index, record, frame_bytes, max_messages)
         if frame is not None:
             frames.append(frame)
     for packer in packers.values():
@@ -274,7 +279,7 @@ class _Packer:
 
     __slots__ = ("route", "command", "records", "indexes", "size")
 
-    def __init__(self, route: str, command: Command) -> None:
+    def __init__(self, route: RouteKind, command: Command) -> None:
         self.route = route
         self.command = command
         self.records: list[bytes] = []
@@ -320,8 +325,6 @@ def with_batch_index(error: Exception, frame: OutgoingFrame) -> Exception:
 
 
 __all__ = [
-    "DELAYED_ROUTE",
-    "IMMEDIATE_ROUTE",
     "At",
     "BatchPlan",
     "Delay",
@@ -332,5 +335,6 @@ __all__ = [
     "delivery_time",
     "iso",
     "plan_frames",
+    "seconds_to_ms",
     "with_batch_index",
 ]

@@ -29,7 +29,6 @@ from typing import Any
 from delaymq.client.messages import (
     DEFAULT_BATCH_BYTES,
     DEFAULT_BATCH_MESSAGES,
-    DELAYED_ROUTE,
     At,
     BatchPlan,
     Delay,
@@ -40,6 +39,7 @@ from delaymq.client.messages import (
     with_batch_index,
 )
 from delaymq.client.routes import RouteClient, RouteClientStatistics
+from delaymq.metaserver.routes import RouteKind
 from delaymq.protocol.errors import PeerError
 from delaymq.protocol.limits import DEFAULT_LIMITS, Limits
 from delaymq.protocol.records import Message
@@ -160,7 +160,7 @@ class ProducerCore:
         results = check_results(frame, metadata)
         self._frames += 1
         self._messages += len(results)
-        if frame.route == DELAYED_ROUTE:
+        if frame.route == RouteKind.DELAYED_PRODUCER:
             self._delayed += len(results)
         self._duplicates += results.count("duplicate")
 

@@ -8,24 +8,19 @@ opened with the same one. ``attempts`` is what a received message carries: the
 deliveries tried before this one (0 for the first), so with ``max_attempts``
 16 a message is handed out at most 16 times.
 
-Two subjects per group and subject carry what comes back (``%`` separates the
-parts, so group names may not hold one):
-
-- ``%retry%<group>%<subject>``: the group's retries. Its consumers pull it
-  beside the subject and see the original subject and id; other groups never
-  see it.
-- ``%dead%<group>%<subject>``: messages that used up their attempts; a subject
-  like any other (``delaymq consume '%dead%billing%orders' --group ops``).
+The retry and dead-letter subjects (``%retry%<group>%<subject>``,
+``%dead%<group>%<subject>``) are named by ``delaymq.protocol.subjects``, the
+rules servers and clients share.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
+from delaymq.client.messages import seconds_to_ms
 from delaymq.protocol.errors import LocalProtocolError
 from delaymq.protocol.limits import TWO_YEARS_MS
 
@@ -49,11 +44,6 @@ DEFAULT_MAX_ATTEMPTS = 16
 MAX_ATTEMPTS = 0xFFFF
 #: How many delays a policy may list.
 MAX_DELAYS = 1000
-
-SEPARATOR = "%"
-RETRY_PREFIX = "%retry%"
-DEAD_PREFIX = "%dead%"
-
 
 class RetryNack(NamedTuple):
     """What a NACK asks for: come back after ``delay_ms``, or (``dead``) go to the dead letters."""
@@ -122,7 +112,11 @@ class RetryPolicy:
                 code="bad_value",
                 field="retry_delays",
             )
-        return cls(tuple(_delay_ms(index, delay) for index, delay in enumerate(retry_delays)), max_attempts)
+        delays = tuple(
+            seconds_to_ms(delay, name=f"retry_delays[{index}]", field="retry_delays")
+            for index, delay in enumerate(retry_delays)
+        )
+        return cls(delays, max_attempts)  # the range of each delay is checked by the policy
 
     def delay_for(self, attempts: int) -> int:
         """The delay (ms) before a message nacked after ``attempts`` earlier deliveries comes back."""
@@ -140,67 +134,11 @@ class RetryPolicy:
         return RetryNack(self.delay_for(attempts), False)
 
 
-def _delay_ms(index: int, delay: Any) -> int:
-    if isinstance(delay, timedelta):
-        ms = -(-delay // timedelta(milliseconds=1))
-    elif isinstance(delay, int | float) and not isinstance(delay, bool):
-        if not math.isfinite(delay):
-            raise LocalProtocolError(
-                f"retry_delays[{index}] is {delay!r}, not a finite number of seconds",
-                code="bad_value",
-                field="retry_delays",
-            )
-        ms = math.ceil(delay * 1000)
-    else:
-        raise LocalProtocolError(
-            f"retry_delays[{index}] is of type {type(delay).__name__}; give seconds (int or float) or a timedelta",
-            code="bad_value",
-            field="retry_delays",
-        )
-    return ms  # the range is checked by RetryPolicy
-
-
-# ------------------------------------------------------------------ subjects
-
-
-def group_problem(group: str) -> str | None:
-    """Why ``group`` cannot name a consumer group with retries, or None."""
-    if SEPARATOR in group:
-        return (
-            f"group {group!r} holds {SEPARATOR!r}, which separates the parts of the retry and "
-            f"dead-letter subjects ({RETRY_PREFIX}<group>%<subject>)"
-        )
-    return None
-
-
-def retry_subject(group: str, subject: str) -> str:
-    """The subject of ``group``'s retries of ``subject`` (itself if it is one already)."""
-    prefix = f"{RETRY_PREFIX}{group}{SEPARATOR}"
-    return subject if subject.startswith(prefix) else prefix + subject
-
-
-def original_subject(group: str, subject: str) -> str:
-    """``subject`` without ``group``'s retry prefix: the subject the message was sent to."""
-    prefix = f"{RETRY_PREFIX}{group}{SEPARATOR}"
-    return subject[len(prefix) :] if subject.startswith(prefix) else subject
-
-
-def dead_subject(group: str, subject: str) -> str:
-    """The dead-letter subject of ``group`` for ``subject`` (or for its retry subject)."""
-    return f"{DEAD_PREFIX}{group}{SEPARATOR}{original_subject(group, subject)}"
-
-
 __all__ = [
-    "DEAD_PREFIX",
     "DEFAULT_MAX_ATTEMPTS",
     "DEFAULT_RETRY_DELAYS",
     "DEFAULT_RETRY_DELAYS_MS",
     "MAX_ATTEMPTS",
-    "RETRY_PREFIX",
     "RetryNack",
     "RetryPolicy",
-    "dead_subject",
-    "group_problem",
-    "original_subject",
-    "retry_subject",
 ]

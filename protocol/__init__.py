@@ -1,4 +1,4 @@
-"""delaymq.protocol: the sans-IO wire codec (frames, message records, limits, errors).
+"""delaymq.protocol: the sans-IO wire codec (frames, message records, limits, errors, subject names).
 
 Fed bytes, it hands out frames and checked record batches; it never does I/O.
 The message record format is the same on the wire and in every log.
@@ -39,10 +39,21 @@ from delaymq.protocol.records import (
     tag_bit,
     tags_mask,
 )
+from delaymq.protocol.subjects import (
+    DEAD_PREFIX,
+    RETRY_PREFIX,
+    dead_subject,
+    group_problem,
+    original_subject,
+    retry_subject,
+    retry_subject_problem,
+)
 
 __all__ = [
+    "DEAD_PREFIX",
     "DEFAULT_LIMITS",
     "FRAME_HEADER_SIZE",
+    "RETRY_PREFIX",
     "Command",
     "Frame",
     "FrameDecoder",
@@ -57,17 +68,22 @@ __all__ = [
     "RecordKind",
     "RemoteProtocolError",
     "command_name",
+    "dead_subject",
     "decode_batch",
     "decode_message",
     "encode_batch",
     "encode_frame",
     "encode_message",
     "error_response",
+    "group_problem",
     "new_message_id",
     "oneway",
+    "original_subject",
     "request",
     "response_error",
     "response_to",
+    "retry_subject",
+    "retry_subject_problem",
     "rewrite_delivery",
     "scan_batch",
     "tag_bit",

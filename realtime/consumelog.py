@@ -104,7 +104,7 @@ class ConsumeLog:
         name_path = directory / f"{stem}.name"
         created = not path.exists()
         if created:
-            _write_file(name_path, subject.encode())
+            write_small_file(name_path, subject.encode())
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             size = os.fstat(fd).st_size
@@ -206,7 +206,7 @@ class ConsumeLog:
             os.close(fd)
 
 
-def _write_file(path: Path, data: bytes) -> None:
+def write_small_file(path: Path, data: bytes) -> None:
     """A small file written whole; the checkpoint fsyncs it and its folder."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     try:
@@ -253,4 +253,5 @@ __all__ = [
     "iter_entries",
     "list_subjects",
     "subject_stem",
+    "write_small_file",
 ]

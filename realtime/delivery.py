@@ -23,7 +23,8 @@ READ_ENTRIES = 1024
 SCAN_ENTRIES = 64 * 1024
 _DELIVER_AT = struct.Struct(">q")  # at byte 12 of a record
 _ATTEMPTS = struct.Struct(">H")  # at byte 28
-_MAX_ATTEMPTS = 0xFFFF
+#: The record's ``attempts`` field is a u16.
+MAX_ATTEMPTS = 0xFFFF
 
 #: One picked entry: (consume-log sequence, redeliveries, message-log offset, size).
 Picked = tuple[int, int, int, int]
@@ -91,7 +92,7 @@ def read_records(log: SegmentedLog, picked: list[Picked]) -> bytes:
         if redeliveries:
             record = _read_span(log, offset, size)
             deliver_at = _DELIVER_AT.unpack_from(record, 12)[0]
-            attempts = min(_ATTEMPTS.unpack_from(record, 28)[0] + redeliveries, _MAX_ATTEMPTS)
+            attempts = min(_ATTEMPTS.unpack_from(record, 28)[0] + redeliveries, MAX_ATTEMPTS)
             parts.append(rewrite_delivery(record, deliver_at=deliver_at, attempts=attempts))
             index += 1
             continue
@@ -121,4 +122,4 @@ def _read_span(log: SegmentedLog, offset: int, length: int) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-__all__ = ["Picked", "pick", "read_records"]
+__all__ = ["MAX_ATTEMPTS", "Picked", "pick", "read_records"]

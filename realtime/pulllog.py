@@ -30,6 +30,8 @@ import zlib
 from collections.abc import Iterable
 from pathlib import Path
 
+from delaymq.realtime.consumelog import write_small_file
+
 PULL_ENTRY = struct.Struct(">QHHI")
 PULL_ENTRY_SIZE = PULL_ENTRY.size  # 16
 PULL_VERSION = 1
@@ -82,12 +84,7 @@ class PullLog:
         """Write the names file if this is a new pull log (fsynced by the checkpoint)."""
         if self._names.exists():
             return
-        data = json.dumps({"subject": subject, "group": group, "consumer": consumer}).encode()
-        fd = os.open(self._names, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-        try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
+        write_small_file(self._names, json.dumps({"subject": subject, "group": group, "consumer": consumer}).encode())
         self.created = True
 
     def write(self, position: int, data: bytes) -> None:

@@ -1,5 +1,8 @@
 """Start-up: open the data folder and bring the realtime state back.
 
+``open_storage`` opens the data folder's parts (``messages/`` the message log,
+``consume/`` the consume logs, ``pull/`` the pull logs, ``state/`` lmdb; see
+docs/realtime-storage.md), each checked against the format it was written with.
 ``recover`` reads the last checkpoint, loads the dedup window's recent ids,
 replays the message log past the index checkpoint into the consume logs (which
 confirm or rewrite the entries written after it), and rebuilds the shares and
@@ -9,19 +12,21 @@ the consumers that still hold unacked hand-outs. Blocking: run in a thread.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from delaymq.realtime import dedup as dedup_store
 from delaymq.realtime.checkpoint import consumer_from_record, load_state, share_key
+from delaymq.realtime.consumelog import CONSUME_FORMAT
 from delaymq.realtime.dedup import DedupWindow
 from delaymq.realtime.groups import ConsumerState, Groups, Share
 from delaymq.realtime.index import Indexer
-from delaymq.realtime.pulllog import PullLog
+from delaymq.realtime.pulllog import PULL_FORMAT, PullLog
 from delaymq.storage.errors import CorruptLog
 from delaymq.storage.folder import DataFolder
 from delaymq.storage.format import ensure_format
-from delaymq.storage.log import SegmentedLog
+from delaymq.storage.log import DEFAULT_SEGMENT_SIZE, SegmentedLog
 from delaymq.storage.state import StateStore
 
 log = logging.getLogger(__name__)
@@ -37,6 +42,45 @@ def open_folder(path: Path, what: str, params: dict[str, Any]) -> DataFolder:
         folder.close()
         raise
     return folder
+
+
+@dataclass(frozen=True, slots=True)
+class Storage:
+    """A realtime data folder's parts, open."""
+
+    message_log: SegmentedLog
+    store: StateStore
+    consume_folder: DataFolder
+    pull_folder: DataFolder
+
+    def close(self, indexer: Indexer | None = None) -> None:
+        """Close every part (the indexer's consume logs first), each whatever the others do (blocking)."""
+        try:
+            if indexer is not None:
+                indexer.close()
+        finally:
+            try:
+                self.message_log.close()
+            finally:
+                self.store.close()
+                self.consume_folder.close()
+                self.pull_folder.close()
+
+
+def open_storage(root: Path, *, segment_size: int = DEFAULT_SEGMENT_SIZE) -> Storage:
+    """Open (or create) the data folder ``root``; what opened is closed again if a part fails (blocking)."""
+    root.mkdir(parents=True, exist_ok=True)
+    opened: list[Any] = []
+    try:
+        opened.append(SegmentedLog.open(root / "messages", segment_size=segment_size))
+        opened.append(StateStore.open(root / "state", extra_format={"realtime_state": 1}))
+        opened.append(open_folder(root / "consume", "consume logs", dict(CONSUME_FORMAT)))
+        opened.append(open_folder(root / "pull", "pull logs", dict(PULL_FORMAT)))
+    except BaseException:
+        for thing in reversed(opened):
+            thing.close()
+        raise
+    return Storage(*opened)
 
 
 def recover(
@@ -103,4 +147,4 @@ def recover(
     return indexer, state.dedup_buckets, in_flight
 
 
-__all__ = ["open_folder", "recover"]
+__all__ = ["Storage", "open_folder", "open_storage", "recover"]

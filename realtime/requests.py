@@ -11,9 +11,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from delaymq.client.retry import group_problem, retry_subject
 from delaymq.protocol.errors import RemoteProtocolError
 from delaymq.protocol.limits import Limits
+from delaymq.protocol.subjects import group_problem, retry_subject_problem
 
 #: Longest group or consumer name, in UTF-8 bytes.
 MAX_NAME = 255
@@ -176,16 +176,9 @@ def parse_ack(metadata: dict[str, Any], limits: Limits, *, nack: bool = False) -
     dead = nack and _flag(command, metadata, "dead")
     if delay_ms is not None or dead:
         # Where the retry or dead letter goes must be a subject these limits allow.
-        target = retry_subject(group, subject)
-        size = len(target.encode())
-        if size > limits.max_subject:
-            raise _refuse(
-                f"{command}: the retry subject {target!r} of group and subject is {size} UTF-8 bytes, "
-                f"limit {limits.max_subject}",
-                "limit",
-                "subject",
-                limits.max_subject,
-            )
+        problem = retry_subject_problem(group, subject, limits.max_subject)
+        if problem:
+            raise _refuse(f"{command}: {problem}", "limit", "subject", limits.max_subject)
     return AckRequest(group, consumer, subject, start, end, delay_ms, dead)
 
 

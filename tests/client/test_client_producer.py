@@ -14,14 +14,13 @@ import trio
 from freezegun import freeze_time
 
 from delaymq.client.messages import (
-    DELAYED_ROUTE,
-    IMMEDIATE_ROUTE,
     build_message,
     delivery_time,
     plan_frames,
 )
 from delaymq.client.producer import Producer, meta_addresses
 from delaymq.client.blocking import BlockingProducer
+from delaymq.metaserver.routes import RouteKind
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import LocalProtocolError, PeerError
 from delaymq.protocol.frames import Frame, FrameKind
@@ -180,9 +179,9 @@ async def test_immediate_messages_are_sent_and_delayed_ones_scheduled(autojump_c
     later_id = await producer.send("orders", "later", delay=90)
     sent = routes.sent()
     assert [(route, command) for route, command, _ in sent] == [
-        (IMMEDIATE_ROUTE, Command.SEND),
-        (IMMEDIATE_ROUTE, Command.SEND),
-        (DELAYED_ROUTE, Command.SCHEDULE),
+        (RouteKind.IMMEDIATE_PRODUCER, Command.SEND),
+        (RouteKind.IMMEDIATE_PRODUCER, Command.SEND),
+        (RouteKind.DELAYED_PRODUCER, Command.SCHEDULE),
     ]
     now, past, later = (messages[0] for _, _, messages in sent)
     assert (now.id, now.tags, now.properties, now.body, now.deliver_at, now.created_at) == (
@@ -201,8 +200,8 @@ async def test_a_batch_is_split_by_route_and_packed_under_the_limits() -> None:
     assert len(set(ids)) == 10
     sent = routes.sent()
     assert all(len(batch) <= 3 for _, _, batch in sent)
-    immediate = [m.id for route, _, batch in sent if route == IMMEDIATE_ROUTE for m in batch]
-    delayed = [m.id for route, _, batch in sent if route == DELAYED_ROUTE for m in batch]
+    immediate = [m.id for route, _, batch in sent if route == RouteKind.IMMEDIATE_PRODUCER for m in batch]
+    delayed = [m.id for route, _, batch in sent if route == RouteKind.DELAYED_PRODUCER for m in batch]
     assert immediate == ids[0::2]
     assert delayed == ids[1::2]
     stats = producer.statistics()

@@ -8,16 +8,10 @@ from typing import Any
 import pytest
 
 from delaymq.client.delivery import ConsumerCore, ReceivedMessage
-from delaymq.client.retry import (
-    DEFAULT_RETRY_DELAYS,
-    RetryNack,
-    RetryPolicy,
-    dead_subject,
-    original_subject,
-    retry_subject,
-)
+from delaymq.client.retry import DEFAULT_RETRY_DELAYS, RetryNack, RetryPolicy
 from delaymq.protocol.errors import LocalProtocolError
 from delaymq.protocol.records import Message, encode_batch
+from delaymq.protocol.subjects import dead_subject, original_subject, retry_subject
 
 T0 = 1_767_225_600_000
 MINUTE = 60_000

@@ -28,7 +28,8 @@ from delaymq.protocol.transport import Connection, FrameServer, PeerUnavailable,
 from delaymq.realtime import open_realtime_server
 from delaymq.realtime.dedup import dedup_key
 from delaymq.realtime.index import Indexer
-from delaymq.realtime.server import SCHEDULE_DEADLINE_S, RealtimeServer
+from delaymq.realtime.retries import SCHEDULE_DEADLINE_S
+from delaymq.realtime.server import RealtimeServer
 from delaymq.storage.log import SegmentedLog
 from delaymq.wheel.clock import TrioClock
 

@@ -1,0 +1,112 @@
+"""ACK, NACK and CONSUMER_HEARTBEAT: a consumer settles ranges of its pull log and shows it is alive.
+
+An ACK moves the consumer's acked position; a NACK without retry fields gives
+its range back to the group at once (so does any NACK of a broadcast consumer:
+a retry subject would reach every consumer of its group). A NACK asking for a
+retry or a dead letter claims its range and hands it to ``Retries``. Both answer
+once the change is durable (a checkpoint), so a crash never forgets an ack that
+was answered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+
+from delaymq.protocol.errors import RemoteProtocolError
+from delaymq.protocol.limits import Limits
+from delaymq.protocol.transport import Request
+from delaymq.realtime.consumers import Consumers
+from delaymq.realtime.groups import Groups
+from delaymq.realtime.parked import ParkedPulls
+from delaymq.realtime.redelivery import RedeliverySweeper
+from delaymq.realtime.requests import AckRequest, parse_ack, parse_heartbeat
+from delaymq.realtime.retries import Retries
+from delaymq.wheel.clock import Clock
+
+
+class AckHandler:
+    """Answers ACK, NACK and CONSUMER_HEARTBEAT."""
+
+    def __init__(
+        self,
+        *,
+        consumers: Consumers,
+        groups: Groups,
+        retries: Retries,
+        parked: ParkedPulls,
+        sweeper: RedeliverySweeper,
+        commit: Callable[[], Awaitable[None]],
+        clock: Clock,
+        limits: Limits,
+    ) -> None:
+        self._consumers = consumers
+        self._groups = groups
+        self._retries = retries
+        self._parked = parked
+        self._sweeper = sweeper
+        self._commit_snapshot = commit
+        self._clock = clock
+        self._limits = limits
+
+    async def ack(self, request: Request) -> dict[str, Any]:
+        ack = parse_ack(request.metadata, self._limits)
+        consumer = await self._consumers.get(ack.subject, ack.group, ack.consumer)
+        acked = self._groups.ack(consumer, ack.start, ack.end, _names(ack))
+        assert consumer is not None
+        self._consumers.seen(consumer)
+        await self._commit()
+        return {"acked": acked}
+
+    async def nack(self, request: Request) -> dict[str, Any]:
+        nack = parse_ack(request.metadata, self._limits, nack=True)
+        consumer = await self._consumers.get(nack.subject, nack.group, nack.consumer)
+        names = _names(nack)
+        now = self._clock.now_ms()
+        if not nack.retry or consumer is None or consumer.broadcast:
+            # Back to the group at once: asked so, or a broadcast consumer (its own
+            # read position: a retry subject would reach every consumer of its group).
+            acked, shares = self._groups.nack(consumer, nack.start, nack.end, now, names)
+        else:
+            claim = self._groups.claim(consumer, nack.start, nack.end, now, names)
+            shares = []
+            if claim is not None:
+                # Shielded (and bounded): a claim must end, whether the consumer
+                # hangs up or not, or its messages would be held back for good.
+                with trio.CancelScope(shield=True):
+                    shares = await self._retries.place(claim, nack)
+            acked = consumer.acked
+        self._sweeper.poke()
+        self._parked.wake([share.subject for share in shares])
+        await self._commit()
+        return {"acked": acked}
+
+    async def heartbeat(self, request: Request) -> dict[str, Any]:
+        beat = parse_heartbeat(request.metadata, self._limits)
+        now = self._clock.now_ms()
+        for subject in beat.subjects:
+            state = self._consumers.find(subject, beat.group, beat.consumer)
+            if state is not None:
+                self._groups.touch(state, now)
+        self._sweeper.poke()
+        return {}
+
+    async def _commit(self) -> None:
+        try:
+            await self._commit_snapshot()
+        except Exception as error:
+            raise RemoteProtocolError(
+                f"the server could not make the change durable ({type(error).__name__}: {error}); "
+                "it is applied in memory and will be retried",
+                code="unavailable",
+            ) from error
+
+
+def _names(request: AckRequest) -> str:
+    """The consumer as a refusal names it."""
+    return f"consumer {request.consumer!r} of group {request.group!r} on subject {request.subject!r}"
+
+
+__all__ = ["AckHandler"]

@@ -1,0 +1,92 @@
+"""PULL: hand a consumer the next entries of its share, waiting (long poll) when there are none.
+
+Per request the work is one read of consume-log entries (``pick``: given-back
+entries first, then new ones, by tag bitmask) and one read of the records in a
+worker thread. With nothing to hand out the pull parks on its subject until an
+entry arrives or is given back, or its ``timeout_ms`` passes; a consumer in a
+long poll counts as alive. What is handed out goes into the consumer's pull log
+and is due back by the ack timeout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import trio
+
+from delaymq.protocol.limits import Limits
+from delaymq.protocol.records import tags_mask
+from delaymq.protocol.transport import Request
+from delaymq.realtime.consumers import Consumers
+from delaymq.realtime.delivery import pick, read_records
+from delaymq.realtime.groups import Groups
+from delaymq.realtime.index import Indexer
+from delaymq.realtime.parked import ParkedPulls
+from delaymq.realtime.redelivery import RedeliverySweeper
+from delaymq.realtime.requests import parse_pull
+from delaymq.storage.log import SegmentedLog
+from delaymq.wheel.clock import Clock
+
+
+class PullHandler:
+    """Answers PULL."""
+
+    def __init__(
+        self,
+        *,
+        consumers: Consumers,
+        groups: Groups,
+        indexer: Indexer,
+        parked: ParkedPulls,
+        sweeper: RedeliverySweeper,
+        message_log: SegmentedLog,
+        clock: Clock,
+        limits: Limits,
+    ) -> None:
+        self._consumers = consumers
+        self._groups = groups
+        self._indexer = indexer
+        self._parked = parked
+        self._sweeper = sweeper
+        self._log = message_log
+        self._clock = clock
+        self._limits = limits
+        self.pulls = 0  # PULL requests answered
+        self.delivered = 0  # records handed out, redeliveries included
+
+    async def handle(self, request: Request) -> tuple[dict[str, Any], bytes]:
+        pull = parse_pull(request.metadata, self._limits)
+        consumer = await self._consumers.get(pull.subject, pull.group, pull.consumer, create=pull)
+        assert consumer is not None
+        groups = self._groups
+        self._consumers.seen(consumer)
+        mask = tags_mask(pull.tags) if pull.tags else 0
+        deadline = trio.current_time() + pull.timeout_ms / 1000
+        subject = pull.subject
+        consumer.waiting += 1  # a consumer in a long poll is alive
+        try:
+            while True:
+                picked, more = pick(
+                    self._indexer.consume_log(subject), groups, consumer.share, pull.max, pull.max_bytes, mask
+                )
+                if picked or trio.current_time() >= deadline:
+                    break
+                if more:
+                    await trio.lowlevel.checkpoint()
+                    continue
+                await self._parked.wait(subject, deadline)
+        finally:
+            consumer.waiting -= 1
+        self.pulls += 1
+        now = self._clock.now_ms()
+        if not picked:
+            groups.touch(consumer, now)
+            return {"pull_start": consumer.length, "count": 0, "acked": consumer.acked}, b""
+        start = self._consumers.record_pull(consumer, picked, now)
+        self._sweeper.poke()
+        self.delivered += len(picked)
+        body = await trio.to_thread.run_sync(read_records, self._log, picked)
+        return {"pull_start": start, "count": len(picked), "acked": consumer.acked}, body
+
+
+__all__ = ["PullHandler"]

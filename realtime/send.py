@@ -1,0 +1,106 @@
+"""SEND: store each record of a batch once (dedup by id), append the batch to the message log, index it.
+
+Per request the work is one pass over the batch's headers (``scan_batch``).
+Records whose id the server stored within the dedup window are answered
+"duplicate" and left out; the rest go to the log writer, which batches appends
+and answers under the flush policy, and then to the indexer, which files each
+record into its subject's consume log and wakes the pulls parked on it. Dead
+letters and retries due at once (NACK) are stored the same way, by ``append``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import trio
+
+from delaymq.protocol.errors import RemoteProtocolError
+from delaymq.protocol.limits import Limits
+from delaymq.protocol.records import MessageBatch, scan_batch, tags_mask
+from delaymq.protocol.transport import Request
+from delaymq.realtime import dedup as dedup_store
+from delaymq.realtime.dedup import DedupWindow, dedup_keys
+from delaymq.realtime.index import Indexer, Item
+from delaymq.storage.state import StateStore
+from delaymq.storage.writer import LogWriter
+from delaymq.wheel.clock import Clock
+
+
+class SendHandler:
+    """Answers SEND, and stores checked batches for the rest of the server (``append``)."""
+
+    def __init__(
+        self, *, clock: Clock, limits: Limits, store: StateStore, indexer: Indexer, dedup: DedupWindow
+    ) -> None:
+        self._clock = clock
+        self._limits = limits
+        self._store = store
+        self._indexer = indexer
+        self._dedup = dedup
+        #: Set while the server runs: the message log's writer.
+        self.writer: LogWriter | None = None
+        self.sends = 0  # SEND requests answered
+        self.stored = 0
+        self.duplicates = 0  # records answered "duplicate"
+
+    async def handle(self, request: Request) -> dict[str, Any]:
+        if request.metadata:
+            key = next(iter(request.metadata))
+            raise RemoteProtocolError(
+                f"SEND: unknown field {key!r} (SEND takes no metadata; the batch is the body)",
+                code="bad_request",
+                field=key,
+            )
+        body = request.body
+        if not body:
+            raise RemoteProtocolError("SEND: the body holds no records", code="bad_request", field="body")
+        fresh = await self.append(scan_batch(body, self._limits))
+        self.sends += 1
+        return {"results": ["stored" if new else "duplicate" for new in fresh]}
+
+    async def append(self, batch: MessageBatch) -> list[bool]:
+        """Append a checked batch's new records (dedup) and index them; which records were new."""
+        ids = dedup_keys(batch)
+        dedup = self._dedup
+        now = self._clock.now_ms()
+        unsure = dedup.to_look_up(ids, now)
+        stored: set[str] = set()
+        if unsure:
+            stored = await trio.to_thread.run_sync(
+                dedup_store.lookup_stored, self._store, unsure, now - dedup.window_ms
+            )
+            now = self._clock.now_ms()
+        fresh = dedup.admit(ids, now, stored)
+        kept = [index for index, new in enumerate(fresh) if new]
+        self.duplicates += len(ids) - len(kept)
+        if not kept:
+            return fresh
+        starts, ends = batch.starts, batch.ends
+        if len(kept) == len(ids):
+            data = batch.buf
+        else:
+            data = b"".join([batch.buf[starts[i] : ends[i]] for i in kept])
+        kept_ids = [ids[i] for i in kept]
+        assert self.writer is not None
+        try:
+            # Shielded: once handed to the writer the batch may reach the log, and
+            # then it must be indexed (the index moves in offset order only).
+            with trio.CancelScope(shield=True):
+                base = await self.writer.append(data)
+        except BaseException:
+            dedup.forget(kept_ids)
+            raise
+        items: list[Item] = []
+        offset = base
+        subjects, tags = batch.subjects, batch.tags
+        for i in kept:
+            size = ends[i] - starts[i]
+            record_tags = tags[i]
+            items.append((subjects[i], offset, size, tags_mask(record_tags) if record_tags else 0))
+            offset += size
+        self._indexer.submit(base, offset, items, kept_ids, self._clock.now_ms())
+        self.stored += len(kept)
+        return fresh
+
+
+__all__ = ["SendHandler"]
