@@ -27,6 +27,8 @@ from delaymq.protocol.transport import open_peers
 
 Row = tuple[str, float, str]
 BODY = b"x" * 100
+#: Batches one producer keeps in flight: a pipelined client, as a real one would be.
+IN_FLIGHT = 4
 
 
 @dataclass
@@ -123,13 +125,23 @@ async def _produce_and_consume(
                 nursery.start_soon(consume)
                 start = time.perf_counter()
                 rng = random.Random(7)
-                for first in range(0, count, batch):
-                    n = min(batch, count - first)
-                    if delay_range is None:
-                        messages = [producer.message(subject, BODY) for _ in range(n)]
-                    else:
-                        messages = [producer.message(subject, BODY, delay=rng.uniform(*delay_range)) for _ in range(n)]
-                    sent_ids.update(await producer.send_batch(messages))
+                window = trio.Semaphore(IN_FLIGHT)
+
+                async def send(messages: list) -> None:
+                    try:
+                        sent_ids.update(await producer.send_batch(messages))
+                    finally:
+                        window.release()
+
+                async with trio.open_nursery() as senders:
+                    for first in range(0, count, batch):
+                        n = min(batch, count - first)
+                        if delay_range is None:
+                            messages = [producer.message(subject, BODY) for _ in range(n)]
+                        else:
+                            messages = [producer.message(subject, BODY, delay=rng.uniform(*delay_range)) for _ in range(n)]
+                        await window.acquire()
+                        senders.start_soon(send, messages)
                 accepted = count / (time.perf_counter() - start)
                 quiet_for = (delay_range[1] if delay_range else 0) + 30
                 with trio.move_on_after(quiet_for):
@@ -140,7 +152,8 @@ async def _produce_and_consume(
 
 
 def bench_realtime(scratch: Path, *, count: int = 100_000) -> list[Row]:
-    """One producer, one consumer, 100-byte messages in batches of 100 and 1,000."""
+    """One producer (``IN_FLIGHT`` batches in flight), one consumer, 100-byte messages
+    in batches of 100 and 1,000."""
     rows: list[Row] = []
     for flush in ("sync", "async"):
         for batch in (100, 1000):
