@@ -14,6 +14,7 @@ from pathlib import Path
 
 from delaymq.cli import options
 from delaymq.cli.serving import fail, run_server, wait_for_stop_signal
+from delaymq.client.producer import DEFAULT_META
 from delaymq.metaserver.server import open_metaserver
 from delaymq.realtime.server import open_realtime_server
 from delaymq.scheduler.server import open_scheduler
@@ -35,7 +36,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--meta-listen",
         type=options.listen_address,
-        default="127.0.0.1:20880",
+        default=DEFAULT_META,
         metavar="HOST:PORT",
         help="the metaserver's address, the one clients use (default: %(default)s)",
     )

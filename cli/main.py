@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from importlib import metadata
 from pathlib import Path
 from typing import Sequence
 
@@ -26,6 +25,7 @@ from delaymq.cli import (
     status_command,
 )
 from delaymq.cli.config import ConfigError, apply_config, load_config
+from delaymq.metaserver.agent import software_version
 
 log = logging.getLogger("delaymq")
 
@@ -45,13 +45,6 @@ SUBCOMMANDS = [
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-def version() -> str:
-    try:
-        return metadata.version("delaymq")
-    except metadata.PackageNotFoundError:  # running from a source tree
-        return "0+unknown"
-
-
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = argparse.ArgumentParser(
         prog="delaymq",
@@ -61,7 +54,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         ),
         epilog="Run 'delaymq COMMAND --help' for a command's options.",
     )
-    parser.add_argument("--version", action="version", version=f"delaymq {version()}")
+    parser.add_argument("--version", action="version", version=f"delaymq {software_version()}")
     parser.add_argument(
         "--log-level",
         choices=LOG_LEVELS,

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from delaymq.cli import options
 from delaymq.cli.serving import fail, run_server, wait_for_stop_signal
+from delaymq.client.producer import DEFAULT_META
 from delaymq.metaserver.server import open_metaserver
 from delaymq.wheel.clock import SystemClock
 
@@ -30,7 +31,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--listen",
         type=options.listen_address,
-        default="127.0.0.1:20880",
+        default=DEFAULT_META,
         metavar="HOST:PORT",
         help="address to listen on; port 0 picks a free one (default: %(default)s)",
     )

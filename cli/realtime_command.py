@@ -12,6 +12,7 @@ from pathlib import Path
 
 from delaymq.cli import options
 from delaymq.cli.serving import fail, run_server, wait_for_stop_signal
+from delaymq.client.producer import DEFAULT_META
 from delaymq.realtime.server import open_realtime_server
 from delaymq.wheel.clock import SystemClock
 
@@ -32,7 +33,7 @@ def add_server_options(parser: argparse.ArgumentParser, *, group: str) -> None:
         type=options.address,
         action="append",
         metavar="HOST:PORT",
-        help="metaserver to register with; repeat for several (default: 127.0.0.1:20880)",
+        help=f"metaserver to register with; repeat for several (default: {DEFAULT_META})",
     )
     parser.add_argument("--data", type=Path, metavar="DIR", help="data folder (required; may come from --config)")
     parser.add_argument("--group", default=group, help="server group name (default: %(default)s)")
@@ -89,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         }
     except argparse.ArgumentTypeError as error:
         return fail(str(error))
-    meta = args.meta or ["127.0.0.1:20880"]
+    meta = args.meta or [DEFAULT_META]
     what = f"realtime server {args.group} on {args.listen} with data {args.data}"
     return run_server(_serve, args, meta, settings, what=what)
 

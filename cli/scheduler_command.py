@@ -13,6 +13,7 @@ import logging
 from delaymq.cli import options
 from delaymq.cli.realtime_command import add_server_options
 from delaymq.cli.serving import fail, run_server, wait_for_stop_signal
+from delaymq.client.producer import DEFAULT_META
 from delaymq.protocol.limits import Limits
 from delaymq.scheduler.server import open_scheduler
 from delaymq.wheel.clock import SystemClock
@@ -58,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         return fail(str(error))
     except ValueError as error:
         return fail(f"--horizon: {error}")
-    meta = args.meta or ["127.0.0.1:20880"]
+    meta = args.meta or [DEFAULT_META]
     what = f"scheduler {args.group} on {args.listen} with data {args.data}"
     return run_server(_serve, args, meta, limits, retention_ms, what=what)
 

@@ -8,6 +8,7 @@ from datetime import datetime
 
 from delaymq.cli import options
 from delaymq.client.blocking import BlockingProducer
+from delaymq.client.producer import DEFAULT_META
 from delaymq.client.routes import RouteError
 from delaymq.protocol.errors import ProtocolError
 from delaymq.protocol.transport import TransportError
@@ -42,7 +43,7 @@ def add_meta(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--meta",
         type=meta_list,
-        default="127.0.0.1:20880",
+        default=DEFAULT_META,
         metavar="HOST:PORT[,...]",
         help="the metaserver(s) to ask for routes (default: %(default)s)",
     )

@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from delaymq.cli import options
+from delaymq.client.producer import DEFAULT_META
 from delaymq.protocol.blocking import BlockingPeers
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError, ProtocolError
@@ -24,7 +25,7 @@ def add_meta_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--meta",
         type=options.address,
-        default="127.0.0.1:20880",
+        default=DEFAULT_META,
         metavar="HOST:PORT",
         help="the metaserver to ask (default: %(default)s)",
     )

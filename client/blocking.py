@@ -36,9 +36,9 @@ from typing import Any
 from delaymq.client.consumer import POLL_MARGIN, ConsumerFailed, is_retryable, send_failure
 from delaymq.client.delivery import ConsumerCore, ConsumerStatistics, ReceivedMessage, Settlement
 from delaymq.client.messages import DEFAULT_BATCH_BYTES, DEFAULT_BATCH_MESSAGES, At, BatchPlan, Delay, with_batch_index
-from delaymq.client.producer import DEFAULT_META, ProducerCore, ProducerStatistics, meta_addresses
+from delaymq.client.producer import DEFAULT_META, ProducerCore, ProducerStatistics
 from delaymq.client.retry import DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_DELAYS
-from delaymq.client.routes import BlockingRouteClient
+from delaymq.client.routes import BlockingRouteClient, meta_addresses
 from delaymq.metaserver.routes import RouteAnswer, RouteKind
 from delaymq.protocol.blocking import BlockingPeers
 from delaymq.protocol.commands import Command

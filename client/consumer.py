@@ -41,9 +41,8 @@ from typing import Any
 import trio
 
 from delaymq.client.delivery import ConsumerCore, ConsumerStatistics, ReceivedMessage, Settlement
-from delaymq.client.producer import meta_addresses
 from delaymq.client.retry import DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_DELAYS
-from delaymq.client.routes import RouteClient, RouteTable
+from delaymq.client.routes import RouteClient, RouteTable, meta_addresses
 from delaymq.metaserver.routes import RouteAnswer, RouteKind
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError, ProtocolError

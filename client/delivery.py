@@ -24,9 +24,7 @@ numbering are never sent against the new one.
 
 from __future__ import annotations
 
-import bisect
 import os
-import re
 import socket
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import KW_ONLY, dataclass, field
@@ -35,51 +33,20 @@ from typing import Any, NamedTuple
 
 from delaymq.client.retry import DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_DELAYS, RetryNack, RetryPolicy
 from delaymq.protocol.errors import LocalProtocolError, RemoteProtocolError
-from delaymq.protocol.limits import DEFAULT_LIMITS, MiB, Limits
+from delaymq.protocol.fields import PULL_STARTS, check_int, check_name
+from delaymq.protocol.limits import (
+    DEFAULT_LIMITS,
+    DEFAULT_POLL_MS,
+    FRAME_RESERVE,
+    MAX_NAME,
+    MAX_POLL_MS,
+    MAX_PULL,
+    Limits,
+    MiB,
+)
+from delaymq.protocol.ranges import AckRanges, RangeSet
 from delaymq.protocol.records import decode_batch
 from delaymq.protocol.subjects import group_problem, original_subject, retry_subject, retry_subject_problem
-
-#: Longest group or consumer name (UTF-8 bytes), as the realtime server checks it.
-MAX_NAME = 255
-#: Most messages one PULL may ask for, and the longest long poll, as the server allows.
-MAX_PULL = 10_000
-MAX_POLL_MS = 300_000
-#: Room kept in a PULL answer's frame for its header and metadata.
-FRAME_RESERVE = 64 * 1024
-STARTS = ("latest", "earliest")
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
-
-
-def check_name(value: Any, field: str, limit: int) -> str:
-    """A subject, group, consumer id or tag: 1..limit UTF-8 bytes, no control characters."""
-    if type(value) is not str:
-        raise LocalProtocolError(f"{field} is of type {type(value).__name__}, not str", code="bad_value", field=field)
-    try:
-        size = len(value.encode())
-    except UnicodeEncodeError:
-        raise LocalProtocolError(
-            f"{field} {value!r} is not valid Unicode text", code="bad_value", field=field
-        ) from None
-    if not 0 < size <= limit:
-        raise LocalProtocolError(
-            f"{field} is {size} UTF-8 bytes, must be 1 to {limit}", code="limit", field=field, limit=limit
-        )
-    if not value.isprintable() and _CONTROL.search(value):
-        raise LocalProtocolError(f"{field} {value!r} holds a control character", code="bad_value", field=field)
-    return value
-
-
-def _check_int(value: Any, field: str, low: int, high: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise LocalProtocolError(f"{field} is of type {type(value).__name__}, not int", code="bad_value", field=field)
-    if not low <= value <= high:
-        raise LocalProtocolError(
-            f"{field} is {value}, must be {low} to {high}",
-            code="limit",
-            field=field,
-            limit=high if value > high else low,
-        )
-    return value
 
 
 def default_consumer_id() -> str:
@@ -87,64 +54,7 @@ def default_consumer_id() -> str:
     return f"{socket.gethostname()[:200]}-{os.getpid()}-{os.urandom(4).hex()}"
 
 
-# --------------------------------------------------------------------- ranges
-
-
-class RangeSet:
-    """Sorted, disjoint, non-touching ``[start, end)`` ranges; adding merges neighbours."""
-
-    __slots__ = ("_starts", "_ends")
-
-    def __init__(self, ranges: Iterable[tuple[int, int]] = ()) -> None:
-        self._starts: list[int] = []
-        self._ends: list[int] = []
-        for start, end in ranges:
-            self.add(start, end)
-
-    def add(self, start: int, end: int) -> None:
-        if start >= end:
-            return
-        starts, ends = self._starts, self._ends
-        low = bisect.bisect_left(ends, start)  # first range ending at or after start
-        high = bisect.bisect_right(starts, end)  # past the last range starting at or before end
-        if low < high:
-            start = min(start, starts[low])
-            end = max(end, ends[high - 1])
-        starts[low:high] = [start]
-        ends[low:high] = [end]
-
-    def __contains__(self, value: object) -> bool:
-        if not isinstance(value, int):
-            return False
-        index = bisect.bisect_right(self._starts, value) - 1
-        return index >= 0 and value < self._ends[index]
-
-    def first(self) -> tuple[int, int] | None:
-        return (self._starts[0], self._ends[0]) if self._starts else None
-
-    def pop_first(self) -> tuple[int, int]:
-        return self._starts.pop(0), self._ends.pop(0)
-
-    def ranges(self) -> list[tuple[int, int]]:
-        return list(zip(self._starts, self._ends))
-
-    def take(self) -> list[tuple[int, int]]:
-        """Every range, and empty the set."""
-        ranges = self.ranges()
-        self._starts, self._ends = [], []
-        return ranges
-
-    def total(self) -> int:
-        return sum(end - start for start, end in zip(self._starts, self._ends))
-
-    def __bool__(self) -> bool:
-        return bool(self._starts)
-
-    def __len__(self) -> int:
-        return len(self._starts)
-
-    def __repr__(self) -> str:
-        return f"RangeSet({self.ranges()})"
+# ----------------------------------------------------------------------- acks
 
 
 class AckTracker:
@@ -158,14 +68,13 @@ class AckTracker:
     by it).
     """
 
-    __slots__ = ("acked", "end", "epoch", "started", "_settled", "to_ack", "to_nack", "to_retry")
+    __slots__ = ("end", "epoch", "started", "_settled", "to_ack", "to_nack", "to_retry")
 
     def __init__(self) -> None:
-        self.acked = 0
         self.end = 0
         self.epoch = 0
         self.started = False
-        self._settled = RangeSet()  # settled sequences at or above ``acked``
+        self._settled = AckRanges()  # the settled prefix, and settled sequences above it
         self.to_ack = RangeSet()
         self.to_nack = RangeSet()
         self.to_retry: dict[RetryNack, RangeSet] = {}
@@ -184,15 +93,14 @@ class AckTracker:
                 self.to_ack.take()
                 self.to_nack.take()
                 self.to_retry.clear()
-                self._settled.take()
             self.started = True
-            self.acked = self.end = min(server_acked, start)
+            self._settled = AckRanges(min(server_acked, start))
+            self.end = self.acked
         gap = None
         if start > self.end:
             gap = (self.end, start)
-            self._settled.add(*gap)
+            self._settled.mark(*gap)
             self.to_nack.add(*gap)
-            self._advance()
         self.end = max(self.end, start + count)
         return gap
 
@@ -201,16 +109,15 @@ class AckTracker:
 
         A nack with ``retry`` is re-scheduled as it says; without, given back at once.
         """
-        if not self.acked <= sequence < self.end or sequence in self._settled:
+        if sequence >= self.end or self._settled.is_done(sequence):
             return False
-        self._settled.add(sequence, sequence + 1)
+        self._settled.mark(sequence, sequence + 1)
         if ack:
             self.to_ack.add(sequence, sequence + 1)
         elif retry is None:
             self.to_nack.add(sequence, sequence + 1)
         else:
             self.retry_ranges(retry).add(sequence, sequence + 1)
-        self._advance()
         return True
 
     def retry_ranges(self, retry: RetryNack) -> RangeSet:
@@ -225,10 +132,10 @@ class AckTracker:
         self.to_retry.clear()
         return taken
 
-    def _advance(self) -> None:
-        first = self._settled.first()
-        if first is not None and first[0] <= self.acked:
-            self.acked = max(self.acked, self._settled.pop_first()[1])
+    @property
+    def acked(self) -> int:
+        """Everything below it is settled."""
+        return self._settled.acked
 
     @property
     def pending(self) -> bool:
@@ -236,7 +143,7 @@ class AckTracker:
 
     def outstanding(self) -> int:
         """Sequences handed out and not settled."""
-        return self.end - self.acked - self._settled.total()
+        return self.end - self.acked - self._settled.done_above()
 
 
 # ----------------------------------------------------------------- tags, flow
@@ -276,8 +183,8 @@ class FlowControl:
     __slots__ = ("max_messages", "max_bytes", "messages", "bytes")
 
     def __init__(self, max_messages: int, max_bytes: int) -> None:
-        self.max_messages = _check_int(max_messages, "max_messages_held", 1, 1 << 40)
-        self.max_bytes = _check_int(max_bytes, "max_bytes_held", 1, 1 << 50)
+        self.max_messages = check_int(max_messages, "max_messages_held", 1, 1 << 40)
+        self.max_bytes = check_int(max_bytes, "max_bytes_held", 1, 1 << 50)
         self.messages = 0
         self.bytes = 0
 
@@ -453,7 +360,7 @@ class ConsumerCore:
         max_messages_held: int = 1000,
         max_bytes_held: int = 64 * MiB,
         pull_batch: int = 100,
-        poll_timeout_ms: int = 30_000,
+        poll_timeout_ms: int = DEFAULT_POLL_MS,
         retry_delays: Iterable[float | int | timedelta] = DEFAULT_RETRY_DELAYS,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         limits: Limits = DEFAULT_LIMITS,
@@ -470,14 +377,14 @@ class ConsumerCore:
         if type(broadcast) is not bool:
             raise LocalProtocolError(f"broadcast is {broadcast!r}, not a bool", code="bad_value", field="broadcast")
         self.broadcast = broadcast
-        if start not in STARTS:
+        if start not in PULL_STARTS:
             raise LocalProtocolError(
                 f"start is {start!r}, must be 'latest' or 'earliest'", code="bad_value", field="start"
             )
         self.start = start
         self.flow = FlowControl(max_messages_held, max_bytes_held)
-        self.pull_batch = _check_int(pull_batch, "pull_batch", 1, MAX_PULL)
-        self.poll_timeout_ms = _check_int(poll_timeout_ms, "poll_timeout_ms", 0, MAX_POLL_MS)
+        self.pull_batch = check_int(pull_batch, "pull_batch", 1, MAX_PULL)
+        self.poll_timeout_ms = check_int(poll_timeout_ms, "poll_timeout_ms", 0, MAX_POLL_MS)
         self.retry_policy = RetryPolicy.from_options(retry_delays, max_attempts)
         #: Where nacked messages come back; None for a broadcast consumer (its nacks give back at once).
         self.retry_subject: str | None = None
@@ -785,11 +692,9 @@ __all__ = [
     "ConsumerStatistics",
     "FlowControl",
     "GroupLink",
-    "RangeSet",
     "ReceivedMessage",
     "SettleRequest",
     "Settlement",
     "TagFilter",
-    "check_name",
     "default_consumer_id",
 ]

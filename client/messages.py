@@ -26,11 +26,9 @@ from typing import Any
 from delaymq.metaserver.routes import RouteKind
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import LocalProtocolError, RemoteProtocolError
-from delaymq.protocol.limits import DEFAULT_LIMITS, MiB, Limits
+from delaymq.protocol.limits import DEFAULT_LIMITS, FRAME_RESERVE, MiB, Limits
 from delaymq.protocol.records import Message, encode_message, new_message_id
 
-#: Room kept in a frame for its header and metadata.
-FRAME_RESERVE = 64 * 1024
 DEFAULT_BATCH_BYTES = 4 * MiB
 DEFAULT_BATCH_MESSAGES = 1000
 

@@ -38,7 +38,7 @@ from delaymq.client.messages import (
     plan_frames,
     with_batch_index,
 )
-from delaymq.client.routes import RouteClient, RouteClientStatistics
+from delaymq.client.routes import RouteClient, RouteClientStatistics, meta_addresses
 from delaymq.metaserver.routes import RouteKind
 from delaymq.protocol.errors import PeerError
 from delaymq.protocol.limits import DEFAULT_LIMITS, Limits
@@ -48,17 +48,6 @@ from delaymq.wheel.clock import Clock, SystemClock
 
 #: Where a client finds the metaserver unless told otherwise.
 DEFAULT_META = "127.0.0.1:20880"
-
-
-def meta_addresses(meta: str | Sequence[str]) -> list[str]:
-    """One address, a comma-separated list, or a sequence of addresses, as a list."""
-    if isinstance(meta, str):
-        addresses = [part.strip() for part in meta.split(",") if part.strip()]
-    else:
-        addresses = [str(part).strip() for part in meta]
-    if not addresses:
-        raise ValueError("meta: at least one metaserver address (HOST:PORT) is needed")
-    return addresses
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,4 +252,4 @@ async def open_producer(
         )
 
 
-__all__ = ["DEFAULT_META", "Producer", "ProducerCore", "ProducerStatistics", "meta_addresses", "open_producer"]
+__all__ = ["DEFAULT_META", "Producer", "ProducerCore", "ProducerStatistics", "open_producer"]

@@ -22,7 +22,9 @@ from typing import NamedTuple
 
 from delaymq.client.messages import seconds_to_ms
 from delaymq.protocol.errors import LocalProtocolError
+from delaymq.protocol.fields import check_int
 from delaymq.protocol.limits import TWO_YEARS_MS
+from delaymq.protocol.records import MAX_ATTEMPTS
 
 #: 5 s, 10 s, 30 s, 1 min, 2 min, 5 min, 10 min, 30 min, 1 h, then 2 h for each further attempt.
 DEFAULT_RETRY_DELAYS_MS: tuple[int, ...] = (
@@ -40,8 +42,6 @@ DEFAULT_RETRY_DELAYS_MS: tuple[int, ...] = (
 #: The same in seconds, the form ``open_consumer(retry_delays=...)`` takes.
 DEFAULT_RETRY_DELAYS: tuple[float, ...] = tuple(ms / 1000 for ms in DEFAULT_RETRY_DELAYS_MS)
 DEFAULT_MAX_ATTEMPTS = 16
-#: The record's ``attempts`` field is a u16.
-MAX_ATTEMPTS = 0xFFFF
 #: How many delays a policy may list.
 MAX_DELAYS = 1000
 
@@ -86,18 +86,7 @@ class RetryPolicy:
                     field="retry_delays",
                     limit=TWO_YEARS_MS if delay > 0 else 0,
                 )
-        attempts = self.max_attempts
-        if not isinstance(attempts, int) or isinstance(attempts, bool):
-            raise LocalProtocolError(
-                f"max_attempts is of type {type(attempts).__name__}, not int", code="bad_value", field="max_attempts"
-            )
-        if not 1 <= attempts <= MAX_ATTEMPTS:
-            raise LocalProtocolError(
-                f"max_attempts is {attempts}, must be 1 to {MAX_ATTEMPTS}",
-                code="limit",
-                field="max_attempts",
-                limit=MAX_ATTEMPTS if attempts > 1 else 1,
-            )
+        check_int(self.max_attempts, "max_attempts", 1, MAX_ATTEMPTS)
 
     @classmethod
     def from_options(
@@ -138,7 +127,6 @@ __all__ = [
     "DEFAULT_MAX_ATTEMPTS",
     "DEFAULT_RETRY_DELAYS",
     "DEFAULT_RETRY_DELAYS_MS",
-    "MAX_ATTEMPTS",
     "RetryNack",
     "RetryPolicy",
 ]

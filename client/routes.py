@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import trio
 
@@ -32,10 +32,11 @@ from delaymq.client.routecache import RouteAnswer as CachedNames
 from delaymq.client.routecache import RouteCache, RouteCacheStatistics, RouteKey
 from delaymq.client.selector import GroupSelector
 from delaymq.metaserver.routes import GroupState, RouteAnswer, RouteKind, RoutedGroup, ServerKind
+from delaymq.protocol.blocking import BlockingCaller
 from delaymq.protocol.commands import Command, command_name
 from delaymq.protocol.errors import PeerError, ProtocolError, RemoteProtocolError
 from delaymq.protocol.frames import Frame
-from delaymq.protocol.transport import TransportError
+from delaymq.protocol.transport import AsyncCaller, TransportError
 from delaymq.wheel.clock import Clock, SystemClock
 
 #: Error codes that mean "this group will not take it now; another may".
@@ -55,6 +56,17 @@ class RouteError(Exception):
 
 class NoRouteError(RouteError, LookupError):
     """The route holds no group (or no metaserver ever answered for it)."""
+
+
+def meta_addresses(meta: str | Sequence[str]) -> list[str]:
+    """One address, a comma-separated list, or a sequence of addresses, as a list."""
+    if isinstance(meta, str):
+        addresses = [part.strip() for part in meta.split(",") if part.strip()]
+    else:
+        addresses = [str(part).strip() for part in meta]
+    if not addresses:
+        raise ValueError("meta: at least one metaserver address (HOST:PORT) is needed")
+    return addresses
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,6 +238,11 @@ class RouteTable:
         self._fetches += 1
         return answer
 
+    @staticmethod
+    def question_refused(error: Exception) -> bool:
+        """Whether a failed ROUTE is refused as asked (a bad subject): no metaserver will answer it."""
+        return isinstance(error, PeerError) and error.code == "bad_request"
+
     def fetch_failed(self, key: RouteKey, failures: Sequence[tuple[str, Exception]], now_ms: int) -> None:
         """No metaserver answered: keep what is held, ask again after ``meta_retry_ms``."""
         self._fetch_failures += 1
@@ -350,34 +367,6 @@ class CallPlan:
 # -- drivers ------------------------------------------------------------------
 
 
-class AsyncCaller(Protocol):
-    """What the route client needs of ``delaymq.protocol.transport.Peers``."""
-
-    async def call(
-        self,
-        address: str,
-        command: int,
-        metadata: dict[str, Any] | None = ...,
-        body: bytes = ...,
-        *,
-        timeout: float | None = ...,
-    ) -> Frame: ...
-
-
-class BlockingCaller(Protocol):
-    """What the blocking route client needs of ``delaymq.protocol.blocking.BlockingPeers``."""
-
-    def call(
-        self,
-        address: str,
-        command: int,
-        metadata: dict[str, Any] | None = ...,
-        body: bytes = ...,
-        *,
-        timeout: float | None = ...,
-    ) -> Frame: ...
-
-
 _REFRESH_ERRORS = (TransportError, ProtocolError)
 
 
@@ -457,11 +446,9 @@ class RouteClient:
                     frame = await self._peers.call(address, Command.ROUTE, metadata, timeout=self._meta_timeout)
                     self.table.accept(key, address, frame.metadata, self._clock.now_ms())
                     return
-                except PeerError as error:
-                    if error.code == "bad_request":
-                        raise  # the question is wrong (a bad subject): no metaserver will answer it
-                    failures.append((address, error))
                 except _REFRESH_ERRORS as error:
+                    if self.table.question_refused(error):
+                        raise
                     failures.append((address, error))
             self.table.fetch_failed(key, failures, self._clock.now_ms())
         finally:
@@ -548,11 +535,9 @@ class BlockingRouteClient:
                     with self._lock:
                         self.table.accept(key, address, frame.metadata, self._clock.now_ms())
                     return
-                except PeerError as error:
-                    if error.code == "bad_request":
-                        raise
-                    failures.append((address, error))
                 except _REFRESH_ERRORS as error:
+                    if self.table.question_refused(error):
+                        raise
                     failures.append((address, error))
             with self._lock:
                 self.table.fetch_failed(key, failures, self._clock.now_ms())
@@ -573,5 +558,6 @@ __all__ = [
     "RouteClientStatistics",
     "RouteError",
     "RouteTable",
+    "meta_addresses",
     "parse_route_answer",
 ]

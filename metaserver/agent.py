@@ -6,6 +6,8 @@ know the server (``register_first``: it restarted without its data) or after an
 outage, and while the metaserver is down retries with a growing backoff, logging
 once per outage rather than once per attempt. The latest answer (the group's
 state, its master, the route version) is held by a ``Registration``.
+``start_registration`` is how a server starts it: as its group's master, with
+its ``software_version()``.
 """
 
 from __future__ import annotations
@@ -13,15 +15,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from functools import partial
+from importlib import metadata
+from typing import Any
 
 import trio
 
+from delaymq.metaserver.routes import ServerKind
 from delaymq.metaserver.server import REGISTER_FIRST
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError, RemoteProtocolError
-from delaymq.protocol.frames import Frame
-from delaymq.protocol.transport import TransportError
+from delaymq.protocol.transport import AsyncCaller, TransportError
 from delaymq.wheel.clock import Clock
 
 log = logging.getLogger(__name__)
@@ -30,20 +34,6 @@ log = logging.getLogger(__name__)
 INFO_FIELDS = ("group", "kind", "role", "address", "version")
 #: The interval used until the metaserver names one.
 DEFAULT_INTERVAL_MS = 5_000
-
-
-class Caller(Protocol):
-    """What the agent needs of ``delaymq.protocol.transport.Peers``."""
-
-    async def call(
-        self,
-        address: str,
-        command: int,
-        metadata: dict[str, Any] | None = ...,
-        body: bytes = ...,
-        *,
-        timeout: float | None = ...,
-    ) -> Frame: ...
 
 
 class RegistrationRefused(Exception):
@@ -140,7 +130,7 @@ class Registration:
 
 
 async def run_registration(
-    peers: Caller,
+    peers: AsyncCaller,
     *,
     meta_address: str | Sequence[str],
     info: Mapping[str, Any],
@@ -239,10 +229,49 @@ async def run_registration(
         await clock.sleep_until_ms(next_at)
 
 
+def software_version() -> str:
+    """The installed delaymq's version, as a server registers it."""
+    try:
+        return metadata.version("delaymq")
+    except metadata.PackageNotFoundError:  # pragma: no cover - running from a bare checkout
+        return "0+unknown"
+
+
+async def start_registration(
+    nursery: trio.Nursery,
+    peers: AsyncCaller,
+    *,
+    group: str,
+    kind: ServerKind,
+    address: str,
+    meta_address: str | Sequence[str],
+    clock: Clock,
+) -> Registration:
+    """Register ``group``'s master at ``address``, and keep heartbeating in ``nursery``.
+
+    Returns after the first attempt, answered or not: a metaserver that is down
+    does not keep the server from starting; one that refuses it does
+    (``RegistrationRefused``).
+    """
+    info = {
+        "group": group,
+        "kind": kind.value,
+        "role": "master",
+        "address": address,
+        "version": software_version(),
+    }
+    registration: Registration = await nursery.start(
+        partial(run_registration, peers, meta_address=meta_address, info=info, clock=clock)
+    )
+    return registration
+
+
 __all__ = [
     "INFO_FIELDS",
     "Registration",
     "RegistrationRefused",
     "RegistrationStatistics",
     "run_registration",
+    "software_version",
+    "start_registration",
 ]

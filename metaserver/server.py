@@ -54,7 +54,7 @@ from delaymq.metaserver.registry import (
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import RemoteProtocolError
 from delaymq.protocol.limits import DEFAULT_LIMITS, Limits
-from delaymq.protocol.transport import FrameServer, Handler, Request, ServerStatistics
+from delaymq.protocol.transport import FrameServer, Handler, Request, ServerStatistics, split_listen
 from delaymq.storage.state import StateStore, pack, unpack
 from delaymq.wheel.clock import Clock
 
@@ -139,15 +139,6 @@ def _row(row: StatusRow) -> dict[str, Any]:
         "evicted": row.evicted,
         "is_master": row.is_master,
     }
-
-
-def split_listen(listen: str) -> tuple[str, int]:
-    """``"host:port"`` (port 0: any free port; IPv6 in brackets) as (host, port)."""
-    host, colon, port = listen.rpartition(":")
-    host = host.removeprefix("[").removesuffix("]")
-    if not colon or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"listen address {listen!r} is not HOST:PORT with a port from 0 to 65535")
-    return host, int(port)
 
 
 @dataclass(frozen=True, slots=True)
@@ -460,5 +451,4 @@ __all__ = [
     "open_metaserver",
     "run_in_thread",
     "run_inline",
-    "split_listen",
 ]

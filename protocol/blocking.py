@@ -12,13 +12,27 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from delaymq.protocol.commands import command_name
 from delaymq.protocol.errors import ProtocolError
 from delaymq.protocol.frames import Frame, FrameDecoder, encode_frame, request, response_error
 from delaymq.protocol.limits import DEFAULT_LIMITS, Limits
-from delaymq.protocol.transport import RECEIVE_SIZE, PeerUnavailable, RequestTimeout, parse_address
+from delaymq.protocol.transport import RECEIVE_SIZE, ConnectBackoff, PeerUnavailable, RequestTimeout, parse_address
+
+
+class BlockingCaller(Protocol):
+    """What a client of one peer at a time needs of ``BlockingPeers``: a request to an address."""
+
+    def call(
+        self,
+        address: str,
+        command: int,
+        metadata: dict[str, Any] | None = ...,
+        body: bytes = ...,
+        *,
+        timeout: float | None = ...,
+    ) -> Frame: ...
 
 
 @dataclass
@@ -43,10 +57,8 @@ class BlockingPeers:
         self._limits = limits
         self._connect_timeout = connect_timeout
         self.request_timeout = request_timeout
-        self._backoff_initial = backoff_initial
-        self._backoff_max = backoff_max
+        self._backoff = ConnectBackoff(backoff_initial, backoff_max)
         self._links: dict[str, _Link] = {}
-        self._backoff: dict[str, tuple[float, float]] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
 
@@ -102,19 +114,16 @@ class BlockingPeers:
             link = self._links.get(address)
             if link is not None:
                 return link
-            retry_at, delay = self._backoff.get(address, (0.0, 0.0))
             now = time.monotonic()
-            if now < retry_at:
-                raise PeerUnavailable(f"{address} is unreachable; next attempt in {retry_at - now:.2f} s", address=address)
+            self._backoff.check(address, now)
             try:
                 host, port = parse_address(address)
                 sock = socket.create_connection((host, port), timeout=self._connect_timeout)
             except (OSError, ValueError) as error:
-                delay = min(self._backoff_max, max(self._backoff_initial, delay * 2))
-                self._backoff[address] = (now + delay, delay)
+                self._backoff.failed(address, now)
                 raise PeerUnavailable(f"cannot connect to {address}: {error}", address=address) from error
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._backoff.pop(address, None)
+            self._backoff.connected(address)
             link = self._links[address] = _Link(sock, FrameDecoder(self._limits))
             return link
 
@@ -137,4 +146,4 @@ class BlockingPeers:
         self.close()
 
 
-__all__ = ["BlockingPeers"]
+__all__ = ["BlockingCaller", "BlockingPeers"]

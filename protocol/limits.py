@@ -16,6 +16,18 @@ MiB = 1024 * KiB
 #: The default horizon of a delayed message: two (leap) years ahead.
 TWO_YEARS_MS = 2 * 366 * 86_400_000
 
+# Limits of the consumer commands, the same for the client that asks and the
+# realtime server that checks.
+#: Longest consumer group or consumer name, in UTF-8 bytes.
+MAX_NAME = 255
+#: Most messages one PULL may ask for.
+MAX_PULL = 10_000
+#: Longest long poll a PULL may ask for, and the one it gets when it names none.
+MAX_POLL_MS = 300_000
+DEFAULT_POLL_MS = 30_000
+#: Room kept in a frame for its header and metadata (a SEND's, a PULL answer's).
+FRAME_RESERVE = 64 * KiB
+
 # Caps set by the widths of the record and frame header fields.
 _U8 = 0xFF
 _U16 = 0xFFFF
@@ -75,4 +87,15 @@ class Limits:
 
 DEFAULT_LIMITS = Limits()
 
-__all__ = ["DEFAULT_LIMITS", "KiB", "Limits", "MiB", "TWO_YEARS_MS"]
+__all__ = [
+    "DEFAULT_LIMITS",
+    "DEFAULT_POLL_MS",
+    "FRAME_RESERVE",
+    "MAX_NAME",
+    "MAX_POLL_MS",
+    "MAX_PULL",
+    "KiB",
+    "Limits",
+    "MiB",
+    "TWO_YEARS_MS",
+]

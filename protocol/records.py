@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import re
 import struct
 import uuid
 import zlib
@@ -61,6 +60,7 @@ from delaymq.protocol.envelope import (
     iter_spans,
 )
 from delaymq.protocol.errors import LocalProtocolError, RemoteProtocolError
+from delaymq.protocol.fields import CONTROL, encode_name
 from delaymq.protocol.limits import DEFAULT_LIMITS, Limits
 
 #: The fixed message header inside the payload (offsets 12..46 of the record).
@@ -91,11 +91,9 @@ _Columns = tuple[
     list[int],
 ]
 _I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
-_U16_MAX = 0xFFFF
+#: The record's ``attempts`` field is a u16: the most deliveries a message can count.
+MAX_ATTEMPTS = 0xFFFF
 
-# Unicode category Cc: C0, DEL and C1 controls. ``str.isprintable`` is a fast
-# first check (true for most ids and subjects); the regex settles the rest.
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
 _PROPERTY_TYPES = (str, int, float, bytes)  # bool is an int
 
 
@@ -219,8 +217,8 @@ def encode_message(
     limits: Limits = DEFAULT_LIMITS,
 ) -> bytes:
     """One message record; ``LocalProtocolError`` names the field and limit broken."""
-    id_bytes = _encode_text(id, "id", limits.max_id)
-    subject_bytes = _encode_text(subject, "subject", limits.max_subject)
+    id_bytes = encode_name(id, "id", limits.max_id)
+    subject_bytes = encode_name(subject, "subject", limits.max_subject)
     if tags:
         tag_count, tag_bytes = _encode_tags(tags, limits)
     else:
@@ -265,31 +263,6 @@ def encode_batch(messages: Iterable[Message], limits: Limits = DEFAULT_LIMITS) -
     return b"".join([message.encode(limits) for message in messages])
 
 
-def _encode_text(value: Any, name: str, limit: int) -> bytes:
-    if type(value) is not str:
-        raise LocalProtocolError(
-            f"{name} is of type {type(value).__name__}, not str", code="bad_value", field=name
-        )
-    try:
-        data = value.encode()
-    except UnicodeEncodeError:
-        raise LocalProtocolError(
-            f"{name} {value!r} is not valid Unicode text", code="bad_value", field=name
-        ) from None
-    if not 0 < len(data) <= limit:
-        raise LocalProtocolError(
-            f"{name} is {len(data)} UTF-8 bytes, must be 1 to {limit}",
-            code="limit",
-            field=name,
-            limit=limit,
-        )
-    if not value.isprintable() and _CONTROL.search(value):
-        raise LocalProtocolError(
-            f"{name} {value!r} holds a control character", code="bad_value", field=name
-        )
-    return data
-
-
 def _encode_tags(tags: Iterable[str], limits: Limits) -> tuple[int, bytes]:
     if isinstance(tags, str):
         raise LocalProtocolError(
@@ -297,7 +270,7 @@ def _encode_tags(tags: Iterable[str], limits: Limits) -> tuple[int, bytes]:
         )
     parts = []
     for tag in tags:
-        data = _encode_text(tag, "tag", limits.max_tag)
+        data = encode_name(tag, "tag", limits.max_tag)
         parts.append(len(data).to_bytes(1, "big"))
         parts.append(data)
     count = len(parts) // 2
@@ -355,7 +328,7 @@ def _check_delivery_fields(*, deliver_at: Any, created_at: Any, attempts: Any) -
     for name, value, low, high in (
         ("deliver_at", deliver_at, _I64_MIN, _I64_MAX),
         ("created_at", created_at, _I64_MIN, _I64_MAX),
-        ("attempts", attempts, 0, _U16_MAX),
+        ("attempts", attempts, 0, MAX_ATTEMPTS),
     ):
         if not isinstance(value, int):
             raise LocalProtocolError(
@@ -423,7 +396,7 @@ def _scan(
     attempt_counts: list[int] = []
     unpack = RECORD_HEADER.unpack_from
     crc32 = zlib.crc32
-    control = _CONTROL.search
+    control = CONTROL.search
     view = memoryview(data)
     max_payload = limits.max_record
     max_id, max_subject, max_tags = limits.max_id, limits.max_subject, limits.max_tags
@@ -522,7 +495,7 @@ def _scan_tags(
 ) -> tuple[str, ...] | None:
     """The tags of one record, or None when the section does not check."""
     tags = []
-    control = _CONTROL.search
+    control = CONTROL.search
     for _ in range(count):
         if pos >= stop:
             return None
@@ -673,7 +646,7 @@ def _text_problem(data: bytes) -> str | None:
         text = data.decode()
     except UnicodeDecodeError as error:
         return f"is not valid UTF-8 ({error.reason} at byte {error.start})"
-    if not text.isprintable() and _CONTROL.search(text):
+    if not text.isprintable() and CONTROL.search(text):
         return f"{text!r} holds a control character"
     return None
 
@@ -899,6 +872,7 @@ def new_message_id(now_ms: int | None = None) -> str:
 
 
 __all__ = [
+    "MAX_ATTEMPTS",
     "MESSAGE_HEADER_SIZE",
     "RECORD_HEADER_SIZE",
     "Message",

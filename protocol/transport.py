@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
@@ -80,13 +79,39 @@ class Request:
     def body(self) -> bytes:
         return self.frame.body
 
+    def batch_body(self) -> bytes:
+        """The records of a batch command (SEND, SCHEDULE): it takes no metadata, and some bytes.
+
+        ``RemoteProtocolError`` (``bad_request``) names the field that is wrong.
+        """
+        command = command_name(self.frame.command)
+        if self.metadata:
+            key = next(iter(self.metadata))
+            raise RemoteProtocolError(
+                f"{command}: unknown field {key!r} ({command} takes no metadata; the batch is the body)",
+                code="bad_request",
+                field=key,
+            )
+        if not self.body:
+            raise RemoteProtocolError(f"{command}: the body holds no records", code="bad_request", field="body")
+        return self.body
+
 
 def parse_address(address: str) -> tuple[str, int]:
     """``"host:port"`` (IPv6 in brackets) as (host, port), with a clear error."""
-    host, sep, port_text = address.rpartition(":")
+    return _host_port(address, "address", lowest_port=1)
+
+
+def split_listen(listen: str) -> tuple[str, int]:
+    """A listen address ``"host:port"`` as (host, port); port 0 asks for any free port."""
+    return _host_port(listen, "listen address", lowest_port=0)
+
+
+def _host_port(text: str, what: str, *, lowest_port: int) -> tuple[str, int]:
+    host, sep, port_text = text.rpartition(":")
     host = host.strip("[]")
-    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise ValueError(f"address {address!r} is not HOST:PORT with a port from 1 to 65535")
+    if not sep or not host or not port_text.isdigit() or not lowest_port <= int(port_text) <= 65535:
+        raise ValueError(f"{what} {text!r} is not HOST:PORT with a port from {lowest_port} to 65535")
     return host, int(port_text)
 
 
@@ -335,6 +360,50 @@ class Connection:
             await trio.aclose_forcefully(self._stream)
 
 
+class AsyncCaller(Protocol):
+    """What a client of one peer at a time needs of ``Peers``: a request to an address."""
+
+    async def call(
+        self,
+        address: str,
+        command: int,
+        metadata: dict[str, Any] | None = ...,
+        body: bytes = ...,
+        *,
+        timeout: float | None = ...,
+    ) -> Frame: ...
+
+
+class ConnectBackoff:
+    """After a failed connect, how long a peer is left alone, per address.
+
+    The delay doubles from ``initial`` up to ``maximum`` seconds and is forgotten
+    on a connect. Sans-IO (fed the time in seconds), so ``Peers`` and
+    ``BlockingPeers`` back off alike.
+    """
+
+    __slots__ = ("initial", "maximum", "_waits")
+
+    def __init__(self, initial: float, maximum: float) -> None:
+        self.initial = initial
+        self.maximum = maximum
+        self._waits: dict[str, tuple[float, float]] = {}  # address -> (retry at, current delay)
+
+    def check(self, address: str, now: float) -> None:
+        """``PeerUnavailable`` while ``address`` is in its backoff."""
+        wait = self._waits.get(address)
+        if wait is not None and now < wait[0]:
+            raise PeerUnavailable(f"{address} is unreachable; next attempt in {wait[0] - now:.2f} s", address=address)
+
+    def failed(self, address: str, now: float) -> None:
+        _, delay = self._waits.get(address, (0.0, 0.0))
+        delay = min(self.maximum, max(self.initial, delay * 2))
+        self._waits[address] = (now + delay, delay)
+
+    def connected(self, address: str) -> None:
+        self._waits.pop(address, None)
+
+
 @dataclass(frozen=True, slots=True)
 class PeersStatistics:
     connections: int
@@ -360,11 +429,9 @@ class Peers:
         self._limits = limits
         self._connect_timeout = connect_timeout
         self.request_timeout = request_timeout
-        self._backoff_initial = backoff_initial
-        self._backoff_max = backoff_max
+        self._backoff = ConnectBackoff(backoff_initial, backoff_max)
         self._connections: dict[str, Connection] = {}
         self._dialing: dict[str, trio.Event] = {}
-        self._backoff: dict[str, tuple[float, float]] = {}  # address -> (retry at, current delay)
         self._connects = 0
         self._failures = 0
         self._requests = 0
@@ -396,12 +463,7 @@ class Peers:
             if dialing is None:
                 break
             await dialing.wait()
-        retry_at, _ = self._backoff.get(address, (-math.inf, 0.0))
-        if trio.current_time() < retry_at:
-            raise PeerUnavailable(
-                f"{address} is unreachable; next attempt in {retry_at - trio.current_time():.2f} s",
-                address=address,
-            )
+        self._backoff.check(address, trio.current_time())
         done = self._dialing[address] = trio.Event()
         try:
             host, port = parse_address(address)
@@ -409,15 +471,13 @@ class Peers:
                 stream = await trio.open_tcp_stream(host, port)
         except (OSError, trio.TooSlowError, ValueError) as error:
             self._failures += 1
-            _, delay = self._backoff.get(address, (0.0, 0.0))
-            delay = min(self._backoff_max, max(self._backoff_initial, delay * 2))
-            self._backoff[address] = (trio.current_time() + delay, delay)
+            self._backoff.failed(address, trio.current_time())
             raise PeerUnavailable(f"cannot connect to {address}: {error or type(error).__name__}", address=address) from error
         finally:
             del self._dialing[address]
             done.set()
         self._connects += 1
-        self._backoff.pop(address, None)
+        self._backoff.connected(address)
         connection = Connection(address, stream, limits=self._limits)
         self._connections[address] = connection
         self._nursery.start_soon(connection.read_responses)
@@ -442,6 +502,8 @@ async def open_peers(**options: Any) -> AsyncIterator[Peers]:
 
 
 __all__ = [
+    "AsyncCaller",
+    "ConnectBackoff",
     "Connection",
     "FrameServer",
     "Handler",
@@ -455,4 +517,5 @@ __all__ = [
     "format_address",
     "open_peers",
     "parse_address",
+    "split_listen",
 ]

@@ -1,7 +1,7 @@
 """delaymq.realtime: the realtime server (message log, consume logs, pull logs, groups).
 
 ``open_realtime_server`` runs one server group; the sans-IO parts (``groups``,
-``pulllog.AckRanges``, ``dedup.DedupWindow``, ``consumelog`` entry layout) are
+``pulllog``, ``dedup.DedupWindow``, ``consumelog`` entry layout) are
 importable on their own. On-disk formats: docs/realtime-storage.md.
 """
 

@@ -37,10 +37,11 @@ from typing import Any
 
 import trio
 
+from delaymq.protocol.ranges import AckRanges
 from delaymq.realtime import dedup
 from delaymq.realtime.consumelog import ConsumeLog, subject_stem
 from delaymq.realtime.groups import ConsumerState, Share
-from delaymq.realtime.pulllog import AckRanges, PullLog
+from delaymq.realtime.pulllog import PullLog
 from delaymq.storage.folder import fsync_directory
 from delaymq.storage.log import SegmentedLog
 from delaymq.storage.state import StateStore, pack, unpack

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import struct
 
-from delaymq.protocol.records import rewrite_delivery
+from delaymq.protocol.records import MAX_ATTEMPTS, rewrite_delivery
 from delaymq.realtime.consumelog import ConsumeLog, iter_entries
 from delaymq.realtime.groups import Groups, Share
 from delaymq.storage.errors import CorruptLog
@@ -23,8 +23,6 @@ READ_ENTRIES = 1024
 SCAN_ENTRIES = 64 * 1024
 _DELIVER_AT = struct.Struct(">q")  # at byte 12 of a record
 _ATTEMPTS = struct.Struct(">H")  # at byte 28
-#: The record's ``attempts`` field is a u16.
-MAX_ATTEMPTS = 0xFFFF
 
 #: One picked entry: (consume-log sequence, redeliveries, message-log offset, size).
 Picked = tuple[int, int, int, int]
@@ -122,4 +120,4 @@ def _read_span(log: SegmentedLog, offset: int, length: int) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-__all__ = ["MAX_ATTEMPTS", "Picked", "pick", "read_records"]
+__all__ = ["Picked", "pick", "read_records"]

@@ -30,7 +30,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from delaymq.protocol.errors import RemoteProtocolError
-from delaymq.realtime.pulllog import AckRanges
+from delaymq.protocol.ranges import AckRanges
 
 MAX_REDELIVERIES = 0xFFFF
 

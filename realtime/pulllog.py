@@ -1,4 +1,4 @@
-"""Pull logs (one per consumer of a group and subject) and a consumer's ack progress.
+"""Pull logs: one per consumer of a group and subject.
 
 A pull log lists, in order, the consume-log sequences handed to one consumer, so
 the consumer's progress is one number, its acked position in its own pull log,
@@ -15,13 +15,12 @@ Entry *n* (the pull-log sequence *n*) sits at byte ``n * 16`` of
 The lmdb state holds the committed length (a longer file is cut back on open:
 those hand-outs were never committed, and their messages are handed out again).
 
-``AckRanges`` is the sans-IO part: the acked position plus the acked (or given
-back) ranges above it, merged as acks arrive in any order.
+The consumer's progress in it is a ``delaymq.protocol.ranges.AckRanges``: the
+acked position plus the acked (or given back) ranges above it.
 """
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
 import os
@@ -137,78 +136,9 @@ class PullLog:
         return created
 
 
-class AckRanges:
-    """A consumer's progress in its pull log: ``acked``, and done ranges above it.
-
-    Everything below ``acked`` is done (acked, or given back to the group); the
-    ranges are sorted, disjoint, not touching each other and all above
-    ``acked``. Marking merges, so the ranges stay as few as the gaps.
-    """
-
-    __slots__ = ("acked", "_starts", "_ends")
-
-    def __init__(self, acked: int = 0, ranges: Iterable[tuple[int, int]] = ()) -> None:
-        self.acked = acked
-        self._starts: list[int] = []
-        self._ends: list[int] = []
-        for start, end in ranges:
-            self.mark(start, end)
-
-    def ranges(self) -> list[tuple[int, int]]:
-        return list(zip(self._starts, self._ends))
-
-    def mark(self, start: int, end: int) -> None:
-        """Mark ``[start, end)`` done (already-done parts are fine)."""
-        start = max(start, self.acked)
-        if start >= end:
-            return
-        starts, ends = self._starts, self._ends
-        # Ranges touching or overlapping [start, end): the first whose end >= start
-        # up to the last whose start <= end.
-        low = bisect.bisect_left(ends, start)
-        high = bisect.bisect_right(starts, end)
-        if low < high:
-            start = min(start, starts[low])
-            end = max(end, ends[high - 1])
-        starts[low:high] = [start]
-        ends[low:high] = [end]
-        if starts[0] <= self.acked:
-            self.acked = ends[0]
-            del starts[0], ends[0]
-
-    def is_done(self, sequence: int) -> bool:
-        if sequence < self.acked:
-            return True
-        index = bisect.bisect_right(self._starts, sequence) - 1
-        return index >= 0 and sequence < self._ends[index]
-
-    def undone(self, start: int, end: int) -> list[tuple[int, int]]:
-        """The parts of ``[start, end)`` not done yet, in order."""
-        start = max(start, self.acked)
-        gaps: list[tuple[int, int]] = []
-        if start >= end:
-            return gaps
-        starts, ends = self._starts, self._ends
-        index = bisect.bisect_right(ends, start)
-        position = start
-        while position < end:
-            if index < len(starts) and starts[index] <= position:
-                position = ends[index]
-                index += 1
-                continue
-            gap_end = min(end, starts[index]) if index < len(starts) else end
-            gaps.append((position, gap_end))
-            position = gap_end
-        return gaps
-
-    def __repr__(self) -> str:
-        return f"AckRanges(acked={self.acked}, ranges={self.ranges()})"
-
-
 __all__ = [
     "PULL_ENTRY_SIZE",
     "PULL_FORMAT",
-    "AckRanges",
     "PullLog",
     "consumer_stem",
     "decode_pull_entries",

@@ -7,26 +7,16 @@ in an option must not silently change behaviour).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from delaymq.protocol.errors import RemoteProtocolError
-from delaymq.protocol.limits import Limits
+from delaymq.protocol.fields import PULL_STARTS, check_int, check_name
+from delaymq.protocol.limits import DEFAULT_POLL_MS, FRAME_RESERVE, MAX_NAME, MAX_POLL_MS, MAX_PULL, Limits
 from delaymq.protocol.subjects import group_problem, retry_subject_problem
 
-#: Longest group or consumer name, in UTF-8 bytes.
-MAX_NAME = 255
-#: Most messages one PULL may ask for.
-MAX_PULL = 10_000
-#: Longest long poll, and the one used when a PULL gives none.
-MAX_TIMEOUT_MS = 300_000
-DEFAULT_TIMEOUT_MS = 30_000
 #: Most subjects one CONSUMER_HEARTBEAT may name.
 MAX_HEARTBEAT_SUBJECTS = 10_000
-#: Room left in a PULL answer's frame for its header and metadata.
-FRAME_RESERVE = 64 * 1024
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,22 +72,11 @@ def _check_keys(command: str, metadata: dict[str, Any], allowed: frozenset[str])
 def _text(command: str, metadata: dict[str, Any], name: str, limit: int) -> str:
     if name not in metadata:
         raise _refuse(f"{command}: field {name!r} is required", "bad_request", name)
-    return check_text(command, name, metadata[name], limit)
+    return _name(command, name, metadata[name], limit)
 
 
-def check_text(command: str, name: str, value: Any, limit: int) -> str:
-    if type(value) is not str:
-        raise _refuse(f"{command}: {name} is of type {type(value).__name__}, not str", "bad_value", name)
-    size = len(value.encode("utf-8", "surrogatepass"))
-    if not 0 < size <= limit:
-        raise _refuse(f"{command}: {name} is {size} UTF-8 bytes, must be 1 to {limit}", "limit", name, limit)
-    if not value.isprintable() and _CONTROL.search(value):
-        raise _refuse(f"{command}: {name} {value!r} holds a control character", "bad_value", name)
-    try:
-        value.encode()
-    except UnicodeEncodeError:
-        raise _refuse(f"{command}: {name} {value!r} is not valid Unicode text", "bad_value", name) from None
-    return value
+def _name(command: str, name: str, value: Any, limit: int) -> str:
+    return check_name(value, name, limit, error=RemoteProtocolError, command=command)
 
 
 def _group(command: str, metadata: dict[str, Any]) -> str:
@@ -112,12 +91,7 @@ def _integer(command: str, metadata: dict[str, Any], name: str, low: int, high: 
     value = metadata.get(name, default)
     if value is None:
         raise _refuse(f"{command}: field {name!r} is required", "bad_request", name)
-    if type(value) is not int:
-        raise _refuse(f"{command}: {name} is of type {type(value).__name__}, not int", "bad_value", name)
-    if not low <= value <= high:
-        limit = high if value > high else low
-        raise _refuse(f"{command}: {name} is {value}, must be {low} to {high}", "limit", name, limit)
-    return value
+    return check_int(value, name, low, high, error=RemoteProtocolError, command=command)
 
 
 def _flag(command: str, metadata: dict[str, Any], name: str) -> bool:
@@ -144,10 +118,10 @@ def parse_pull(metadata: dict[str, Any], limits: Limits) -> PullRequest:
     count = _integer("PULL", metadata, "max", 1, MAX_PULL, None)
     byte_cap = max(1, limits.max_frame - FRAME_RESERVE)
     max_bytes = _integer("PULL", metadata, "max_bytes", 1, byte_cap, byte_cap)
-    timeout_ms = _integer("PULL", metadata, "timeout_ms", 0, MAX_TIMEOUT_MS, DEFAULT_TIMEOUT_MS)
+    timeout_ms = _integer("PULL", metadata, "timeout_ms", 0, MAX_POLL_MS, DEFAULT_POLL_MS)
     broadcast = _flag("PULL", metadata, "broadcast")
     start = metadata.get("from", "latest")
-    if start not in ("latest", "earliest"):
+    if start not in PULL_STARTS:
         raise _refuse(f"PULL: from is {start!r}, must be 'latest' or 'earliest'", "bad_value", "from")
     raw_tags = metadata.get("tags", ())
     if raw_tags is None:
@@ -156,7 +130,7 @@ def parse_pull(metadata: dict[str, Any], limits: Limits) -> PullRequest:
         raise _refuse(f"PULL: tags is of type {type(raw_tags).__name__}, not a list", "bad_value", "tags")
     if len(raw_tags) > limits.max_tags:
         raise _refuse(f"PULL: {len(raw_tags)} tags, limit {limits.max_tags}", "limit", "tags", limits.max_tags)
-    tags = tuple(check_text("PULL", "tag", tag, limits.max_tag) for tag in raw_tags)
+    tags = tuple(_name("PULL", "tag", tag, limits.max_tag) for tag in raw_tags)
     return PullRequest(group, consumer, subject, count, max_bytes, tags, timeout_ms, broadcast, start == "earliest")
 
 
@@ -198,19 +172,14 @@ def parse_heartbeat(metadata: dict[str, Any], limits: Limits) -> HeartbeatReques
             "subjects",
             MAX_HEARTBEAT_SUBJECTS,
         )
-    subjects = tuple(check_text("CONSUMER_HEARTBEAT", "subject", s, limits.max_subject) for s in raw)
+    subjects = tuple(_name("CONSUMER_HEARTBEAT", "subject", s, limits.max_subject) for s in raw)
     return HeartbeatRequest(group, consumer, subjects)
 
 
 __all__ = [
-    "DEFAULT_TIMEOUT_MS",
-    "MAX_NAME",
-    "MAX_PULL",
-    "MAX_TIMEOUT_MS",
     "AckRequest",
     "HeartbeatRequest",
     "PullRequest",
-    "check_text",
     "parse_ack",
     "parse_heartbeat",
     "parse_pull",

@@ -21,10 +21,10 @@ from delaymq.client.routes import RouteClient, RouteError
 from delaymq.metaserver.routes import RouteKind
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import ProtocolError
-from delaymq.protocol.records import decode_batch, encode_message, scan_batch
+from delaymq.protocol.records import MAX_ATTEMPTS, decode_batch, encode_message, scan_batch
 from delaymq.protocol.subjects import dead_subject, retry_subject
 from delaymq.protocol.transport import TransportError
-from delaymq.realtime.delivery import MAX_ATTEMPTS, Picked, read_records
+from delaymq.realtime.delivery import Picked, read_records
 from delaymq.realtime.groups import Claim, Groups, Share
 from delaymq.realtime.index import REPLAY_LIMITS, Indexer
 from delaymq.realtime.requests import AckRequest

@@ -14,7 +14,6 @@ from typing import Any
 
 import trio
 
-from delaymq.protocol.errors import RemoteProtocolError
 from delaymq.protocol.limits import Limits
 from delaymq.protocol.records import MessageBatch, scan_batch, tags_mask
 from delaymq.protocol.transport import Request
@@ -44,17 +43,7 @@ class SendHandler:
         self.duplicates = 0  # records answered "duplicate"
 
     async def handle(self, request: Request) -> dict[str, Any]:
-        if request.metadata:
-            key = next(iter(request.metadata))
-            raise RemoteProtocolError(
-                f"SEND: unknown field {key!r} (SEND takes no metadata; the batch is the body)",
-                code="bad_request",
-                field=key,
-            )
-        body = request.body
-        if not body:
-            raise RemoteProtocolError("SEND: the body holds no records", code="bad_request", field="body")
-        fresh = await self.append(scan_batch(body, self._limits))
+        fresh = await self.append(scan_batch(request.batch_body(), self._limits))
         self.sends += 1
         return {"results": ["stored" if new else "duplicate" for new in fresh]}
 

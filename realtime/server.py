@@ -23,18 +23,16 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
-from importlib import metadata
 from pathlib import Path
 
 import trio
 
-from delaymq.client.producer import meta_addresses
-from delaymq.client.routes import RouteClient
-from delaymq.metaserver.agent import Registration, run_registration
+from delaymq.client.routes import RouteClient, meta_addresses
+from delaymq.metaserver.agent import Registration, start_registration
 from delaymq.metaserver.routes import ServerKind
 from delaymq.protocol.commands import Command
 from delaymq.protocol.limits import DEFAULT_LIMITS, Limits
-from delaymq.protocol.transport import FrameServer, Peers
+from delaymq.protocol.transport import FrameServer, Peers, split_listen
 from delaymq.realtime.acks import AckHandler
 from delaymq.realtime.checkpoint import Committer, Snapshot, encode_consumer, encode_share, write_snapshot
 from delaymq.realtime.consumers import Consumers
@@ -47,7 +45,7 @@ from delaymq.realtime.recovery import open_storage, recover
 from delaymq.realtime.redelivery import RedeliverySweeper
 from delaymq.realtime.retries import Retries
 from delaymq.realtime.send import SendHandler
-from delaymq.storage.log import DEFAULT_MAX_RECORD, DEFAULT_SEGMENT_SIZE, SegmentedLog
+from delaymq.storage.log import DEFAULT_SEGMENT_SIZE, SegmentedLog, check_max_record
 from delaymq.storage.state import StateStore
 from delaymq.storage.writer import FlushPolicy, open_log_writer
 from delaymq.wheel.clock import Clock
@@ -245,14 +243,6 @@ class RealtimeServer:
 # ------------------------------------------------------------------- opening
 
 
-def _split_listen(listen: str) -> tuple[str, int]:
-    host, sep, port = listen.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"listen {listen!r} is not HOST:PORT with a port from 0 to 65535")
-    return host, int(port)
-
-
 @asynccontextmanager
 async def open_realtime_server(
     *,
@@ -279,14 +269,10 @@ async def open_realtime_server(
     ``advertise_address`` (default: the bound address, ``server.address``);
     ``server.registration`` then holds the metaserver's latest word.
     """
-    if limits.max_record > DEFAULT_MAX_RECORD:
-        raise ValueError(
-            f"limits allow records of {limits.max_record} bytes; the message log holds at most "
-            f"{DEFAULT_MAX_RECORD}"
-        )
+    check_max_record(limits.max_record)
     if checkpoint_interval_ms <= 0:
         raise ValueError(f"checkpoint_interval_ms must be positive, got {checkpoint_interval_ms}")
-    host, port = _split_listen(listen)
+    host, port = split_listen(listen)
     root = Path(data_dir)
     groups = Groups(ack_timeout_ms=ack_timeout_ms, consumer_timeout_ms=consumer_timeout_ms)
     start_ms = clock.now_ms()
@@ -335,8 +321,14 @@ async def open_realtime_server(
                     server.scheduler_routes = RouteClient(
                         Peers(nursery, limits=limits), meta_addresses(meta_address), clock=clock
                     )
-                    server.registration = await _start_registration(
-                        nursery, server, meta_address, advertise_address or server.address, clock
+                    server.registration = await start_registration(
+                        nursery,
+                        Peers(nursery),
+                        group=group,
+                        kind=ServerKind.REALTIME,
+                        address=advertise_address or server.address,
+                        meta_address=meta_address,
+                        clock=clock,
                     )
                 log.info("realtime server %s serving on %s (data %s)", group, server.address, root)
                 try:
@@ -352,34 +344,6 @@ async def open_realtime_server(
     finally:
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(storage.close, indexer)
-
-
-def _software_version() -> str:
-    try:
-        return metadata.version("delaymq")
-    except metadata.PackageNotFoundError:  # pragma: no cover - running from a bare checkout
-        return "0+unknown"
-
-
-async def _start_registration(
-    nursery: trio.Nursery, server: RealtimeServer, meta_address: str | Sequence[str], address: str, clock: Clock
-) -> Registration:
-    """Register with the metaserver and keep heartbeating (``delaymq.metaserver.agent``).
-
-    Returns after the first attempt, answered or not: a metaserver that is down
-    does not keep the server from starting; one that refuses it does.
-    """
-    info = {
-        "group": server.group,
-        "kind": ServerKind.REALTIME.value,
-        "role": "master",
-        "address": address,
-        "version": _software_version(),
-    }
-    registration: Registration = await nursery.start(
-        partial(run_registration, Peers(nursery), meta_address=meta_address, info=info, clock=clock)
-    )
-    return registration
 
 
 __all__ = ["RealtimeServer", "RealtimeStatistics", "open_realtime_server"]

@@ -64,6 +64,18 @@ _RESERVED_PARAMS = frozenset({"format", "version", "segment_size", "max_record"}
 _logger = logging.getLogger(__name__)
 
 
+def check_max_record(max_record: int) -> None:
+    """``ValueError`` if protocol limits allow records larger than a message log holds.
+
+    Servers open their message log with ``DEFAULT_MAX_RECORD``; they check their
+    limits against it before touching the data folder.
+    """
+    if max_record > DEFAULT_MAX_RECORD:
+        raise ValueError(
+            f"limits allow records of {max_record} bytes; the message log holds at most {DEFAULT_MAX_RECORD}"
+        )
+
+
 class Record(NamedTuple):
     """One record read back: where it starts, its kind and payload, and where the next starts."""
 

@@ -9,9 +9,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from delaymq.client.delivery import AckTracker, ConsumerCore, FlowControl, RangeSet, ReceivedMessage, TagFilter
+from delaymq.client.delivery import AckTracker, ConsumerCore, FlowControl, ReceivedMessage, TagFilter
 from delaymq.protocol.errors import LocalProtocolError, RemoteProtocolError
 from delaymq.protocol.limits import Limits
+from delaymq.protocol.ranges import RangeSet
 from delaymq.protocol.records import Message, encode_batch, tag_bit, tags_mask
 
 T0 = 1_767_225_600_000

@@ -18,7 +18,8 @@ from delaymq.client.messages import (
     delivery_time,
     plan_frames,
 )
-from delaymq.client.producer import Producer, meta_addresses
+from delaymq.client.producer import Producer
+from delaymq.client.routes import meta_addresses
 from delaymq.client.blocking import BlockingProducer
 from delaymq.metaserver.routes import RouteKind
 from delaymq.protocol.commands import Command

@@ -20,7 +20,14 @@ import pytest
 import trio
 import trio.testing
 
-from delaymq.metaserver.agent import Registration, RegistrationRefused, run_registration
+from delaymq.metaserver.agent import (
+    Registration,
+    RegistrationRefused,
+    run_registration,
+    software_version,
+    start_registration,
+)
+from delaymq.metaserver.routes import ServerKind
 from delaymq.metaserver.server import Metaserver, open_metaserver, run_inline
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError
@@ -120,6 +127,26 @@ async def test_agent_registers_and_heartbeats_keep_its_group_routed(
         stats = registration.statistics()
         assert stats.registrations == 1 and stats.heartbeats == 24 and stats.failures == 0
         assert meta.statistics().registry.servers == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_start_registration_registers_a_master_with_the_software_version(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    clock = TrioClock(T0)
+    async with memory_metaserver(tmp_path, clock) as meta, trio.open_nursery() as nursery:
+        network = MemoryNetwork(nursery)
+        network.serve(META, meta.serve_stream)
+        registration = await start_registration(
+            nursery, network, group="s1", kind=ServerKind.SCHEDULER, address="10.0.0.2:20882",
+            meta_address=[META], clock=clock,
+        )  # fmt: skip
+        assert registration.registered and registration.is_master
+        status = (await network.call(META, Command.STATUS)).metadata
+        assert [(row["group"], row["kind"], row["role"], row["address"], row["version"]) for row in status["rows"]] == [
+            ("s1", "scheduler", "master", "10.0.0.2:20882", software_version())
+        ]
+        assert software_version()
         nursery.cancel_scope.cancel()
 
 

@@ -12,13 +12,13 @@ from hypothesis import strategies as st
 
 from delaymq.protocol.errors import RemoteProtocolError
 from delaymq.protocol.limits import Limits
+from delaymq.protocol.ranges import AckRanges
 from delaymq.realtime.consumelog import ENTRY_SIZE, ConsumeLog, decode_entry, encode_entry, list_subjects
 from delaymq.realtime.dedup import DedupWindow
 from delaymq.realtime.delivery import pick
 from delaymq.realtime.groups import ConsumerState, Groups, Share, UnknownPull
 from delaymq.realtime.pulllog import (
     PULL_ENTRY_SIZE,
-    AckRanges,
     PullLog,
     decode_pull_entries,
     encode_pull_entries,
