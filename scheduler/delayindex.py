@@ -16,18 +16,21 @@ number of that second (``-1``: none) and how many entries the second has. So a s
 entries are a backward linked list: head, head.prev, ... -1. Filing a message is O(1)
 and never rewrites: append the record, append an entry, update one heads slot.
 
-The heads tables live in lmdb (``HEADS_DB``: key hour u32 + second u16, value newest
-i32 + count u32, non-empty seconds only), beside each hour's committed ``HourSummary``
-(``HOURS_DB``) and the replay checkpoint (``REPLAY_DB``), all moved by one transaction
-per replay step.
+The heads tables live in one file per hour (``YYYYMMDDHH.heads``, 3,600 slots of newest
+i32 + count u32; ``delaymq.scheduler.headstable``), changed only through a **journal**
+(the new value of every changed slot, ``pack_journal``) committed in lmdb beside each
+hour's committed ``HourSummary`` (``HOURS_DB``) and the replay checkpoint
+(``REPLAY_DB``), all moved by one transaction per replay step, and written to the
+tables after it. Recovery writes the last journal again first.
 
 Invariants recovery relies on (``EntryChecker``): records are contiguous in the schedule
 log (entry ``n + 1`` starts where ``n`` ends), ``source`` strictly grows, and ``prev`` is
 exactly the second's head before the entry was added, so the heads table can always be
 rebuilt from the index alone (``heads_from_index``). ``recover_hours`` runs when the
-store opens: it keeps each hour's longest valid prefix of entries (whose records check),
-rolls the heads forward over valid entries a crash left uncommitted, and, should
-committed entries be gone, rebuilds the heads and moves the checkpoint back so replay
+store opens: it writes the last journal into the tables again, keeps each hour's
+longest valid prefix of entries (whose records check), rolls the heads forward over
+valid entries a crash left uncommitted, and, should committed entries or a table be
+gone, rebuilds the heads and (for lost entries) moves the checkpoint back so replay
 files them again with the same numbers.
 """
 
@@ -38,14 +41,15 @@ import os
 import struct
 import zlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from delaymq.protocol.envelope import HEADER, HEADER_SIZE, MAGIC, VERSION
 from delaymq.scheduler.hours import (
     DISPATCH_SUFFIX,
+    HEADS_SUFFIX,
     HOUR_MS,
     INDEX_SUFFIX,
     LOG_SUFFIX,
@@ -58,6 +62,9 @@ from delaymq.scheduler.hours import (
 from delaymq.storage.folder import DataFolder
 from delaymq.storage.state import StateStore, WriteBatch
 
+if TYPE_CHECKING:
+    from delaymq.scheduler.headstable import HeadsTables
+
 ENTRY = struct.Struct(">QIIiQI")
 ENTRY_SIZE = ENTRY.size  # 32
 ENTRY_BODY = struct.Struct(">QIIiQ")  # the CRC-covered part
@@ -66,8 +73,13 @@ INDEX_VERSION = 1
 #: Entry numbers are i32 in ``prev``: an hour holds at most this many entries.
 MAX_ENTRIES = (1 << 31) - 1
 
-#: A heads slot as stored (lmdb value): newest entry i32, count u32.
+#: A heads slot as a table stores it: newest entry i32, count u32.
 HEAD = struct.Struct(">iI")
+#: Heads slots in memory (a replay step's, a journal): key ``hour << 12 | second``,
+#: value ``(newest + 1) << 32 | count``, 0 for an empty second.
+Slots = Mapping[int, int]
+#: One journal record: hour u32, second u16, newest i32, count u32.
+JOURNAL_RECORD = struct.Struct(">IHiI")
 
 _logger = logging.getLogger(__name__)
 
@@ -119,27 +131,34 @@ def read_entry(buf: bytes | bytearray | memoryview, position: int, entry_no: int
     return IndexEntry(offset, size, ms, prev, source)
 
 
-def head_key(hour: int, second: int) -> bytes:
-    """The lmdb key of one heads slot: hour u32 + second u16, so an hour is a key prefix."""
-    return hour.to_bytes(4, "big") + second.to_bytes(2, "big")
-
-
 def hour_key(hour: int) -> bytes:
     return hour.to_bytes(4, "big")
 
 
-def heads_from_slots(hour: int, items: list[tuple[bytes, bytes]]) -> Heads:
-    """A ``Heads`` from the stored slots ``(head_key, HEAD value)`` of one hour."""
-    newest = [-1] * SECONDS_PER_HOUR
-    counts = [0] * SECONDS_PER_HOUR
-    total = 0
-    unpack = HEAD.unpack
-    for key, value in items:
-        second = int.from_bytes(key[4:6], "big")
-        newest[second], count = unpack(value)
-        counts[second] = count
-        total += count
-    return Heads(hour, newest, counts, total)
+def pack_journal(slots: Slots) -> bytes:
+    """The heads journal of ``slots``: one ``JOURNAL_RECORD`` (14 bytes) per slot."""
+    pack = JOURNAL_RECORD.pack
+    return b"".join(
+        pack(key >> 12, key & 0xFFF, (value >> 32) - 1, value & 0xFFFF_FFFF) for key, value in slots.items()
+    )
+
+
+def unpack_journal(data: bytes) -> dict[int, int]:
+    """The slots of a heads journal."""
+    if len(data) % JOURNAL_RECORD.size:
+        raise CorruptSchedule(
+            f"heads journal of {len(data)} bytes is not a whole number of {JOURNAL_RECORD.size}-byte records"
+        )
+    return {
+        hour << 12 | second: (newest + 1) << 32 | count if count else 0
+        for hour, second, newest, count in JOURNAL_RECORD.iter_unpack(data)
+    }
+
+
+def table_slots(hour: int, newest: Sequence[int], counts: Sequence[int]) -> dict[int, int]:
+    """Every slot of ``hour``, empty ones included: the journal that replaces its table."""
+    base = hour << 12
+    return {base | s: (newest[s] + 1) << 32 | count if count else 0 for s, count in enumerate(counts)}
 
 
 def heads_from_index(hour: int, index: bytes | bytearray | memoryview, *, where: str = "index") -> Heads:
@@ -175,11 +194,11 @@ def heads_from_index(hour: int, index: bytes | bytearray | memoryview, *, where:
 
 # --------------------------------------------------------------------- lmdb layout
 
-HEADS_DB = "schedule.heads"  # head_key(hour, second) -> HEAD (non-empty seconds only)
 HOURS_DB = "schedule.hours"  # hour_key(hour) -> SUMMARY
-REPLAY_DB = "schedule.replay"  # CHECKPOINT_KEY -> u64 message-log offset
+REPLAY_DB = "schedule.replay"  # CHECKPOINT_KEY -> u64 message-log offset; JOURNAL_KEY -> journal
 DELETED_DB = "schedule.deleted"  # hour_key(hour) -> i64 last_source of a deleted hour
 CHECKPOINT_KEY = b"checkpoint"
+JOURNAL_KEY = b"heads-journal"  # the heads slots the last commit changed (pack_journal)
 SUMMARY = struct.Struct(">IQqq")  # entries, log_end, first_source, last_source
 
 
@@ -305,14 +324,20 @@ _CHECK_WINDOW = 8 << 20  # recovery reads the schedule log this much at a time
 
 
 def recover_hours(
-    folder: DataFolder, state: StateStore, names: list[str]
+    folder: DataFolder, state: StateStore, names: list[str], tables: HeadsTables
 ) -> tuple[dict[int, HourSummary], int, int]:
     """Bring every hour's files back to a consistent state; returns summaries, checkpoint
-    (lowered if an hour lost committed entries) and how many hours were repaired."""
+    (lowered if an hour lost committed entries) and how many hours were repaired.
+
+    First the last commit's heads journal is written into the tables again (its slots
+    may not have reached them), then each hour is checked. The heads changes recovery
+    makes are committed as a journal with its lmdb changes and written after, like a
+    replay step's.
+    """
     files: dict[int, set[str]] = {}
     for name in names:
         stem, dot, suffix = name.partition(".")
-        if not dot or "." + suffix not in (LOG_SUFFIX, INDEX_SUFFIX, DISPATCH_SUFFIX):
+        if not dot or "." + suffix not in (LOG_SUFFIX, INDEX_SUFFIX, DISPATCH_SUFFIX, HEADS_SUFFIX):
             continue
         try:
             hour = parse_hour_name(stem)
@@ -322,13 +347,20 @@ def recover_hours(
     committed = {int.from_bytes(k, "big"): HourSummary.unpack(v) for k, v in state.items(HOURS_DB)}
     stored = state.get(REPLAY_DB, CHECKPOINT_KEY)
     checkpoint = int.from_bytes(stored, "big") if stored is not None else 0
+    journal = state.get(REPLAY_DB, JOURNAL_KEY)
+    if journal:
+        redo = unpack_journal(journal)
+        usable = {hour for hour in {key >> 12 for key in redo} if hour in committed and tables.exists(hour)}
+        tables.write({key: value for key, value in redo.items() if key >> 12 in usable})
+        tables.sync()
     summaries: dict[int, HourSummary] = {}
     restart = checkpoint
     repaired = 0
     unlinked = False
+    slots: dict[int, int] = {}
     with state.write() as batch:
         for hour in sorted(files.keys() | committed.keys()):
-            outcome = _recover_hour(folder, state, batch, hour, files.get(hour, set()), committed.get(hour))
+            outcome = _recover_hour(folder, batch, tables, slots, hour, files.get(hour, set()), committed.get(hour))
             summary, hour_restart, changed, removed = outcome
             if summary is not None:
                 summaries[hour] = summary
@@ -345,6 +377,16 @@ def recover_hours(
             )
             batch.put(REPLAY_DB, CHECKPOINT_KEY, restart.to_bytes(8, "big"))
             checkpoint = restart
+        if slots:
+            batch.put(REPLAY_DB, JOURNAL_KEY, pack_journal(slots))
+        elif journal:
+            batch.delete(REPLAY_DB, JOURNAL_KEY)  # written again above and synced
+        if tables.unsynced():  # tables created for repairs: durable before the journal
+            tables.sync()
+            folder.fsync()
+    if slots:
+        tables.write(slots)
+        tables.sync()
     if unlinked or repaired:
         folder.fsync()
     return summaries, checkpoint, repaired
@@ -352,21 +394,27 @@ def recover_hours(
 
 def _recover_hour(
     folder: DataFolder,
-    state: StateStore,
     batch: WriteBatch,
+    tables: HeadsTables,
+    slots: dict[int, int],
     hour: int,
     present: set[str],
     summary: HourSummary | None,
 ) -> tuple[HourSummary | None, int | None, bool, bool]:
-    """One hour: ``(summary or None, replay restart or None, repaired?, files removed?)``."""
+    """One hour: ``(summary or None, replay restart or None, repaired?, files removed?)``.
+    The heads changes it needs go into ``slots``."""
     name = hour_name(hour)
     base = folder.path / name
     committed = summary.entries if summary is not None else 0
     if INDEX_SUFFIX not in present and committed == 0:
+        removed = False
         if LOG_SUFFIX in present:  # a log without an index holds nothing filed
             Path(str(base) + LOG_SUFFIX).unlink()
-            return None, None, False, True
-        return None, None, False, False
+            removed = True
+        if HEADS_SUFFIX in present:  # a table without an index counts nothing
+            tables.remove(hour)
+            removed = True
+        return None, None, False, removed
     flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
     index_fd = os.open(str(base) + INDEX_SUFFIX, flags, 0o644)
     log_fd = -1
@@ -375,12 +423,31 @@ def _recover_hour(
         index_size = os.fstat(index_fd).st_size
         log_size = os.fstat(log_fd).st_size
         stop = index_size // ENTRY_SIZE
-        trusted = summary is not None and _committed_end_checks(index_fd, log_fd, stop, log_size, summary)
+        heads: Heads | None = None
+        if committed and stop > committed:  # entries to roll forward over: from the committed heads
+            heads = tables.read(hour)
+            if heads is not None and heads.entries != committed:
+                heads = None
+            table_lost = heads is None
+        else:
+            table_lost = committed > 0 and not tables.exists(hour)
+        if table_lost:
+            _logger.warning(
+                "schedule %s: hour %s: its heads table is missing or does not count its %d entries; "
+                "rebuilding it from the index",
+                folder.path,
+                name,
+                committed,
+            )
+        trusted = (
+            not table_lost
+            and summary is not None
+            and _committed_end_checks(index_fd, log_fd, stop, log_size, summary)
+        )
         if trusted or committed == 0:
             assert summary is not None or committed == 0
             start = committed
-            if stop > start and summary is not None:
-                heads = heads_from_slots(hour, state.items(HEADS_DB, hour_key(hour)))
+            if heads is not None:
                 newest, counts = array("i", heads.newest), array("I", heads.counts)
             else:
                 newest, counts = empty_heads()
@@ -429,21 +496,24 @@ def _recover_hour(
         # replay again from just after the last entry kept.
         assert summary is not None
         restart = checker.next_source if kept else summary.first_source
-        put_heads(batch, hour, list(checker.newest), list(checker.counts), state)
-    elif kept > committed:
-        for second in touched:
-            value = HEAD.pack(checker.newest[second], checker.counts[second])
-            batch.put(HEADS_DB, head_key(hour, second), value)
     if kept == 0:
         if summary is not None:
             batch.delete(HOURS_DB, hour_key(hour))
         for suffix in (INDEX_SUFFIX, LOG_SUFFIX):
             Path(str(base) + suffix).unlink(missing_ok=True)
+        tables.remove(hour)
         return None, restart, changed or kept != committed, True
+    if kept < committed or table_lost or committed == 0:
+        tables.create(hour)  # a whole table, every slot written by the journal
+        slots.update(table_slots(hour, checker.newest, checker.counts))
+    elif kept > committed:
+        base_key = hour << 12
+        for second in touched:
+            slots[base_key | second] = (checker.newest[second] + 1) << 32 | checker.counts[second]
     result = HourSummary(kept, checker.log_end, checker.first_source, checker.last_source)
     if kept != committed:
         batch.put(HOURS_DB, hour_key(hour), result.pack())
-    return result, restart, changed or kept != committed, False
+    return result, restart, changed or kept != committed or table_lost, False
 
 
 def _committed_end_checks(
@@ -494,18 +564,6 @@ def _check_entries(
     return touched
 
 
-def put_heads(
-    batch: WriteBatch, hour: int, newest: Sequence[int], counts: Sequence[int], state: StateStore
-) -> None:
-    """Replace ``hour``'s stored heads with ``newest``/``counts`` in ``batch``."""
-    for key, _value in state.items(HEADS_DB, hour_key(hour)):
-        if not counts[int.from_bytes(key[4:6], "big")]:
-            batch.delete(HEADS_DB, key)
-    for second, count in enumerate(counts):
-        if count:
-            batch.put(HEADS_DB, head_key(hour, second), HEAD.pack(newest[second], count))
-
-
 def pread_all(fd: int, size: int, offset: int) -> bytes:
     """``size`` bytes at ``offset`` (fewer only at the end of the file)."""
     data = os.pread(fd, size, offset)
@@ -528,24 +586,26 @@ __all__ = [
     "ENTRY",
     "ENTRY_SIZE",
     "HEAD",
-    "HEADS_DB",
+    "JOURNAL_KEY",
+    "JOURNAL_RECORD",
     "HOURS_DB",
     "INDEX_VERSION",
     "MAX_ENTRIES",
     "REPLAY_DB",
     "SUMMARY",
+    "Slots",
     "EntryChecker",
     "Heads",
     "HourSummary",
     "IndexEntry",
     "empty_heads",
-    "head_key",
     "heads_from_index",
-    "heads_from_slots",
     "hour_key",
     "pack_entry",
     "pread_all",
-    "put_heads",
+    "pack_journal",
+    "table_slots",
+    "unpack_journal",
     "read_entry",
     "record_problem",
     "recover_hours",

@@ -79,6 +79,7 @@ class DispatcherStatistics:
     waiting: int  # records in lanes, not yet accepted
     cached_records: int  # records read ahead, not yet due
     cached_bytes: int
+    delivered_held: int  # entry numbers of the open hours delivered before a restart, skipped
     in_outage: bool  # some subject's delivery is failing right now
     hours_opened: int
     seconds_loaded: int
@@ -192,6 +193,7 @@ class Dispatcher:
             waiting=self._waiting,
             cached_records=self._cached_records,
             cached_bytes=self._cached_bytes,
+            delivered_held=sum(map(len, self._skip.values())),
             in_outage=self._outage_since is not None,
             hours_opened=self._hours_opened,
             seconds_loaded=self._seconds_loaded,

@@ -22,6 +22,7 @@ MAX_DELIVER_AT = (MAX_HOUR + 1) * HOUR_MS - 1
 LOG_SUFFIX = ".log"  # the schedule log
 INDEX_SUFFIX = ".index"  # the delay index
 DISPATCH_SUFFIX = ".dispatch"  # the dispatch log
+HEADS_SUFFIX = ".heads"  # the second-heads table
 #: How long a fully dispatched hour is kept before it may be deleted.
 DEFAULT_RETENTION_MS = 72 * HOUR_MS
 
@@ -76,6 +77,7 @@ def parse_hour_name(name: str) -> int:
 __all__ = [
     "DEFAULT_RETENTION_MS",
     "DISPATCH_SUFFIX",
+    "HEADS_SUFFIX",
     "INDEX_SUFFIX",
     "LOG_SUFFIX",
     "HOUR_MS",

@@ -5,7 +5,8 @@ the durability point. A replay step reads it from the store's checkpoint, never 
 ``flushed_offset`` (so nothing filed can vanish from the message log in a power cut,
 and a re-run files the same records into the same entry numbers), stages every
 record into its hour (``ScheduleStore.stage``), and commits: schedule logs and
-indexes fsynced, then heads and the new checkpoint in one lmdb transaction.
+indexes fsynced, then the hours' entry counts, the new checkpoint and the heads
+journal in one lmdb transaction, then the heads tables.
 
 Idempotent: a crash anywhere in a step leaves the checkpoint where it was; the next
 step reads the same records again and the store skips each one its hour already

@@ -6,19 +6,25 @@ the hour (``YYYYMMDDHH``, see ``delaymq.scheduler.hours``):
 - ``YYYYMMDDHH.log``: the **schedule log**, the hour's message records end to end,
   byte for byte as they were in the message log (envelope records, CRC included);
 - ``YYYYMMDDHH.index``: the **delay index**, 32-byte entries (``delaymq.scheduler.delayindex``);
-- ``YYYYMMDDHH.dispatch``: the **dispatch log** (``delaymq.scheduler.dispatchlog``).
+- ``YYYYMMDDHH.dispatch``: the **dispatch log** (``delaymq.scheduler.dispatchlog``);
+- ``YYYYMMDDHH.heads``: the **second-heads table** (``delaymq.scheduler.headstable``).
 
-The **second-heads tables**, each hour's committed summary and the replay
-**checkpoint** live in lmdb (the server's ``StateStore``; layout in ``delayindex``).
-One lmdb transaction moves the checkpoint and every heads slot and summary a replay
-step changed, so heads and checkpoint never disagree, and a second's head costs one
-small key instead of a rewrite of a 28,800-byte table.
+Each hour's committed summary, the replay **checkpoint** and the **heads journal** (the
+new value of every heads slot the step changed) live in lmdb (the server's
+``StateStore``; layout in ``delayindex``). One lmdb transaction moves them together;
+the journal's slots are written to the heads tables after it, and written again by
+recovery after a crash, so heads and checkpoint never disagree.
+
+Memory stays flat however large the backlog: a step reads from the tables only the
+heads slots of the seconds it files into and holds them until its commit; nothing of
+the heads is kept between steps, and nothing of them is mapped.
 
 Filing (``stage`` then ``commit``, driven by ``delaymq.scheduler.replay``): records are
 staged per hour in memory (index entries packed into a bytearray, record bytes as
 slices of the chunk read from the message log), then ``commit`` writes each hour's log
 bytes and index bytes with one ``pwrite`` each, makes them durable (fdatasync per file,
-or one ``syncfs`` when a step touched many hours), and commits lmdb. A crash before the
+or one ``syncfs`` when a step touched many hours) together with the heads slots the
+previous step wrote, commits lmdb, and writes the step's heads slots. A crash before the
 lmdb commit leaves entries beyond the committed summary: ``open`` checks them and keeps
 the valid prefix (``delayindex.recover_hours``). Replay skips a record whose
 message-log offset is not after its hour's last filed one, so re-reading from the
@@ -41,6 +47,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from delaymq.protocol.envelope import HEADER_SIZE, RecordKind
@@ -51,29 +58,30 @@ from delaymq.scheduler.delayindex import (
     ENTRY_BODY,
     ENTRY_CRC,
     ENTRY_SIZE,
-    HEAD,
-    HEADS_DB,
     HOURS_DB,
     INDEX_VERSION,
+    JOURNAL_KEY,
+    JOURNAL_RECORD,
     MAX_ENTRIES,
     REPLAY_DB,
     Heads,
     HourSummary,
     IndexEntry,
-    head_key,
     heads_from_index,
-    heads_from_slots,
     hour_key,
+    pack_journal,
     pread_all,
-    put_heads,
     read_entry,
     record_problem,
     recover_hours,
+    table_slots,
 )
 from delaymq.scheduler.dispatchlog import DispatchLog
+from delaymq.scheduler.headstable import TABLE_BYTES, HeadsTables
 from delaymq.scheduler.hours import (
     DEFAULT_RETENTION_MS,
     DISPATCH_SUFFIX,
+    HEADS_SUFFIX,
     HOUR_MS,
     INDEX_SUFFIX,
     LOG_SUFFIX,
@@ -92,24 +100,26 @@ from delaymq.storage.format import ensure_format
 from delaymq.storage.state import StateStore
 
 STORE_FORMAT = "schedule-store"
-STORE_FORMAT_VERSION = 1
+STORE_FORMAT_VERSION = 2  # 2: heads tables in files (version 1 kept them as lmdb keys)
 #: Hours one replay step may file into: every hour of a two-year horizon and then some.
 DEFAULT_MAX_STEP_HOURS = 20_000
-DEFAULT_MAX_CACHED_SECONDS = 200_000
 DEFAULT_MAX_OPEN_DISPATCH_LOGS = 256
 
 _RECORD_START = struct.Struct(">IBBHIqq")  # envelope header, deliver_at, created_at
+#: A step reading more slots of one hour than this reads its whole table at once.
+_WHOLE_TABLE_FROM = 64
 _MESSAGE = int(RecordKind.MESSAGE)
 _READ_GAP = 64 << 10  # read_records reads across gaps up to this size in one pread
 _READ_SPAN = 4 << 20  # ... into spans of at most this size
-_SYNCFS_FROM_HOURS = 8  # a commit writing this many hours or more syncs the file system once
+_SYNCFS_FROM_HOURS = 8  # a commit syncing this many hours' files or more syncs the file system once
 _FORMAT = {
     "format": STORE_FORMAT,
     "version": STORE_FORMAT_VERSION,
     "index_version": INDEX_VERSION,
     "index_entry_size": ENTRY_SIZE,
     "hour_names": "YYYYMMDDHH UTC",
-    "heads": "lmdb " + HEADS_DB,
+    "heads": f"YYYYMMDDHH{HEADS_SUFFIX} {TABLE_BYTES} bytes, journal in lmdb",
+    "heads_journal_record": JOURNAL_RECORD.size,
     "dispatch_entry": "u32 big-endian",
 }
 
@@ -173,7 +183,8 @@ class ScheduleStoreStatistics:
     bytes_filed: int
     fsyncs: int  # file and folder fsyncs
     syncfs: int  # whole file-system syncs (commits that wrote many hours)
-    cached_seconds: int  # heads slots cached in memory
+    heads_held: int  # heads slots in memory now: the current step's, 0 between steps
+    heads_held_max: int  # the most heads slots one step held (bounded by the step, not the backlog)
     recovered_hours: int  # hours whose files open had to cut or roll forward
 
 
@@ -238,8 +249,8 @@ class ScheduleStore:
         summaries: dict[int, HourSummary],
         checkpoint: int,
         *,
+        tables: HeadsTables,
         max_step_hours: int,
-        max_cached_seconds: int,
         max_open_dispatch_logs: int,
         fsync: bool,
         recovered_hours: int,
@@ -249,14 +260,18 @@ class ScheduleStore:
         self._summaries = summaries
         self._checkpoint = checkpoint
         self._max_step_hours = max_step_hours
-        self._max_cached_seconds = max_cached_seconds
         self._max_open_dispatch_logs = max_open_dispatch_logs
         self._fsync = fsync
-        # Heads of the hours filed into lately: key hour << 12 | second, value
-        # (newest + 1) << 32 | count, absent = no entry. Committed values, plus what
-        # the current step staged (dropped whole on abort).
+        self._tables = tables
+        # The heads slots the current step files into: key hour << 12 | second, value
+        # (newest + 1) << 32 | count (0: no entry). Read from the tables when the step
+        # first touches a second, committed as the step's journal, dropped after it or
+        # on abort: nothing of the heads stays in memory between steps.
         self._heads: dict[int, int] = {}
-        self._heads_hours: set[int] = set()  # hours whose heads are all in _heads
+        self._heads_max = 0
+        # Hours whose table was checked against their summary since open (one int per
+        # hour with messages, like ``_summaries``).
+        self._checked_hours: set[int] = set()
         self._staged: dict[int, _Staging] = {}
         self._step_filed = self._step_already = self._step_skipped = 0
         self._write_lock = threading.RLock()
@@ -274,21 +289,18 @@ class ScheduleStore:
         state: StateStore,
         *,
         max_step_hours: int = DEFAULT_MAX_STEP_HOURS,
-        max_cached_seconds: int = DEFAULT_MAX_CACHED_SECONDS,
         max_open_dispatch_logs: int = DEFAULT_MAX_OPEN_DISPATCH_LOGS,
         fsync: bool = True,
     ) -> ScheduleStore:
         """Open (or create) the schedule folder, recovering every hour's files.
 
-        ``state`` is the server's lmdb store (heads, summaries, checkpoint live there).
+        ``state`` is the server's lmdb store (summaries, checkpoint, heads journal live there).
         ``max_step_hours`` caps the hours one replay step may file into (its memory);
-        ``max_cached_seconds`` how many heads slots stay cached between steps;
         ``max_open_dispatch_logs`` how many dispatch logs stay open. ``fsync=False`` is
         for tests and benchmarks only.
         """
         for name, value in (
             ("max_step_hours", max_step_hours),
-            ("max_cached_seconds", max_cached_seconds),
             ("max_open_dispatch_logs", max_open_dispatch_logs),
         ):
             if value < 1:
@@ -296,9 +308,12 @@ class ScheduleStore:
         folder = DataFolder(directory, what="schedule store")
         try:
             names = os.listdir(folder.path)
-            has_data = any(n.endswith((LOG_SUFFIX, INDEX_SUFFIX, DISPATCH_SUFFIX)) for n in names)
+            suffixes = (LOG_SUFFIX, INDEX_SUFFIX, DISPATCH_SUFFIX, HEADS_SUFFIX)
+            has_data = any(n.endswith(suffixes) for n in names)
             ensure_format(folder.path, _FORMAT, has_data=has_data)
-            summaries, checkpoint, recovered = recover_hours(folder, state, names)
+            syncfs = None if _syncfs is None else partial(_syncfs, folder)
+            tables = HeadsTables(folder.path, fsync=fsync, syncfs=syncfs)
+            summaries, checkpoint, recovered = recover_hours(folder, state, names, tables)
         except BaseException:
             folder.close()
             raise
@@ -307,8 +322,8 @@ class ScheduleStore:
             state,
             summaries,
             checkpoint,
+            tables=tables,
             max_step_hours=max_step_hours,
-            max_cached_seconds=max_cached_seconds,
             max_open_dispatch_logs=max_open_dispatch_logs,
             fsync=fsync,
             recovered_hours=recovered,
@@ -348,14 +363,16 @@ class ScheduleStore:
             steps=self._steps,
             filed=self._filed,
             bytes_filed=self._bytes_filed,
-            fsyncs=self._fsyncs,
-            syncfs=self._syncfs,
-            cached_seconds=len(self._heads),
+            fsyncs=self._fsyncs + self._tables.fsyncs,
+            syncfs=self._syncfs + self._tables.syncfs_calls,
+            heads_held=len(self._heads),
+            heads_held_max=self._heads_max,
             recovered_hours=self._recovered_hours,
         )
 
     def path_of(self, hour: int, suffix: str) -> Path:
-        """The file of ``hour`` with ``suffix`` (``LOG_SUFFIX``, ``INDEX_SUFFIX``, ``DISPATCH_SUFFIX``)."""
+        """The file of ``hour`` with ``suffix`` (``LOG_SUFFIX``, ``INDEX_SUFFIX``, ``DISPATCH_SUFFIX``,
+        ``HEADS_SUFFIX``)."""
         return self._folder.path / (hour_name(hour) + suffix)
 
     # ------------------------------------------------------------------ filing
@@ -378,6 +395,7 @@ class ScheduleStore:
                 raise
 
     def _stage(self, buf: bytes, source: int, stop: int) -> int:
+        self._read_slots(self._slots_to_read(buf, stop))
         view = memoryview(buf)
         unpack = _RECORD_START.unpack_from
         pack_body = ENTRY_BODY.pack
@@ -422,7 +440,7 @@ class ScheduleStore:
                     )
                 ms = at - hour * HOUR_MS
                 key = w.key_base | ms // 1000
-                head = get_head(key, 0)
+                head = get_head(key, 0)  # _read_slots put every stored non-empty slot there
                 heads[key] = (n + 1) << 32 | ((head & 0xFFFF_FFFF) + 1)
                 w.entries = n + 1
                 length = end - pos
@@ -449,6 +467,8 @@ class ScheduleStore:
             self._step_filed += filed
             self._step_already += already
             self._step_skipped += skipped
+            if len(heads) > self._heads_max:
+                self._heads_max = len(heads)
         return pos
 
     def _stage_hour(self, hour: int, at: int, src: int) -> _Staging:
@@ -464,42 +484,77 @@ class ScheduleStore:
             tombstone = self._state.get(DELETED_DB, hour_key(hour))
             last = -1 if tombstone is None else int.from_bytes(tombstone, "big", signed=True)
             summary = HourSummary(0, 0, -1, last)
-        elif hour not in self._heads_hours:
-            self._load_heads(hour, summary)
         w = self._staged[hour] = _Staging(hour, summary)
         return w
 
-    def _load_heads(self, hour: int, summary: HourSummary) -> None:
-        """Cache ``hour``'s stored heads, checking they count the summary's entries."""
-        base = hour << 12
-        total = 0
-        unpack = HEAD.unpack
+    def _slots_to_read(self, buf: bytes, stop: int) -> set[int]:
+        """The heads slots (``hour << 12 | second``) the records ``_stage`` will file from
+        ``buf[:stop]`` fall in and the step does not hold yet (stopping where it stops)."""
+        unpack = _RECORD_START.unpack_from
         heads = self._heads
-        for key, value in self._state.items(HEADS_DB, hour_key(hour)):
-            newest, count = unpack(value)
-            heads[base | int.from_bytes(key[4:6], "big")] = (newest + 1) << 32 | count
-            total += count
-        if total != summary.entries:
-            self._forget_heads(hour)
-            raise CorruptSchedule(
-                f"hour {hour_name(hour)}: its stored heads count {total} entries but the hour holds "
-                f"{summary.entries}; run rebuild_heads({hour})"
-            )
-        self._heads_hours.add(hour)
+        hours = set(self._staged)
+        limit = self._max_step_hours
+        wanted: set[int] = set()
+        pos = 0
+        while pos < stop:
+            size, _magic, _version, kind, _crc, at, created = unpack(buf, pos)
+            end = pos + HEADER_SIZE + size
+            if end > stop:
+                break  # _stage refuses it
+            if kind == _MESSAGE:
+                if at <= 0:
+                    at = created if created > 0 else 0
+                hour = at // HOUR_MS
+                if hour not in hours:
+                    if len(hours) >= limit:
+                        break
+                    hours.add(hour)
+                key = hour << 12 | (at - hour * HOUR_MS) // 1000
+                if key not in heads:
+                    wanted.add(key)
+            pos = end
+        return wanted
 
-    def _forget_heads(self, hour: int) -> None:
-        self._heads_hours.discard(hour)
-        base = hour << 12
-        pop = self._heads.pop
-        for second in range(SECONDS_PER_HOUR):
-            pop(base | second, None)
+    def _read_slots(self, keys: set[int]) -> None:
+        """Put the stored value of each non-empty slot of ``keys`` in the step's heads,
+        one table at a time. The first read of an hour since open reads its whole table
+        and checks it counts the hour's entries (lost or stale heads would link new
+        entries wrongly)."""
+        by_hour: dict[int, list[int]] = {}
+        for key in keys:
+            by_hour.setdefault(key >> 12, []).append(key & 0xFFF)
+        heads = self._heads
+        for hour, seconds in sorted(by_hour.items()):
+            summary = self._summaries.get(hour)
+            if summary is None or not summary.entries:
+                continue  # a new hour: every slot is empty
+            base = hour << 12
+            if hour in self._checked_hours and len(seconds) < _WHOLE_TABLE_FROM:
+                for second, value in self._tables.read_slots(hour, sorted(seconds)).items():
+                    heads[base | second] = value
+                continue
+            table = self._tables.read(hour)
+            if table is None or table.entries != summary.entries:
+                found = "no whole table" if table is None else f"a table counting {table.entries}"
+                raise CorruptSchedule(
+                    f"hour {hour_name(hour)}: holds {summary.entries} entries but its heads have {found}; "
+                    f"run rebuild_heads({hour})"
+                )
+            self._checked_hours.add(hour)
+            newest, counts = table.newest, table.counts
+            for second in seconds:
+                count = counts[second]
+                if count:
+                    heads[base | second] = (newest[second] + 1) << 32 | count
 
     def commit(self, checkpoint: int) -> ReplayStep:
         """Write, fsync and commit what was staged, and save ``checkpoint`` with it.
 
         Each hour's log bytes and index bytes go out in one ``pwrite`` each. Few hours:
-        each file is fdatasynced; many hours: one ``syncfs`` of the folder's file system
-        costs less than thousands of fsyncs.
+        each file is fdatasynced (with the heads tables the previous step wrote); many
+        hours: one ``syncfs`` of the folder's file system costs less than thousands of
+        fsyncs. Then one lmdb transaction holds the summaries, the checkpoint and the
+        step's heads journal, and the journal's slots are written to the tables.
         """
         with self._write_lock:
             self._check_usable()
@@ -516,15 +571,10 @@ class ScheduleStore:
                 # the heads or the arrivals) is always within ``entries``.
                 self._summaries.update(summaries)
                 with self._state.write() as batch:
-                    heads = self._heads
                     for w in written:
-                        base = w.key_base
-                        for second in {m // SECOND_MS for m in w.ms}:
-                            head = heads[base | second]
-                            value = HEAD.pack((head >> 32) - 1, head & 0xFFFF_FFFF)
-                            batch.put(HEADS_DB, head_key(w.hour, second), value)
                         batch.put(HOURS_DB, hour_key(w.hour), summaries[w.hour].pack())
                     batch.put(REPLAY_DB, CHECKPOINT_KEY, checkpoint.to_bytes(8, "big"))
+                    batch.put(REPLAY_DB, JOURNAL_KEY, pack_journal(self._heads))
             except BaseException as error:
                 for hour, summary in previous.items():
                     if summary is None:
@@ -539,6 +589,19 @@ class ScheduleStore:
                         f"replay commit at checkpoint {checkpoint} failed: {error}"
                     ) from error
                 raise
+            try:
+                self._tables.write(self._heads)
+            except BaseException as error:
+                # Committed (nothing to cut back): the journal in lmdb is written into the
+                # tables again when the store reopens.
+                self._failure = error
+                self._clear_step()
+                if isinstance(error, OSError):
+                    raise ScheduleError(
+                        f"replay step committed at checkpoint {checkpoint}, but writing its heads "
+                        f"tables failed: {error}; reopen the store to write them again"
+                    ) from error
+                raise
             arrivals: dict[int, HourArrivals] = {}
             new_hours = []
             nbytes = 0
@@ -547,7 +610,7 @@ class ScheduleStore:
                     new_hours.append(w.hour)
                 arrivals[w.hour] = HourArrivals(w.hour, w.committed_entries, w.ms)
                 nbytes += w.log_end - w.committed_log_end
-                self._heads_hours.add(w.hour)
+                self._checked_hours.add(w.hour)
             step = ReplayStep(
                 start_offset=self._checkpoint,
                 checkpoint=checkpoint,
@@ -563,22 +626,24 @@ class ScheduleStore:
             self._filed += step.filed
             self._bytes_filed += nbytes
             self._clear_step()
-            if len(self._heads) > self._max_cached_seconds:
-                self._heads.clear()
-                self._heads_hours.clear()
             return step
 
     def _write_out(self, written: list[_Staging]) -> None:
-        """Append each hour's staged bytes to its files and make them durable."""
+        """Append each hour's staged bytes to its files (an empty heads table for a new
+        hour) and make them durable, with the heads slots the previous step wrote."""
         prefix = str(self._folder.path) + os.sep
-        syncfs = self._fsync and len(written) >= _SYNCFS_FROM_HOURS and _syncfs is not None
+        tables = self._tables
+        hours = tables.unsynced().union(w.hour for w in written)
+        syncfs = self._fsync and len(hours) >= _SYNCFS_FROM_HOURS and _syncfs is not None
         per_file = self._fsync and not syncfs
         created = False
         flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC
         for w in written:
             w.end_run()
             name = hour_name(w.hour)
-            created |= w.committed_entries == 0
+            if w.committed_entries == 0:
+                created = True
+                tables.create(w.hour)
             for suffix, data, position in (
                 (LOG_SUFFIX, b"".join(w.parts), w.committed_log_end),
                 (INDEX_SUFFIX, w.index, w.committed_entries * ENTRY_SIZE),
@@ -596,9 +661,12 @@ class ScheduleStore:
             assert _syncfs is not None
             _syncfs(self._folder)
             self._syncfs += 1
-        elif per_file and created:
-            self._folder.fsync()
-            self._fsyncs += 1
+            tables.synced()
+        else:
+            tables.sync()  # fdatasync each (nothing with fsync off)
+            if per_file and created:
+                self._folder.fsync()
+                self._fsyncs += 1
 
     def abort(self) -> None:
         """Drop what was staged (nothing of it reaches lmdb; files are cut back)."""
@@ -618,13 +686,11 @@ class ScheduleStore:
                     pass
                 except OSError as error:
                     self._failure = error
-        if self._staged:
-            self._heads.clear()  # it holds staged heads
-            self._heads_hours.clear()
         self._clear_step()
 
     def _clear_step(self) -> None:
         self._staged = {}
+        self._heads = {}
         self._step_filed = self._step_already = self._step_skipped = 0
 
     @property
@@ -637,13 +703,22 @@ class ScheduleStore:
     def heads(self, hour: int) -> Heads:
         """The committed second-heads table of ``hour`` (all -1 / 0 for an hour without entries).
 
-        ``heads.entries`` (one lmdb snapshot) is at most ``entries(hour)``."""
-        return heads_from_slots(hour, self._state.items(HEADS_DB, hour_key(check_hour(hour))))
+        ``heads.entries`` (the table as one step left it) is at most ``entries(hour)``."""
+        if check_hour(hour) not in self._summaries:
+            return Heads(hour, [-1] * SECONDS_PER_HOUR, [0] * SECONDS_PER_HOUR, 0)
+        table = self._tables.read(hour)
+        if table is None:
+            raise CorruptSchedule(
+                f"hour {hour_name(hour)}: its heads table {self._tables.path(hour)} is missing or cut short; "
+                f"run rebuild_heads({hour})"
+            )
+        return table
 
     def newest_entry(self, hour: int, second: int) -> int:
         """The newest committed entry of ``second`` (0..3599) of ``hour``, -1 for none."""
-        value = self._state.get(HEADS_DB, head_key(hour, second))
-        return -1 if value is None else HEAD.unpack(value)[0]
+        if hour not in self._summaries:
+            return -1
+        return self._tables.newest(hour, second)
 
     def open_hour(self, hour: int) -> HourLog:
         """A reader of one hour's index and schedule log; the caller closes it."""
@@ -669,9 +744,16 @@ class ScheduleStore:
                 raise CorruptSchedule(
                     f"{path}: holds {heads.entries} entries, its summary says {summary.entries}"
                 )
+            slots = table_slots(hour, heads.newest, heads.counts)
+            tables = self._tables
+            tables.create(hour)
+            tables.sync()  # the slots the last journal wrote, before it is replaced
+            if self._fsync:
+                self._folder.fsync()
             with self._state.write() as batch:
-                put_heads(batch, hour, heads.newest, heads.counts, self._state)
-            self._forget_heads(hour)
+                batch.put(REPLAY_DB, JOURNAL_KEY, pack_journal(slots))
+            tables.write(slots)
+            self._checked_hours.add(hour)
             return heads
 
     # ------------------------------------------------------------------ dispatch logs
@@ -754,7 +836,7 @@ class ScheduleStore:
         return [hour for hour in self.hours_with_messages() if hour < last and self.is_complete(hour)]
 
     def delete_hour(self, hour: int, *, force: bool = False) -> None:
-        """Delete ``hour``'s files, heads and summary. Refuses an hour with undelivered
+        """Delete ``hour``'s files (heads table included) and summary. Refuses an hour with undelivered
         entries unless ``force``. The dispatch log goes first, so a crash midway never
         leaves a dispatch log that could mark a re-created hour's entries delivered."""
         with self._write_lock, self._dispatch_lock:
@@ -768,15 +850,13 @@ class ScheduleStore:
                     "undelivered; delete_hour(force=True) to drop them"
                 )
             with self._state.write() as batch:
-                for key, _value in self._state.items(HEADS_DB, hour_key(hour)):
-                    batch.delete(HEADS_DB, key)
                 batch.delete(HOURS_DB, hour_key(hour))
                 summary = self._summaries.get(hour)
                 if summary is not None:
                     last = summary.last_source.to_bytes(8, "big", signed=True)
                     batch.put(DELETED_DB, hour_key(hour), last)
             self._summaries.pop(hour, None)
-            self._forget_heads(hour)
+            self._checked_hours.discard(hour)
             log = self._dispatch.pop(hour, None)
             if log is not None:
                 log.close()
@@ -785,6 +865,7 @@ class ScheduleStore:
                     self.path_of(hour, suffix).unlink()
                 except FileNotFoundError:
                     pass
+            self._tables.remove(hour)
             self._folder.fsync()
             _logger.info("schedule %s: deleted hour %s", self._folder.path, hour_name(hour))
 
@@ -1026,7 +1107,8 @@ _syncfs = _find_syncfs()
 __all__ = [
     "CHECKPOINT_KEY",
     "DISPATCH_SUFFIX",
-    "HEADS_DB",
+    "HEADS_SUFFIX",
+    "JOURNAL_KEY",
     "HOURS_DB",
     "INDEX_SUFFIX",
     "LOG_SUFFIX",

@@ -45,7 +45,7 @@ from delaymq.protocol.transport import FrameServer, Request, open_peers
 from delaymq.scheduler.alarm import Alarm
 from delaymq.scheduler.dispatcher import DEFAULT_DISPATCH_BATCH, Deliver, Dispatcher, RunBlocking
 from delaymq.scheduler.hours import DEFAULT_RETENTION_MS, MAX_DELIVER_AT, ScheduleError, hour_name
-from delaymq.scheduler.replay import replay_step, replay_until_caught_up
+from delaymq.scheduler.replay import DEFAULT_STEP_BYTES, replay_step, replay_until_caught_up
 from delaymq.scheduler.schedulelog import ScheduleStore
 from delaymq.scheduler.status import SchedulerStatistics, parse_status_request, status_answer
 from delaymq.scheduler.wheelset import DEFAULT_HOUR_PRELOAD_MS, DEFAULT_LOAD_AHEAD_MS, DEFAULT_MAX_LOADED, WheelSet
@@ -81,6 +81,7 @@ class Scheduler:
         retention_ms: int,
         cleanup_interval_ms: int,
         pending: int,
+        replay_bytes: int = DEFAULT_STEP_BYTES,
     ) -> None:
         self.group = group
         self.address = ""
@@ -94,6 +95,7 @@ class Scheduler:
         self._run_blocking = run_blocking
         self._retention_ms = retention_ms
         self._cleanup_interval_ms = cleanup_interval_ms
+        self._replay_bytes = replay_bytes
         self._initial_pending = pending
         self._writer: LogWriter | None = None
         self._life: trio.CancelScope | None = None
@@ -129,6 +131,10 @@ class Scheduler:
             hours=counts.hours,
             open_hours=counts.open_hours,
             loaded=counts.scheduled + counts.in_flight,
+            buffered=counts.buffered,
+            cached_records=dispatch.cached_records,
+            delivered_held=dispatch.delivered_held,
+            heads_held_max=self.store.statistics().heads_held_max,
             tick=self.wheels.tick(self._clock.now_ms()),
             dispatched=dispatch.dispatched,
             dispatch_batches=dispatch.batches,
@@ -247,11 +253,12 @@ class Scheduler:
         """File what SCHEDULE appended; tell the wheels of every entry filed."""
         task_status.started()
         message_log, store, wheels = self._log, self.store, self.wheels
+        step_once = partial(replay_step, message_log, store, max_bytes=self._replay_bytes)
         deadline: int | None = None
         while True:
             await self._replay_alarm.wait(deadline)
             while True:
-                step = await self._run_blocking(partial(replay_step, message_log, store))
+                step = await self._run_blocking(step_once)
                 if step.idle:
                     break
                 self._filed += step.filed
@@ -302,6 +309,7 @@ async def open_scheduler(
     cleanup_interval_ms: int = DEFAULT_CLEANUP_INTERVAL_MS,
     dispatch_batch: int = DEFAULT_DISPATCH_BATCH,
     max_loaded: int = DEFAULT_MAX_LOADED,
+    replay_bytes: int = DEFAULT_STEP_BYTES,
     send_timeout: float = 10.0,
     segment_size: int = DEFAULT_SEGMENT_SIZE,
     run_blocking: RunBlocking[Any] = run_in_thread,
@@ -315,6 +323,8 @@ async def open_scheduler(
     to; ``peers`` replaces the TCP connections to them (in-memory ones in tests).
     ``limits.horizon_ms`` is how far ahead a message may be scheduled. ``run_blocking``
     runs the disk work (default: a worker thread; ``run_inline`` for autojump tests).
+    ``replay_bytes`` is how much of the message log one replay step files at most (the
+    step's memory; one commit and fsync round per step).
     """
     if limits.max_record > DEFAULT_MAX_RECORD:
         raise ValueError(
@@ -326,6 +336,8 @@ async def open_scheduler(
         raise ValueError(f"cleanup_interval_ms must be positive, got {cleanup_interval_ms}")
     if send_timeout <= 0:
         raise ValueError(f"send_timeout must be positive, got {send_timeout}")
+    if replay_bytes < 1:
+        raise ValueError(f"replay_bytes must be at least 1, got {replay_bytes}")
     host, port = split_listen(listen) if listen is not None else ("", 0)
     if listen is None and meta_address is not None and advertise_address is None:
         raise ValueError("listen=None with a meta_address needs an advertise_address to register")
@@ -361,6 +373,7 @@ async def open_scheduler(
                 retention_ms=retention_ms,
                 cleanup_interval_ms=cleanup_interval_ms,
                 pending=pending,
+                replay_bytes=replay_bytes,
             )
             if hours:
                 log.info(

@@ -43,6 +43,12 @@ class SchedulerStatistics:
     hours: int  # hours with undelivered messages
     open_hours: int  # hours on a second wheel now
     loaded: int  # entries in memory: read ahead, or sent and not yet confirmed
+    # What memory holds besides; each bounded by the open hours or one replay step, never
+    # by the backlog (docs/scheduler.md, "Memory"):
+    buffered: int  # replay arrivals waiting for a disk read of their (open) hour
+    cached_records: int  # records read ahead (of loaded entries)
+    delivered_held: int  # delivered entry numbers of the open hours (restart skip sets)
+    heads_held_max: int  # the most heads slots one replay step held
     tick: Tick
     dispatched: int  # records a realtime server accepted
     dispatch_batches: int

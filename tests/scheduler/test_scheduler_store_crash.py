@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from delaymq.protocol.records import encode_message
-from delaymq.scheduler.delayindex import ENTRY_SIZE
+from delaymq.scheduler.delayindex import CHECKPOINT_KEY, ENTRY_SIZE, REPLAY_DB, heads_from_index
+from delaymq.scheduler.headstable import HeadsTables
 from delaymq.scheduler.hours import HOUR_MS, CorruptSchedule, ReplayGap, ScheduleError, hour_name
 from delaymq.scheduler.replay import replay_step, replay_until_caught_up
-from delaymq.scheduler.schedulelog import HEADS_DB, INDEX_SUFFIX, LOG_SUFFIX, ScheduleStore
-from delaymq.scheduler.delayindex import head_key
+from delaymq.scheduler.schedulelog import HEADS_SUFFIX, INDEX_SUFFIX, LOG_SUFFIX, ScheduleStore
 from delaymq.storage.log import SegmentedLog
 from delaymq.storage.state import StateStore
 
@@ -245,6 +245,69 @@ def test_in_process_crash_between_file_writes_and_commit(
         assert_filed_exactly_once(store, records)
 
 
+def table_heads_agree_with_index(store: ScheduleStore, hour: int) -> bool:
+    index = store.path_of(hour, INDEX_SUFFIX).read_bytes()[: store.entries(hour) * ENTRY_SIZE]
+    return store.heads(hour) == heads_from_index(hour, index)
+
+
+def test_killed_while_writing_heads_tables_the_journal_is_written_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    records = make_records(2_000)
+    write_message_log(tmp_path, records)
+
+    class Crash(BaseException):
+        pass
+
+    real_write = HeadsTables.write
+
+    def write_half_then_die(self: HeadsTables, slots: dict[int, int]) -> None:
+        keys = sorted(slots)
+        real_write(self, {key: slots[key] for key in keys[::2]})  # some slots of every hour
+        raise Crash()
+
+    with opened(tmp_path) as (log, store):
+        replay_step(log, store, max_bytes=20_000)
+        monkeypatch.setattr(HeadsTables, "write", write_half_then_die)
+        with pytest.raises(Crash):
+            replay_step(log, store, max_bytes=20_000)
+        monkeypatch.undo()
+        committed = store.state.get(REPLAY_DB, CHECKPOINT_KEY)
+        assert committed is not None
+        stale = [hour for hour in store.hours_with_messages() if not table_heads_agree_with_index(store, hour)]
+        assert stale  # the tables are behind what lmdb committed
+    with opened(tmp_path) as (log, store):
+        assert store.checkpoint == int.from_bytes(committed, "big")  # the step was committed
+        assert all(table_heads_agree_with_index(store, hour) for hour in store.hours_with_messages())
+        replay_until_caught_up(log, store)
+        assert_filed_exactly_once(store, records)
+
+
+def test_a_missing_or_cut_heads_table_is_rebuilt_from_the_index_on_open(tmp_path: Path) -> None:
+    records = make_records(400)
+    write_message_log(tmp_path, records)
+    with opened(tmp_path) as (log, store):
+        replay_until_caught_up(log, store)
+        good = {hour: store.heads(hour) for hour in store.hours_with_messages()}
+    os.unlink(tmp_path / "schedule" / (hour_name(HOUR) + HEADS_SUFFIX))
+    os.truncate(tmp_path / "schedule" / (hour_name(HOUR + 1) + HEADS_SUFFIX), 100)
+    stray = tmp_path / "schedule" / (hour_name(HOUR + 100) + HEADS_SUFFIX)
+    stray.write_bytes(bytes(8))  # a table of an hour without entries
+    with opened(tmp_path) as (log, store):
+        assert store.statistics().recovered_hours == 2
+        assert {hour: store.heads(hour) for hour in store.hours_with_messages()} == good
+        assert not stray.exists()
+        assert replay_until_caught_up(log, store).filed == 0
+        assert_filed_exactly_once(store, records)
+
+
+def lose_slot(store: ScheduleStore, hour: int, second: int) -> None:
+    """Zero one slot of the hour's heads table, as a damaged file would."""
+    with open(store.path_of(hour, HEADS_SUFFIX), "r+b") as table:
+        table.seek(8 * second)
+        table.write(bytes(8))
+
+
 def test_rebuild_heads_repairs_lost_heads(tmp_path: Path) -> None:
     records = make_records(400)
     write_message_log(tmp_path, records)
@@ -252,13 +315,13 @@ def test_rebuild_heads_repairs_lost_heads(tmp_path: Path) -> None:
         replay_until_caught_up(log, store)
         good = store.heads(HOUR)
         second = good.seconds()[0]
-        store.state.delete(HEADS_DB, head_key(HOUR, second))
+        lose_slot(store, HOUR, second)
         assert store.heads(HOUR) != good
         assert store.rebuild_heads(HOUR) == good
         assert store.heads(HOUR) == good
     # Lost heads found when the hour is next filed into: refused, naming the repair.
     with opened(tmp_path) as (log, store):
-        store.state.delete(HEADS_DB, head_key(HOUR, second))
+        lose_slot(store, HOUR, second)
         with SegmentedLog.open(tmp_path / "more") as other:
             other.append(records[0])
             with pytest.raises(CorruptSchedule, match=r"run rebuild_heads"):

@@ -165,7 +165,7 @@ def test_a_step_stops_at_the_flushed_offset_and_at_max_bytes(tmp_path: Path) -> 
 
 def test_a_step_touches_at_most_max_step_hours(tmp_path: Path) -> None:
     records = [message(i, BASE + (i % 10) * HOUR_MS) for i in range(100)]
-    with scheduler_folder(tmp_path, max_step_hours=3, max_cached_seconds=2) as (log, store):
+    with scheduler_folder(tmp_path, max_step_hours=3) as (log, store):
         append(log, records)
         steps = []
         while True:
@@ -178,7 +178,8 @@ def test_a_step_touches_at_most_max_step_hours(tmp_path: Path) -> None:
         assert sum(step.filed for step in steps) == 100
         assert [store.entries(HOUR + h) for h in range(10)] == [10] * 10
         stats = store.statistics()
-        assert stats.cached_seconds <= 2  # cleared after each step that went over
+        assert stats.heads_held == 0  # nothing of the heads stays between steps
+        assert stats.heads_held_max == 3  # a step: 3 hours, one second each
         assert stats.fsyncs > 0 and stats.syncfs == 0  # few hours a step: one fdatasync per file
         got = filed(store)
         for h in range(10):
@@ -299,4 +300,4 @@ def test_files_are_named_by_utc_hour(tmp_path: Path) -> None:
         append(log, [message(0, at + 59_999)])
         replay_until_caught_up(log, store)
         names = sorted(os.listdir(tmp_path / "schedule"))
-        assert names == ["2025010105.index", "2025010105.log", "FORMAT"]
+        assert names == ["2025010105.heads", "2025010105.index", "2025010105.log", "FORMAT"]
