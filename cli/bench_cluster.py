@@ -7,7 +7,6 @@ are printed, never asserted: these machines are shared and noisy.
 
 from __future__ import annotations
 
-import os
 import random
 import re
 import statistics

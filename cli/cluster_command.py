@@ -13,7 +13,7 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 
 from delaymq.cli import options
-from delaymq.cli.serving import fail, run_server, wait_for_stop_signal
+from delaymq.cli.serving import run_server, wait_for_stop_signal
 from delaymq.client.producer import DEFAULT_META
 from delaymq.metaserver.server import open_metaserver
 from delaymq.realtime.server import open_realtime_server

@@ -28,20 +28,20 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from delaymq.client.routes import AsyncCaller, NoRouteError, RouteClient
-from delaymq.metaserver.agent import Registration, run_registration
-from delaymq.metaserver.server import run_in_thread, split_listen
+from delaymq.client.routes import NoRouteError, RouteClient
+from delaymq.metaserver.agent import Registration, start_registration
+from delaymq.metaserver.routes import ServerKind
+from delaymq.metaserver.server import run_in_thread
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import RemoteProtocolError
 from delaymq.protocol.limits import DEFAULT_LIMITS, Limits
 from delaymq.protocol.records import rewrite_delivery, scan_batch
-from delaymq.protocol.transport import FrameServer, Request, open_peers
+from delaymq.protocol.transport import AsyncCaller, FrameServer, Request, open_peers, split_listen
 from delaymq.scheduler.alarm import Alarm
 from delaymq.scheduler.dispatcher import DEFAULT_DISPATCH_BATCH, Deliver, Dispatcher, RunBlocking
 from delaymq.scheduler.hours import DEFAULT_RETENTION_MS, MAX_DELIVER_AT, ScheduleError, hour_name
@@ -50,7 +50,7 @@ from delaymq.scheduler.schedulelog import ScheduleStore
 from delaymq.scheduler.status import SchedulerStatistics, parse_status_request, status_answer
 from delaymq.scheduler.wheelset import DEFAULT_HOUR_PRELOAD_MS, DEFAULT_LOAD_AHEAD_MS, DEFAULT_MAX_LOADED, WheelSet
 from delaymq.storage.errors import StorageError
-from delaymq.storage.log import DEFAULT_MAX_RECORD, DEFAULT_SEGMENT_SIZE, SegmentedLog
+from delaymq.storage.log import DEFAULT_SEGMENT_SIZE, SegmentedLog, check_max_record
 from delaymq.storage.state import StateStore
 from delaymq.storage.writer import FlushPolicy, LogWriter, open_log_writer
 from delaymq.wheel.clock import Clock
@@ -187,16 +187,7 @@ class Scheduler:
     # --------------------------------------------------------------- SCHEDULE
 
     async def _schedule(self, request: Request) -> dict[str, Any]:
-        if request.metadata:
-            key = next(iter(request.metadata))
-            raise RemoteProtocolError(
-                f"SCHEDULE: unknown field {key!r} (SCHEDULE takes no metadata; the batch is the body)",
-                code="bad_request",
-                field=key,
-            )
-        body = request.body
-        if not body:
-            raise RemoteProtocolError("SCHEDULE: the body holds no records", code="bad_request", field="body")
+        body = request.batch_body()
         now = self._clock.now_ms()
         batch = scan_batch(body, self._limits, now_ms=now)  # refuses deliver_at beyond the horizon
         deliver_ats = batch.deliver_ats
@@ -326,10 +317,7 @@ async def open_scheduler(
     ``replay_bytes`` is how much of the message log one replay step files at most (the
     step's memory; one commit and fsync round per step).
     """
-    if limits.max_record > DEFAULT_MAX_RECORD:
-        raise ValueError(
-            f"limits allow records of {limits.max_record} bytes; the message log holds at most {DEFAULT_MAX_RECORD}"
-        )
+    check_max_record(limits.max_record)
     if retention_ms < 0:
         raise ValueError(f"retention_ms must be >= 0, got {retention_ms}")
     if cleanup_interval_ms <= 0:
@@ -394,8 +382,14 @@ async def open_scheduler(
                         else:
                             scheduler.address = advertise_address or ""
                         if meta_address is not None:
-                            scheduler.registration = await _start_registration(
-                                nursery, peers, scheduler, meta_address, advertise_address or scheduler.address, clock
+                            scheduler.registration = await start_registration(
+                                nursery,
+                                peers,
+                                group=group,
+                                kind=ServerKind.SCHEDULER,
+                                address=advertise_address or scheduler.address,
+                                meta_address=meta_address,
+                                clock=clock,
                             )
                         log.info("scheduler %s serving on %s (data %s)", group, scheduler.address or "-", root)
                         try:
@@ -463,35 +457,6 @@ def _close_storage(message_log: SegmentedLog, state: StateStore, store: Schedule
             message_log.close()
         finally:
             state.close()
-
-
-def _software_version() -> str:
-    try:
-        return metadata.version("delaymq")
-    except metadata.PackageNotFoundError:  # pragma: no cover - running from a bare checkout
-        return "0+unknown"
-
-
-async def _start_registration(
-    nursery: trio.Nursery,
-    peers: AsyncCaller,
-    scheduler: Scheduler,
-    meta_address: str | Sequence[str],
-    address: str,
-    clock: Clock,
-) -> Registration:
-    """Register (kind ``scheduler``) and keep heartbeating; returns after the first attempt."""
-    info = {
-        "group": scheduler.group,
-        "kind": "scheduler",
-        "role": "master",
-        "address": address,
-        "version": _software_version(),
-    }
-    registration: Registration = await nursery.start(
-        partial(run_registration, peers, meta_address=meta_address, info=info, clock=clock)
-    )
-    return registration
 
 
 __all__ = ["DELIVERY_ROUTE", "Scheduler", "SchedulerStatistics", "open_scheduler"]
