@@ -10,7 +10,7 @@ consumer's test runs on loopback with the real clock (delay 0 retries only).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -23,6 +23,7 @@ import trio.testing
 
 from delaymq.client import BlockingConsumer, BlockingProducer, ReceivedMessage, open_consumer, open_producer
 from delaymq.metaserver.server import open_metaserver, run_inline
+from delaymq.protocol.testing import MemoryNetwork
 from delaymq.realtime.server import RealtimeServer, open_realtime_server
 from delaymq.scheduler.server import Scheduler, open_scheduler
 from delaymq.wheel.clock import SystemClock, TrioClock
@@ -32,8 +33,6 @@ META = "meta.test:20880"
 SCHEDULER = "scheduler.test:20890"
 SECOND = 1000
 WAIT = 20.0  # seconds the real-clock test may wait for a message
-
-ServeStream = Callable[[trio.abc.Stream], Awaitable[None]]
 
 
 @pytest.fixture
@@ -45,26 +44,6 @@ def inline_threads(monkeypatch: pytest.MonkeyPatch) -> None:
         return sync_fn(*args)
 
     monkeypatch.setattr(trio.to_thread, "run_sync", run_inline_sync)
-
-
-@dataclass
-class MemoryNetwork:
-    """``trio.open_tcp_stream`` answered by in-process servers over in-memory streams."""
-
-    nursery: trio.Nursery
-    servers: dict[str, ServeStream] = field(default_factory=dict)
-
-    def serve(self, address: str, serve_stream: ServeStream) -> None:
-        self.servers[address] = serve_stream
-
-    async def open_tcp_stream(self, host: str, port: int, **_options: Any) -> trio.abc.Stream:
-        await trio.lowlevel.checkpoint()
-        serve_stream = self.servers.get(f"{host}:{port}")
-        if serve_stream is None:
-            raise OSError(f"connection to {host}:{port} refused (no in-process server there)")
-        client_end, server_end = trio.testing.memory_stream_pair()
-        self.nursery.start_soon(serve_stream, server_end)
-        return client_end
 
 
 @dataclass

@@ -6,8 +6,7 @@ over in-memory streams; the blocking twin runs once on loopback.
 
 from __future__ import annotations
 
-import collections
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,49 +22,13 @@ from delaymq.metaserver.server import open_metaserver, run_inline
 from delaymq.protocol.blocking import BlockingPeers
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError, RemoteProtocolError
-from delaymq.protocol.frames import Frame
-from delaymq.protocol.limits import Limits
-from delaymq.protocol.transport import Connection, FrameServer, PeerUnavailable, Request, open_peers
+from delaymq.protocol.testing import MemoryNetwork
+from delaymq.protocol.transport import FrameServer, Request, open_peers
 from delaymq.wheel.clock import SystemClock, TrioClock
 
 T0 = 1_700_000_000_000
 META = "meta:20880"
 PRODUCE = "immediate-producer"
-
-
-class MemoryNetwork:
-    """``Peers.call`` over in-memory streams: address -> a server's ``serve_stream``."""
-
-    def __init__(self, nursery: trio.Nursery) -> None:
-        self._nursery = nursery
-        self._servers: dict[str, Callable[[trio.abc.Stream], Awaitable[None]]] = {}
-        self._links: dict[str, tuple[Connection, trio.abc.Stream]] = {}
-        self.down: set[str] = set()
-        self.calls: collections.Counter[str] = collections.Counter()
-
-    def serve(self, address: str, serve_stream: Callable[[trio.abc.Stream], Awaitable[None]]) -> None:
-        self._servers[address] = serve_stream
-
-    def take_down(self, address: str) -> None:
-        self.down.add(address)
-        link = self._links.pop(address, None)
-        if link is not None:
-            self._nursery.start_soon(link[1].aclose)
-
-    async def call(
-        self, address: str, command: int, metadata: dict[str, Any] | None = None, body: bytes = b"",
-        *, timeout: float | None = None,
-    ) -> Frame:
-        self.calls[address] += 1
-        if address in self.down or address not in self._servers:
-            raise PeerUnavailable(f"cannot connect to {address}: it is down", address=address)
-        link = self._links.get(address)
-        if link is None or link[0].closed:
-            client_end, server_end = trio.testing.memory_stream_pair()
-            link = self._links[address] = (Connection(address, client_end, limits=Limits()), client_end)
-            self._nursery.start_soon(self._servers[address], server_end)
-            self._nursery.start_soon(link[0].read_responses)
-        return await link[0].call(command, metadata, body, timeout=10.0 if timeout is None else timeout)
 
 
 @dataclass

@@ -7,11 +7,10 @@ with the real clock to check the byte-level refusals.
 
 from __future__ import annotations
 
-import collections
 import logging
 import socket
 import struct
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -33,50 +32,12 @@ from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError
 from delaymq.protocol.frames import Frame, FrameDecoder, encode_frame, request
 from delaymq.protocol.limits import Limits
-from delaymq.protocol.transport import Connection, PeerUnavailable, open_peers
+from delaymq.protocol.testing import MemoryNetwork
+from delaymq.protocol.transport import open_peers
 from delaymq.wheel.clock import SystemClock, TrioClock
 
 T0 = 1_700_000_000_000
 META = "meta:20880"
-
-
-class MemoryNetwork:
-    """``Peers.call`` over in-memory streams: address -> a server's ``serve_stream``."""
-
-    def __init__(self, nursery: trio.Nursery) -> None:
-        self._nursery = nursery
-        self._servers: dict[str, Callable[[trio.abc.Stream], Awaitable[None]]] = {}
-        self._links: dict[str, tuple[Connection, trio.abc.Stream]] = {}
-        self.down: set[str] = set()
-        self.calls: collections.Counter[str] = collections.Counter()
-
-    def serve(self, address: str, serve_stream: Callable[[trio.abc.Stream], Awaitable[None]]) -> None:
-        self._servers[address] = serve_stream
-        self._drop(address)
-
-    def take_down(self, address: str) -> None:
-        self.down.add(address)
-        self._drop(address)
-
-    def _drop(self, address: str) -> None:
-        link = self._links.pop(address, None)
-        if link is not None:
-            self._nursery.start_soon(link[1].aclose)
-
-    async def call(
-        self, address: str, command: int, metadata: dict[str, Any] | None = None, body: bytes = b"",
-        *, timeout: float | None = None,
-    ) -> Frame:
-        self.calls[address] += 1
-        if address in self.down or address not in self._servers:
-            raise PeerUnavailable(f"cannot connect to {address}: it is down", address=address)
-        link = self._links.get(address)
-        if link is None or link[0].closed:
-            client_end, server_end = trio.testing.memory_stream_pair()
-            link = self._links[address] = (Connection(address, client_end, limits=Limits()), client_end)
-            self._nursery.start_soon(self._servers[address], server_end)
-            self._nursery.start_soon(link[0].read_responses)
-        return await link[0].call(command, metadata, body, timeout=10.0 if timeout is None else timeout)
 
 
 @asynccontextmanager

@@ -6,7 +6,7 @@ routes ``delayed-producer`` to a fake scheduler that records SCHEDULE bodies.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,10 +21,9 @@ from delaymq.client.routes import RouteClient
 from delaymq.metaserver.server import open_metaserver, run_inline
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError, RemoteProtocolError
-from delaymq.protocol.frames import Frame
-from delaymq.protocol.limits import Limits
 from delaymq.protocol.records import Message, decode_batch, encode_batch
-from delaymq.protocol.transport import Connection, FrameServer, PeerUnavailable, Request
+from delaymq.protocol.testing import MemoryNetwork
+from delaymq.protocol.transport import FrameServer, Request
 from delaymq.realtime import open_realtime_server
 from delaymq.realtime.dedup import dedup_key
 from delaymq.realtime.index import Indexer
@@ -37,32 +36,6 @@ EPOCH = 1_700_000_000_000
 META = "meta:20880"
 SCHEDULER = "scheduler-1:20890"
 pytestmark = pytest.mark.usefixtures("inline_threads")
-
-
-class MemoryNetwork:
-    """``Peers.call`` over in-memory streams: address -> a server's ``serve_stream``."""
-
-    def __init__(self, nursery: trio.Nursery) -> None:
-        self._nursery = nursery
-        self._servers: dict[str, Callable[[trio.abc.Stream], Awaitable[None]]] = {}
-        self._links: dict[str, Connection] = {}
-
-    def serve(self, address: str, serve_stream: Callable[[trio.abc.Stream], Awaitable[None]]) -> None:
-        self._servers[address] = serve_stream
-
-    async def call(
-        self, address: str, command: int, metadata: dict[str, Any] | None = None, body: bytes = b"",
-        *, timeout: float | None = None,
-    ) -> Frame:  # fmt: skip
-        if address not in self._servers:
-            raise PeerUnavailable(f"cannot connect to {address}: it is down", address=address)
-        link = self._links.get(address)
-        if link is None or link.closed:
-            client_end, server_end = trio.testing.memory_stream_pair()
-            link = self._links[address] = Connection(address, client_end, limits=Limits())
-            self._nursery.start_soon(self._servers[address], server_end)
-            self._nursery.start_soon(link.read_responses)
-        return await link.call(command, metadata, body, timeout=10.0 if timeout is None else timeout)
 
 
 @dataclass

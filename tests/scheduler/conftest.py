@@ -24,12 +24,13 @@ from delaymq.client.producer import Producer
 from delaymq.client.routes import RouteClient
 from delaymq.metaserver.agent import run_registration
 from delaymq.metaserver.server import open_metaserver, run_inline
+from delaymq.protocol import testing
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError
 from delaymq.protocol.frames import Frame
 from delaymq.protocol.limits import Limits
 from delaymq.protocol.records import encode_message, scan_batch
-from delaymq.protocol.transport import Connection, PeerUnavailable, TransportError
+from delaymq.protocol.transport import TransportError
 from delaymq.realtime.server import RealtimeServer, open_realtime_server
 from delaymq.scheduler.server import Scheduler, open_scheduler
 from delaymq.wheel.clock import TrioClock
@@ -53,55 +54,22 @@ def inline_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(trio.to_thread, "run_sync", run_now)
 
 
-class MemoryNetwork:
-    """``Peers.call`` over in-memory streams: address -> a server's ``serve_stream``.
-
-    ``remove(address)`` takes a server off the network (its connections break, new
-    calls fail with ``PeerUnavailable``). ``after_send`` may hold a hook run after a
-    SEND answer came back and before the caller sees it (crash tests).
-    """
+class MemoryNetwork(testing.MemoryNetwork):
+    """The shared in-memory network, plus ``after_send``: a hook run after a SEND
+    answer came back and before the caller sees it (crash tests)."""
 
     def __init__(self, nursery: trio.Nursery) -> None:
-        self._nursery = nursery
-        self._servers: dict[str, Callable[[trio.abc.Stream], Awaitable[None]]] = {}
-        self._connections: dict[str, tuple[Connection, trio.CancelScope]] = {}
+        super().__init__(nursery, timeout=30)
         self.after_send: Callable[[str, Frame], Awaitable[None]] | None = None
-
-    def add(self, address: str, serve: Callable[[trio.abc.Stream], Awaitable[None]]) -> None:
-        self._servers[address] = serve
-
-    def remove(self, address: str) -> None:
-        self._servers.pop(address, None)
-        held = self._connections.pop(address, None)
-        if held is not None:
-            held[1].cancel()
 
     async def call(
         self, address: str, command: int, metadata: dict[str, Any] | None = None, body: bytes = b"", *,
         timeout: float | None = None,
     ) -> Frame:  # fmt: skip
-        held = self._connections.get(address)
-        if held is None or held[0].closed:
-            serve = self._servers.get(address)
-            if serve is None:
-                raise PeerUnavailable(f"{address} is not on the network", address=address)
-            client_end, server_end = trio.testing.memory_stream_pair()
-            connection = Connection(address, client_end, limits=Limits())
-            scope = trio.CancelScope()
-            self._connections[address] = held = (connection, scope)
-            self._nursery.start_soon(self._run, scope, serve, server_end, connection)
-        answer = await held[0].call(command, metadata, body, timeout=timeout or 30)
+        answer = await super().call(address, command, metadata, body, timeout=timeout)
         if command == Command.SEND and self.after_send is not None:
             await self.after_send(address, answer)
         return answer
-
-    async def _run(self, scope: trio.CancelScope, serve: Any, stream: Any, connection: Connection) -> None:
-        with scope:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(serve, stream)
-                await connection.read_responses()
-                nursery.cancel_scope.cancel()
-        connection.closed = True
 
 
 @dataclass
@@ -203,7 +171,7 @@ class Cluster:
             self._realtime_scopes[name] = scope
             async with open_realtime_server(data_dir=self.tmp / name, clock=self.clock, group=name, **settings) as rt:
                 self.realtime[name] = rt
-                self.net.add(address, rt.serve_stream)
+                self.net.serve(address, rt.serve_stream)
                 info = {"group": name, "kind": "realtime", "role": "master", "address": address, "version": "test"}
                 async with trio.open_nursery() as nursery:
                     await nursery.start(partial(run_registration, self.net, meta_address=META, info=info, clock=self.clock))
@@ -230,7 +198,7 @@ class Cluster:
             **options,
         }
         async with open_scheduler(**settings) as scheduler:
-            self.net.add(SCHEDULER, scheduler.serve_stream)
+            self.net.serve(SCHEDULER, scheduler.serve_stream)
             try:
                 yield scheduler
             finally:
@@ -253,7 +221,7 @@ async def open_cluster(tmp: Path, *, realtime: tuple[str, ...] = ("rt1",), **opt
         )
         nursery = await stack.enter_async_context(trio.open_nursery())
         net = MemoryNetwork(nursery)
-        net.add(META, meta.serve_stream)
+        net.serve(META, meta.serve_stream)
         cluster = Cluster(tmp, clock, net, nursery, options)
         for name in realtime:
             await cluster.start_realtime(name)

@@ -1,0 +1,129 @@
+"""An in-memory network for tests, in the spirit of ``trio.testing``.
+
+``MemoryNetwork`` stands in for ``delaymq.protocol.transport.Peers``: it is an
+``AsyncCaller``, so code that talks to its peers through ``AsyncCaller`` (route
+clients, registration agents, servers calling other servers) can be tested
+against real, in-process servers with no sockets. Servers are put on the network
+by address with their ``serve_stream``; each call goes over a
+``trio.testing.memory_stream_pair`` and a real ``Connection``, one reused
+connection per address, just as ``Peers`` keeps one per peer.
+
+Code that dials with ``trio.open_tcp_stream`` itself (``Peers``, the blocking
+clients' async twins) can be pointed at the same servers by patching
+``trio.open_tcp_stream`` with ``MemoryNetwork.open_tcp_stream``.
+
+This module is a public helper for tests; the servers and clients never use it.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+import trio.testing
+
+from delaymq.protocol.frames import Frame
+from delaymq.protocol.limits import Limits
+from delaymq.protocol.transport import Connection, PeerUnavailable
+
+__all__ = ["MemoryNetwork", "ServeStream"]
+
+#: What a server puts on the network: its ``serve_stream``.
+ServeStream = Callable[[trio.abc.Stream], Awaitable[None]]
+
+
+class MemoryNetwork:
+    """``Peers.call`` over in-memory streams: address -> a server's ``serve_stream``.
+
+    - ``serve(address, serve_stream)`` puts a server on the network at ``address``
+      (or swaps the one there: its connection is dropped, the next call dials the
+      new one) and brings the address back up if it was taken down.
+    - ``take_down(address)`` makes the address unreachable but keeps its server:
+      its connection breaks and new calls fail with ``PeerUnavailable`` until
+      ``serve`` is called again (or the address is discarded from ``down``).
+    - ``remove(address)`` takes the server off the network altogether.
+    - ``calls`` counts the calls made to each address, answered or not.
+
+    Server tasks run in ``nursery``; a dropped connection cancels its server task.
+    ``timeout`` is the request timeout used when a call gives none; ``limits`` are
+    the frame limits of the client side of each connection.
+    """
+
+    def __init__(self, nursery: trio.Nursery, *, timeout: float = 10.0, limits: Limits | None = None) -> None:
+        self._nursery = nursery
+        self._timeout = timeout
+        self._limits = limits if limits is not None else Limits()
+        self._servers: dict[str, ServeStream] = {}
+        self._connections: dict[str, tuple[Connection, trio.CancelScope]] = {}
+        self.down: set[str] = set()
+        self.calls: collections.Counter[str] = collections.Counter()
+
+    def serve(self, address: str, serve_stream: ServeStream) -> None:
+        self._servers[address] = serve_stream
+        self.down.discard(address)
+        self._drop(address)
+
+    def take_down(self, address: str) -> None:
+        self.down.add(address)
+        self._drop(address)
+
+    def remove(self, address: str) -> None:
+        self._servers.pop(address, None)
+        self.down.discard(address)
+        self._drop(address)
+
+    def _drop(self, address: str) -> None:
+        held = self._connections.pop(address, None)
+        if held is not None:
+            held[1].cancel()
+
+    def _reachable(self, address: str) -> ServeStream | None:
+        if address in self.down:
+            return None
+        return self._servers.get(address)
+
+    async def call(
+        self, address: str, command: int, metadata: dict[str, Any] | None = None, body: bytes = b"", *,
+        timeout: float | None = None,
+    ) -> Frame:  # fmt: skip
+        """One request to the server at ``address``, as ``Peers.call`` makes it."""
+        self.calls[address] += 1
+        held = self._connections.get(address)
+        if held is None or held[0].closed:
+            serve_stream = self._reachable(address)
+            if serve_stream is None:
+                raise PeerUnavailable(f"cannot connect to {address}: it is down", address=address)
+            client_end, server_end = trio.testing.memory_stream_pair()
+            connection = Connection(address, client_end, limits=self._limits)
+            scope = trio.CancelScope()
+            self._connections[address] = held = (connection, scope)
+            self._nursery.start_soon(self._run, scope, serve_stream, server_end, connection)
+        return await held[0].call(command, metadata, body, timeout=self._timeout if timeout is None else timeout)
+
+    async def _run(
+        self, scope: trio.CancelScope, serve_stream: ServeStream, stream: trio.abc.Stream, connection: Connection
+    ) -> None:
+        with scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(serve_stream, stream)
+                await connection.read_responses()
+                nursery.cancel_scope.cancel()
+        connection.closed = True
+
+    async def open_tcp_stream(self, host: str, port: int, **_options: Any) -> trio.abc.Stream:
+        """A stand-in for ``trio.open_tcp_stream``: a fresh stream to the server at ``host:port``.
+
+        Patch it in (``monkeypatch.setattr(trio, "open_tcp_stream", network.open_tcp_stream)``)
+        for code that dials by itself; an address with no server, or taken down,
+        refuses the connection with ``OSError`` as a closed port would.
+        """
+        await trio.lowlevel.checkpoint()
+        address = f"{host}:{port}"
+        serve_stream = self._reachable(address)
+        if serve_stream is None:
+            raise OSError(f"connection to {address} refused (no in-process server there)")
+        client_end, server_end = trio.testing.memory_stream_pair()
+        self._nursery.start_soon(serve_stream, server_end)
+        return client_end
