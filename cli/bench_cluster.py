@@ -150,6 +150,29 @@ async def _produce_and_consume(
     return accepted, latencies, lost, duplicates
 
 
+def delivery_rows(
+    case: str,
+    what: str,
+    accepted: float,
+    delays: list[float],
+    lost: int,
+    duplicated: int,
+    cluster: ClusterProcess,
+) -> list[Row]:
+    """The figures of one produce-and-consume run; ``delays`` are receive minus due, in ms."""
+    p50, p99, worst = percentiles(delays)
+    return [
+        (f"{case}: accepted", accepted, "msg/s"),
+        (f"{case}: {what} p50", p50, "ms"),
+        (f"{case}: {what} p99", p99, "ms"),
+        (f"{case}: {what} max", worst, "ms"),
+        (f"{case}: delivered early", sum(1 for delay in delays if delay < 0), "msgs"),
+        (f"{case}: lost", lost, "msgs"),
+        (f"{case}: duplicated", duplicated, "msgs"),
+        (f"{case}: server peak RSS", cluster.peak_rss_mb(), "MiB"),
+    ]
+
+
 def bench_realtime(scratch: Path, *, count: int = 100_000) -> list[Row]:
     """One producer (``IN_FLIGHT`` batches in flight), one consumer, 100-byte messages
     in batches of 100 and 1,000."""
@@ -161,16 +184,7 @@ def bench_realtime(scratch: Path, *, count: int = 100_000) -> list[Row]:
                 accepted, latencies, lost, duplicated = trio.run(
                     _produce_and_consume, cluster.meta, "bench", count, batch, None
                 )
-                p50, p99, worst = percentiles(latencies)
-                rows += [
-                    (f"{case}: accepted", accepted, "msg/s"),
-                    (f"{case}: end-to-end latency p50", p50, "ms"),
-                    (f"{case}: end-to-end latency p99", p99, "ms"),
-                    (f"{case}: end-to-end latency max", worst, "ms"),
-                    (f"{case}: lost", lost, "msgs"),
-                    (f"{case}: duplicated", duplicated, "msgs"),
-                    (f"{case}: server peak RSS", cluster.peak_rss_mb(), "MiB"),
-                ]
+                rows += delivery_rows(case, "end-to-end latency", accepted, latencies, lost, duplicated, cluster)
     return rows
 
 
@@ -206,18 +220,7 @@ def bench_delay(scratch: Path, *, count: int = 100_000, backlog: int = 1_000_000
             accepted, lateness, lost, duplicated = trio.run(
                 _produce_and_consume, cluster.meta, "bench", count, 1000, (2.0, 20.0)
             )
-            p50, p99, worst = percentiles(lateness)
-            early = sum(1 for value in lateness if value < 0)
-            rows += [
-                (f"{flush}: accepted", accepted, "msg/s"),
-                (f"{flush}: lateness p50", p50, "ms"),
-                (f"{flush}: lateness p99", p99, "ms"),
-                (f"{flush}: lateness max", worst, "ms"),
-                (f"{flush}: delivered early", early, "msgs"),
-                (f"{flush}: lost", lost, "msgs"),
-                (f"{flush}: duplicated", duplicated, "msgs"),
-                (f"{flush}: server peak RSS", cluster.peak_rss_mb(), "MiB"),
-            ]
+            rows += delivery_rows(flush, "lateness", accepted, lateness, lost, duplicated, cluster)
     with local_cluster(scratch / "delay-backlog", flush="async") as cluster:
         before = cluster.rss_mb()
         assert cluster.scheduler is not None

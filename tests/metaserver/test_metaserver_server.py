@@ -46,6 +46,17 @@ async def memory_metaserver(data: Path, clock: TrioClock, **options: Any) -> Asy
         yield meta
 
 
+@asynccontextmanager
+async def metaserver_on_network(
+    data: Path, clock: TrioClock, **options: Any
+) -> AsyncIterator[tuple[Metaserver, MemoryNetwork, trio.Nursery]]:
+    """A metaserver reachable at ``META`` on an in-memory network, and the network's nursery."""
+    async with memory_metaserver(data, clock, **options) as meta, trio.open_nursery() as nursery:
+        network = MemoryNetwork(nursery)
+        network.serve(META, meta.serve_stream)
+        yield meta, network, nursery
+
+
 def server_info(group: str = "rt1", address: str = "10.0.0.1:20881", kind: str = "realtime",
                 role: str = "master") -> dict[str, str]:
     return {"group": group, "kind": kind, "role": role, "address": address, "version": "0.1.0"}
@@ -69,9 +80,7 @@ async def test_agent_registers_and_heartbeats_keep_its_group_routed(
     autojump_clock: trio.testing.MockClock, tmp_path: Path
 ) -> None:
     clock = TrioClock(T0)
-    async with memory_metaserver(tmp_path, clock) as meta, trio.open_nursery() as nursery:
-        network = MemoryNetwork(nursery)
-        network.serve(META, meta.serve_stream)
+    async with metaserver_on_network(tmp_path, clock) as (meta, network, nursery):
         registration: Registration = await nursery.start(
             lambda task_status: run_registration(
                 network, meta_address=META, info=server_info(), clock=clock, task_status=task_status
@@ -95,9 +104,7 @@ async def test_start_registration_registers_a_master_with_the_software_version(
     autojump_clock: trio.testing.MockClock, tmp_path: Path
 ) -> None:
     clock = TrioClock(T0)
-    async with memory_metaserver(tmp_path, clock) as meta, trio.open_nursery() as nursery:
-        network = MemoryNetwork(nursery)
-        network.serve(META, meta.serve_stream)
+    async with metaserver_on_network(tmp_path, clock) as (meta, network, nursery):
         registration = await start_registration(
             nursery, network, group="s1", kind=ServerKind.SCHEDULER, address="10.0.0.2:20882",
             meta_address=[META], clock=clock,
@@ -116,9 +123,7 @@ async def test_silent_master_is_evicted_on_time_and_back_when_it_heartbeats(
 ) -> None:
     caplog.set_level(logging.INFO, logger="delaymq.metaserver")
     clock = TrioClock(T0)
-    async with memory_metaserver(tmp_path, clock) as meta, trio.open_nursery() as nursery:
-        network = MemoryNetwork(nursery)
-        network.serve(META, meta.serve_stream)
+    async with metaserver_on_network(tmp_path, clock) as (meta, network, nursery):
         async with trio.open_nursery() as agent:
             agent.start_soon(lambda: run_registration(network, meta_address=META, info=server_info(), clock=clock))
             await trio.sleep(12)
@@ -153,9 +158,7 @@ async def test_read_only_group_is_left_out_for_producers_and_kept_for_consumers(
 ) -> None:
     caplog.set_level(logging.INFO, logger="delaymq.metaserver")
     clock = TrioClock(T0)
-    async with memory_metaserver(tmp_path, clock) as meta, trio.open_nursery() as nursery:
-        network = MemoryNetwork(nursery)
-        network.serve(META, meta.serve_stream)
+    async with metaserver_on_network(tmp_path, clock) as (meta, network, nursery):
         agents = {}
         for info in (
             server_info("rt1", "r1:1"),
@@ -189,9 +192,7 @@ async def test_read_only_group_is_left_out_for_producers_and_kept_for_consumers(
 
 async def test_route_version_moves_only_when_routes_do(autojump_clock: trio.testing.MockClock, tmp_path: Path) -> None:
     clock = TrioClock(T0)
-    async with memory_metaserver(tmp_path, clock) as meta, trio.open_nursery() as nursery:
-        network = MemoryNetwork(nursery)
-        network.serve(META, meta.serve_stream)
+    async with metaserver_on_network(tmp_path, clock) as (meta, network, nursery):
         first = (await network.call(META, Command.REGISTER, server_info("rt1", "r1:1"))).metadata
         answer = await route(network, "immediate-producer")
         assert answer["version"] == first["route_version"]
@@ -266,7 +267,6 @@ async def test_agent_rides_out_an_outage_logging_once_and_registers_again(
         assert caplog.text.count("metaserver meta:20880 unreachable") == 1  # ...and said so once
         # The metaserver comes back without its data: the agent registers again.
         async with memory_metaserver(tmp_path / "b", clock) as meta:
-            network.down.discard(META)
             network.serve(META, meta.serve_stream)
             await trio.sleep(6)
             assert registration.registered and registration.statistics().registrations == 2
@@ -306,9 +306,7 @@ async def test_first_registration_refused_stops_the_server(
     autojump_clock: trio.testing.MockClock, tmp_path: Path
 ) -> None:
     clock = TrioClock(T0)
-    async with memory_metaserver(tmp_path, clock) as meta, trio.open_nursery() as nursery:
-        network = MemoryNetwork(nursery)
-        network.serve(META, meta.serve_stream)
+    async with metaserver_on_network(tmp_path, clock) as (meta, network, nursery):
         await network.call(META, Command.REGISTER, server_info("g1", "a:1", kind="scheduler"))
         with pytest.raises(RegistrationRefused, match="group 'g1' is a scheduler group"):
             await nursery.start(
@@ -346,9 +344,7 @@ async def test_bad_requests_are_refused_naming_the_field(
     command: int, metadata: dict[str, Any], code: str, field: str, words: str,
 ) -> None:
     clock = TrioClock(T0)
-    async with memory_metaserver(tmp_path, clock) as meta, trio.open_nursery() as nursery:
-        network = MemoryNetwork(nursery)
-        network.serve(META, meta.serve_stream)
+    async with metaserver_on_network(tmp_path, clock) as (meta, network, nursery):
         await network.call(META, Command.REGISTER, server_info())
         with pytest.raises(PeerError) as refused:
             await network.call(META, command, metadata)
