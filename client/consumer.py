@@ -99,7 +99,8 @@ class Consumer:
         self._clock = clock
         self._heartbeat_ms = round(heartbeat_interval * 1000)
         self._route_ms = round(route_refresh * 1000)
-        self._send, self._receive = trio.open_memory_channel[ReceivedMessage](math.inf)
+        # One item per PULL answer (never empty), not per message: a batch crosses in one hop.
+        self._send, self._receive = trio.open_memory_channel[list[ReceivedMessage]](math.inf)
         self._ready: deque[ReceivedMessage] = deque()  # taken from the channel, not handed out yet
         self._room = trio.lowlevel.ParkingLot()  # pullers waiting for flow-control room
         self._settle_wanted = trio.Event()
@@ -143,21 +144,18 @@ class Consumer:
             await trio.lowlevel.checkpoint_if_cancelled()
         else:
             try:
-                ready.append(await self._receive.receive())
+                ready.extend(await self._receive.receive())
             except (trio.EndOfChannel, trio.ClosedResourceError):
                 if self._failure is not None:
                     raise ConsumerFailed(str(self._failure)) from self._failure
                 raise trio.EndOfChannel from None
-        limit = len(ready) + self._receive.statistics().current_buffer_used
-        if max_messages is not None:
-            limit = min(limit, max_messages)
-        batch = [ready.popleft() for _ in range(min(limit, len(ready)))]
-        while len(batch) < limit:
+        while max_messages is None or len(ready) < max_messages:
             try:
-                batch.append(self._receive.receive_nowait())
+                ready.extend(self._receive.receive_nowait())
             except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
                 break
-        return batch
+        count = len(ready) if max_messages is None else min(len(ready), max_messages)
+        return [ready.popleft() for _ in range(count)]
 
     async def ack(self, message: ReceivedMessage) -> None:
         """Done with ``message`` (same as ``await message.ack()``); sent in the next ack batch."""
@@ -303,8 +301,8 @@ class Consumer:
                     continue
                 if core.has_pending():
                     self._settle_wanted.set()
-                for message in messages:
-                    self._send.send_nowait(message)
+                if messages:
+                    self._send.send_nowait(messages)
 
     def _fail(self, error: BaseException) -> None:
         log.error("consumer %s stops: %s", self.core.consumer_id, error)

@@ -603,12 +603,15 @@ class ConsumerCore:
         """Every group's unsent acks and nacks, per subject, taken out to send."""
         out = []
         for link in self.links.values():
-            for lane in (False, True):
+            for lane in self.lanes:
                 tracker = link.trackers[lane]
                 if tracker.pending:
                     acks, nacks, retries = tracker.to_ack.take(), tracker.to_nack.take(), tracker.take_retries()
-                    subject = self.retry_subject if lane and self.retry_subject is not None else self.subject
-                    out.append(Settlement(link.name, link.address, tracker.epoch, acks, nacks, retries, subject, lane))
+                    out.append(
+                        Settlement(
+                            link.name, link.address, tracker.epoch, acks, nacks, retries, self.lane_subject(lane), lane
+                        )
+                    )
         return out
 
     def settle_failed(self, settlement: Settlement, unsent: Iterable[SettleRequest]) -> None:

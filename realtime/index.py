@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from delaymq.protocol.limits import Limits
-from delaymq.protocol.records import scan_batch, tags_mask
+from delaymq.protocol.records import MessageBatch, scan_batch, tags_mask
 from delaymq.realtime.consumelog import ConsumeLog, list_subjects, subject_stem
 from delaymq.realtime.dedup import dedup_keys
 from delaymq.storage.errors import CorruptLog
@@ -39,6 +39,19 @@ REPLAY_LIMITS = Limits(
 
 #: One indexed record: (subject, message-log offset, size, tag mask).
 Item = tuple[str, int, int, int]
+
+
+def batch_items(batch: MessageBatch, base: int, kept: Iterable[int]) -> list[Item]:
+    """The items of ``batch``'s records ``kept`` (ascending), appended back to back from offset ``base``."""
+    items: list[Item] = []
+    offset = base
+    starts, ends, subjects, tags = batch.starts, batch.ends, batch.subjects, batch.tags
+    for i in kept:
+        size = ends[i] - starts[i]
+        record_tags = tags[i]
+        items.append((subjects[i], offset, size, tags_mask(record_tags) if record_tags else 0))
+        offset += size
+    return items
 
 
 class Indexer:
@@ -92,10 +105,7 @@ class Indexer:
             if not data:
                 break
             batch = scan_batch(data, REPLAY_LIMITS)
-            items = [
-                (subject, offset + start, end - start, tags_mask(tags) if tags else 0)
-                for subject, start, end, tags in zip(batch.subjects, batch.starts, batch.ends, batch.tags)
-            ]
+            items = batch_items(batch, offset, range(len(batch)))
             self.submit(offset, next_offset, items, dedup_keys(batch), now)
             count += len(items)
             offset = next_offset
@@ -161,4 +171,4 @@ class Indexer:
             consume_log.close()
 
 
-__all__ = ["REPLAY_LIMITS", "Indexer", "Item"]
+__all__ = ["REPLAY_LIMITS", "Indexer", "Item", "batch_items"]

@@ -15,11 +15,11 @@ from typing import Any
 import trio
 
 from delaymq.protocol.limits import Limits
-from delaymq.protocol.records import MessageBatch, scan_batch, tags_mask
+from delaymq.protocol.records import MessageBatch, scan_batch
 from delaymq.protocol.transport import Request
 from delaymq.realtime import dedup as dedup_store
 from delaymq.realtime.dedup import DedupWindow, dedup_keys
-from delaymq.realtime.index import Indexer, Item
+from delaymq.realtime.index import Indexer, batch_items
 from delaymq.storage.state import StateStore
 from delaymq.storage.writer import LogWriter
 from delaymq.wheel.clock import Clock
@@ -64,10 +64,10 @@ class SendHandler:
         self.duplicates += len(ids) - len(kept)
         if not kept:
             return fresh
-        starts, ends = batch.starts, batch.ends
         if len(kept) == len(ids):
             data = batch.buf
         else:
+            starts, ends = batch.starts, batch.ends
             data = b"".join([batch.buf[starts[i] : ends[i]] for i in kept])
         kept_ids = [ids[i] for i in kept]
         assert self.writer is not None
@@ -79,15 +79,8 @@ class SendHandler:
         except BaseException:
             dedup.forget(kept_ids)
             raise
-        items: list[Item] = []
-        offset = base
-        subjects, tags = batch.subjects, batch.tags
-        for i in kept:
-            size = ends[i] - starts[i]
-            record_tags = tags[i]
-            items.append((subjects[i], offset, size, tags_mask(record_tags) if record_tags else 0))
-            offset += size
-        self._indexer.submit(base, offset, items, kept_ids, self._clock.now_ms())
+        items = batch_items(batch, base, kept)
+        self._indexer.submit(base, base + len(data), items, kept_ids, self._clock.now_ms())
         self.stored += len(kept)
         return fresh
 
