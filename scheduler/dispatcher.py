@@ -28,6 +28,7 @@ import logging
 import struct
 from collections import deque
 from collections.abc import Awaitable, Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
@@ -79,7 +80,7 @@ class DispatcherStatistics:
     waiting: int  # records in lanes, not yet accepted
     cached_records: int  # records read ahead, not yet due
     cached_bytes: int
-    delivered_held: int  # entry numbers of the open hours delivered before a restart, skipped
+    delivered_held: int  # entry numbers of the open hours delivered before a restart, not loaded yet
     in_outage: bool  # some subject's delivery is failing right now
     hours_opened: int
     seconds_loaded: int
@@ -139,7 +140,6 @@ class Dispatcher:
         self.fire_alarm = Alarm(clock)
         self._confirm_alarm = Alarm(clock)
         self._readers: dict[int, HourLog] = {}
-        self._skip: dict[int, set[int]] = {}  # hour -> delivered entries (not read ahead)
         self._cache: dict[int, dict[int, bytes]] = {}  # hour -> entry -> record, read ahead
         self._cached_bytes = 0
         self._cached_records = 0
@@ -193,7 +193,7 @@ class Dispatcher:
             waiting=self._waiting,
             cached_records=self._cached_records,
             cached_bytes=self._cached_bytes,
-            delivered_held=sum(map(len, self._skip.values())),
+            delivered_held=self.wheels.delivered_held(),
             in_outage=self._outage_since is not None,
             hours_opened=self._hours_opened,
             seconds_loaded=self._seconds_loaded,
@@ -229,7 +229,6 @@ class Dispatcher:
             self.wheels.open_failed(hour)
             raise
         self._readers[hour] = reader
-        self._skip[hour] = delivered
         self._cache.setdefault(hour, {})
         self.wheels.opened(hour, heads.counts, heads.entries, delivered)
         self._hours_opened += 1
@@ -246,7 +245,6 @@ class Dispatcher:
         reader = self._readers.pop(hour, None)
         if reader is not None:
             reader.close()
-        self._skip.pop(hour, None)
         cache = self._cache.pop(hour, None)
         if cache:  # normally empty by now: every entry read ahead was handed out
             self._cached_records -= len(cache)
@@ -263,7 +261,9 @@ class Dispatcher:
             self.wheels.begin_load(group)
             try:
                 chains, records = await self._run_blocking(
-                    partial(_walk, reader, group, self._skip.get(hour), with_records)
+                    # The wheel's delivered set: only this (loader) task changes it, in
+                    # ``loaded`` below, so the thread may read it while we wait.
+                    partial(_walk, reader, group, self.wheels.delivered(hour), with_records)
                 )
             except BaseException:
                 for load in group:
@@ -335,13 +335,15 @@ class Dispatcher:
         backoff = self._backoff_ms
         try:
             while items:
-                count = size = 0
-                for _hour, _at, _entry, record in items:
-                    if count and (count >= self._batch or size + len(record) > self._batch_bytes):
+                batch: list[tuple[int, int, int, bytes]] = []
+                size = 0
+                for item in items:
+                    length = len(item[3])
+                    if batch and (len(batch) >= self._batch or size + length > self._batch_bytes):
                         break
-                    count += 1
-                    size += len(record)
-                batch = [items[i] for i in range(count)]
+                    batch.append(item)
+                    size += length
+                count = len(batch)
                 body = b"".join(item[3] for item in batch)
                 try:
                     async with self._sends:
@@ -439,7 +441,7 @@ def _read_hour(store: ScheduleStore, hour: int) -> tuple[HourLog, Heads, set[int
 
 
 def _walk(
-    reader: HourLog, loads: list[Load], skip: set[int] | None, with_records: bool
+    reader: HourLog, loads: list[Load], skip: AbstractSet[int], with_records: bool
 ) -> tuple[list[list[tuple[int, int]]], dict[int, bytes]]:
     """Walk each second's chain; read the records of entries not delivered yet."""
     chains = [reader.chain(load.second, below=load.below, floor=load.floor) for load in loads]

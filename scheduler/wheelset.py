@@ -35,6 +35,7 @@ The rules, in one place:
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from delaymq.wheel import HOUR_MS, SECOND_MS, HourWheel, SecondWheel, Tick, WheelError, hour_of
@@ -225,6 +226,15 @@ class WheelSet:
             if not self._busy.get(load.hour):
                 self._buffered[load.hour] = []
             self._busy[load.hour] = self._busy.get(load.hour, 0) + 1
+
+    def delivered(self, hour: int) -> AbstractSet[int]:
+        """The open hour's dispatch-logged entries not loaded yet (``SecondWheel.delivered``)."""
+        wheel = self._open.get(hour)
+        return wheel.delivered() if wheel is not None else frozenset()
+
+    def delivered_held(self) -> int:
+        """Dispatch-logged entries of the open hours still held to be skipped."""
+        return sum(len(wheel.delivered()) for wheel in self._open.values())
 
     def loaded(self, load: Load, entries: Iterable[tuple[int, int]]) -> None:
         """The walked chain of one ``Load``: ``(ms_in_hour, entry_no)`` pairs."""

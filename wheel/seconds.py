@@ -40,6 +40,7 @@ from __future__ import annotations
 import heapq
 from bisect import bisect_left
 from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from itertools import repeat
 
@@ -149,6 +150,11 @@ class SecondWheel:
     def mark_delivered(self, entry_nos: Iterable[int]) -> None:
         """Entries found in the dispatch log: ``load_second`` will skip them."""
         self._delivered.update(entry_nos)
+
+    def delivered(self) -> AbstractSet[int]:
+        """Dispatch-logged entries no ``load_second`` has met yet (a live view: read it,
+        never change it), so the scheduler need not read their records."""
+        return self._delivered
 
     def skip_to(self, tick: Tick) -> None:
         """Start from a tick (restart, failover): what it claims done will not fire.

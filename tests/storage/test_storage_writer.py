@@ -114,8 +114,9 @@ async def test_async_policy_flushes_every_interval(
         for round_ in range(3):
             target = await writer.append(record(round_, 0)) + len(record(round_, 0))
             # No close, no explicit flush: the background task gets there.
-            while log.flushed_offset < target:
-                await trio.sleep(0.01)
+            with trio.fail_after(60):  # virtual time: a lost flush fails instead of hanging
+                while log.flushed_offset < target:
+                    await trio.sleep(0.01)
     # One fsync per round (each round waited for its own), none left for close.
     assert writer.statistics().fsyncs == 3
 

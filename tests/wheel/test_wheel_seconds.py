@@ -207,6 +207,16 @@ def test_dispatch_logged_entries_are_skipped_on_load():
     assert wheel.pop_due(START + 5_000) == [(START + 4_200, 1)]
 
 
+def test_the_delivered_set_lets_go_of_entries_once_their_second_is_loaded():
+    wheel = SecondWheel.from_counts(HOUR, counts_of(4_100, 5_100, 5_200))
+    wheel.mark_delivered({0, 2})
+    assert set(wheel.delivered()) == {0, 2}  # the scheduler skips reading their records
+    wheel.load_second(4, [(4_100, 0)])
+    assert set(wheel.delivered()) == {2}
+    wheel.load_second(5, [(5_200, 2), (5_100, 1)])
+    assert not wheel.delivered()
+
+
 def test_skip_to_after_loading_is_refused():
     wheel = wheel_with([(100, 0)])
     with pytest.raises(WheelError, match="skip_to"):
