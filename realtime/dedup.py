@@ -170,12 +170,13 @@ class DedupWindow:
 
 def lookup_stored(store: StateStore, ids: Iterable[str], since: int) -> set[str]:
     """The ids lmdb holds with a stored-at time after ``since``."""
-    found: set[str] = set()
-    for message_id in ids:
-        value = store.get(IDS_DB, message_id.encode())
-        if value is not None and _I64.unpack(value)[0] > since:
-            found.add(message_id)
-    return found
+    ids = list(ids)
+    values = store.get_many(IDS_DB, [message_id.encode() for message_id in ids])
+    return {
+        message_id
+        for message_id, value in zip(ids, values)
+        if value is not None and _I64.unpack(value)[0] > since
+    }
 
 
 def write_ids(batch: WriteBatch, entries: Iterable[tuple[str, int]]) -> set[int]:
@@ -220,8 +221,8 @@ def load_recent(
             covers_from = (bucket + 1) * BUCKET_MS
             break
         entries = []
-        for key, _ in keys:
-            value = store.get(IDS_DB, key[8:])
+        values = store.get_many(IDS_DB, [key[8:] for key, _ in keys])
+        for (key, _), value in zip(keys, values):
             if value is not None:
                 stored_at = _I64.unpack(value)[0]
                 if stored_at > oldest:

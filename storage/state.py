@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
@@ -161,10 +161,13 @@ class StateStore:
     # ------------------------------------------------------------- reading
 
     def get(self, db: str, key: Bytes) -> bytes | None:
+        return self.get_many(db, [key])[0]
+
+    def get_many(self, db: str, keys: Iterable[Bytes]) -> list[bytes | None]:
+        """The values of ``keys`` (None where absent), read in one transaction."""
         handle = self._handle(db)
         with self._gate.transaction(), self._env.begin(db=handle, buffers=False) as txn:
-            value: bytes | None = txn.get(bytes(key))
-            return value
+            return [txn.get(bytes(key)) for key in keys]
 
     def items(self, db: str, prefix: Bytes = b"") -> list[tuple[bytes, bytes]]:
         """Every ``(key, value)`` of ``db`` whose key starts with ``prefix``, in key order."""

@@ -38,6 +38,11 @@ def test_values_survive_a_reopen(tmp_path: Path) -> None:
             (b"group-a/consumer-2", {"acked": 3}),
         ]
         assert len(store.items("positions")) == 3
+        assert store.get_many("positions", [b"group-b/consumer-1", b"absent", b"group-a/consumer-2"]) == [
+            pack({"acked": 99}),
+            None,
+            pack({"acked": 3}),
+        ]
         assert store.items("positions", prefix=b"group-z") == []
         store.delete("positions", b"group-b/consumer-1")
         assert store.get("positions", b"group-b/consumer-1") is None
