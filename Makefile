@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DATA ?= var/cluster
 
-.PHONY: run test bench venv clean
+.PHONY: run test faults bench venv clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,11 @@ run: $(VENV)/.installed-run
 test: $(VENV)/.installed-dev
 	PYTHONSAFEPATH=1 $(BIN)/python -m pytest -q
 
+
+# The fault suite: real processes killed, stopped, starved of disk and flooded; a few
+# minutes, outside `make test`; prints lost / early / duplicated / worst lateness.
+faults: $(VENV)/.installed-dev
+	PYTHONSAFEPATH=1 $(BIN)/python -m pytest -q -m faults tests/faults
 
 bench: $(VENV)/.installed-dev
 	PYTHONSAFEPATH=1 $(BIN)/delaymq bench all
