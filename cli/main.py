@@ -25,6 +25,7 @@ from delaymq.cli import (
     status_command,
 )
 from delaymq.cli.config import ConfigError, apply_config, load_config
+from delaymq.cli.parser import CommandParser
 from delaymq.metaserver.agent import software_version
 
 log = logging.getLogger("delaymq")
@@ -46,7 +47,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="delaymq",
         description=(
             "delaymq: a delay-message service. Schedule messages for any moment up to "

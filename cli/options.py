@@ -27,6 +27,14 @@ def duration(text: str) -> float:
     return float(match["number"]) * _UNIT_SECONDS[match["unit"]]
 
 
+def delay(text: str) -> float:
+    """``--delay``: a duration that may be negative ("-5s"): a moment in the past means "deliver now"."""
+    stripped = text.strip()
+    if stripped.startswith("-"):
+        return -duration(stripped[1:])
+    return duration(stripped)
+
+
 def duration_ms(value: float | int | str) -> int:
     """Whole milliseconds of a parsed duration (seconds), a config number (seconds) or text."""
     if isinstance(value, bool):
@@ -67,4 +75,4 @@ def listen_address(text: str) -> str:
     return _host_port(text, lowest_port=0)
 
 
-__all__ = ["address", "duration", "duration_ms", "listen_address", "show_duration"]
+__all__ = ["address", "delay", "duration", "duration_ms", "listen_address", "show_duration"]

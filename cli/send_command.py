@@ -65,7 +65,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--count", type=int, default=1, metavar="N", help="send N messages (default: 1)")
     group = parser.add_mutually_exclusive_group()
     group.add_argument(
-        "--delay", type=options.duration, metavar="DURATION", help="deliver after this long, e.g. 90s, 2h"
+        "--delay",
+        type=options.delay,
+        metavar="DURATION",
+        help="deliver after this long, e.g. 90s, 2h (a negative one means now)",
     )
     group.add_argument("--at", type=when, metavar="MOMENT", help="deliver at this moment, e.g. 2026-12-24T18:00:00Z")
     parser.add_argument(
@@ -82,11 +85,14 @@ def run(args: argparse.Namespace) -> int:
     body: bytes = sys.stdin.buffer.read() if args.body == "-" else args.body.encode()
     try:
         with BlockingProducer(meta, timeout=args.timeout) as producer:
+            delay, at = args.delay, args.at
+            if delay is not None and delay < 0:  # "5 s ago": a moment in the past, delivered now
+                delay, at = None, producer.clock.now_ms() + round(delay * 1000)
             left = args.count
             while left:
                 n = min(left, CHUNK)
                 batch = [
-                    producer.message(args.subject, body, tags=args.tag, delay=args.delay, at=args.at) for _ in range(n)
+                    producer.message(args.subject, body, tags=args.tag, delay=delay, at=at) for _ in range(n)
                 ]
                 for message_id in producer.send_batch(batch):
                     print(message_id)

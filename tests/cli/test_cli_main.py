@@ -85,3 +85,39 @@ def test_missing_config_file_is_named(tmp_path: Path, capsys: pytest.CaptureFixt
     with pytest.raises(SystemExit):
         parse_args(["--config", str(tmp_path / "absent.toml"), "bench"])
     assert "absent.toml does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["send", "--count", "many", "orders", "hi"], "--count"),
+        (["send", "--delay", "soon", "orders", "hi"], "--delay"),
+        (["send", "orders"], "BODY"),
+        (["consume", "orders", "--from", "middle"], "--from"),
+        (["nonsense"], "COMMAND"),
+    ],
+)
+def test_a_usage_error_is_one_line_naming_the_argument(
+    argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert named in err and "--help" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "seconds"),
+    [
+        (["--delay", "-5s"], -5.0),
+        (["--delay=-5s"], -5.0),
+        (["--delay", "-500ms"], -0.5),
+        (["--delay", "-2"], -2.0),
+        (["--delay", "90s"], 90.0),
+    ],
+)
+def test_a_negative_delay_is_a_value_not_an_option(argv: list[str], seconds: float) -> None:
+    args = parse_args(["send", *argv, "orders", "hi"])
+    assert args.delay == seconds and (args.subject, args.body) == ("orders", "hi")

@@ -97,6 +97,20 @@ async def test_errors_print_one_line_and_exit_1(tmp_path: Path, capsys: pytest.C
         assert len(err) == 1 and err[0].startswith("delaymq consume: ") and "127.0.0.1:1" in err[0]
 
 
+async def test_a_negative_delay_is_delivered_now(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    async with open_cluster(tmp_path) as meta:  # no scheduler runs: a past moment goes straight to realtime
+        with trio.fail_after(30):
+            assert await run_cli("send", "--meta", meta, "orders", "late", "--delay", "-5s") == 0
+            message_id = capsys.readouterr().out.strip()
+            code = await run_cli(
+                "consume", "--meta", meta, "orders", "--group", "g", "--from", "earliest", "--max", "1", "--json"
+            )
+            assert code == 0
+        record = json.loads(capsys.readouterr().out)
+        assert record["id"] == message_id and record["body"] == "late"
+        assert record["received_at"] - record["deliver_at"] >= 5_000  # it was due five seconds before it was sent
+
+
 def test_at_needs_a_timezone() -> None:
     assert when("2026-12-24T18:00:00Z").isoformat() == "2026-12-24T18:00:00+00:00"  # type: ignore[union-attr]
     assert when("1798135200000") == 1798135200000
