@@ -20,7 +20,8 @@ Blocking::
 
 Errors: ``LocalProtocolError`` (a message breaks a limit; nothing was sent),
 ``PeerError`` (a server refused; ``code``, ``field``, ``limit``),
-``NoRouteError`` / ``CallFailed`` (no group could take a request),
+``NoRouteError`` / ``CallFailed`` (no group could take a request; ``CallTimedOut``
+when retries went on for ``send_timeout``),
 ``ConsumerFailed`` (a server refused a consumer's pulls for good).
 """
 
@@ -28,7 +29,7 @@ from delaymq.client.blocking import BlockingConsumer, BlockingProducer
 from delaymq.client.consumer import Consumer, ConsumerFailed, open_consumer
 from delaymq.client.delivery import ConsumerStatistics, ReceivedMessage
 from delaymq.client.producer import Producer, ProducerStatistics, open_producer
-from delaymq.client.routes import CallFailed, NoRouteError, RouteError
+from delaymq.client.routes import CallFailed, CallTimedOut, NoRouteError, RouteError
 from delaymq.protocol.errors import LocalProtocolError, PeerError, ProtocolError, RemoteProtocolError
 from delaymq.protocol.limits import Limits
 from delaymq.protocol.records import Message
@@ -38,6 +39,7 @@ __all__ = [
     "BlockingConsumer",
     "BlockingProducer",
     "CallFailed",
+    "CallTimedOut",
     "Consumer",
     "ConsumerFailed",
     "ConsumerStatistics",

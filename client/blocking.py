@@ -36,7 +36,7 @@ from typing import Any
 from delaymq.client.consumer import POLL_MARGIN, ConsumerFailed, is_retryable, send_failure
 from delaymq.client.delivery import ConsumerCore, ConsumerStatistics, ReceivedMessage, Settlement
 from delaymq.client.messages import DEFAULT_BATCH_BYTES, DEFAULT_BATCH_MESSAGES, At, BatchPlan, Delay, with_batch_index
-from delaymq.client.producer import DEFAULT_META, ProducerCore, ProducerStatistics
+from delaymq.client.producer import DEFAULT_META, DEFAULT_SEND_TIMEOUT, ProducerCore, ProducerStatistics
 from delaymq.client.retry import DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_DELAYS
 from delaymq.client.routes import BlockingRouteClient, meta_addresses
 from delaymq.metaserver.routes import RouteAnswer, RouteKind
@@ -52,7 +52,10 @@ log = logging.getLogger(__name__)
 
 
 class BlockingProducer(ProducerCore):
-    """``Producer`` for plain code: ``send`` and ``send_batch`` block until stored."""
+    """``Producer`` for plain code: ``send`` and ``send_batch`` block until stored.
+
+    Takes the options of ``open_producer``; the backoff between retries blocks the calling thread.
+    """
 
     def __init__(
         self,
@@ -64,6 +67,7 @@ class BlockingProducer(ProducerCore):
         batch_messages: int = DEFAULT_BATCH_MESSAGES,
         attempts: int = 3,
         timeout: float = 10.0,
+        send_timeout: float = DEFAULT_SEND_TIMEOUT,
         connect_timeout: float = 5.0,
         route_refresh: float = 30.0,
     ) -> None:
@@ -76,6 +80,7 @@ class BlockingProducer(ProducerCore):
             batch_messages=batch_messages,
             attempts=attempts,
             timeout=timeout,
+            send_timeout=send_timeout,
         )
         self._peers = BlockingPeers(limits=limits, connect_timeout=connect_timeout, request_timeout=timeout)
         self.routes = BlockingRouteClient(
@@ -108,8 +113,9 @@ class BlockingProducer(ProducerCore):
         for frame in plan.frames:
             try:
                 answer = self.routes.call(
-                    frame.route, frame.command, {}, frame.body, attempts=self.attempts, timeout=self.timeout
-                )
+                    frame.route, frame.command, {}, frame.body, attempts=self.attempts, timeout=self.timeout,
+                    retry_for=self.send_timeout, retry_for_name="send_timeout",
+                )  # fmt: skip
             except PeerError as error:
                 raise with_batch_index(error, frame) from None
             self.answered(frame, answer.metadata)

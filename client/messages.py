@@ -139,7 +139,7 @@ def build_message(
     limits: Limits = DEFAULT_LIMITS,
     check: bool = True,
 ) -> Message:
-    """A checked message: id made here unless given, ``created_at`` now, ``deliver_at`` resolved.
+    """A checked message: id made here unless given (None), ``created_at`` now, ``deliver_at`` resolved.
 
     A message due now gets ``deliver_at = now`` (or the past ``at`` asked for),
     so a consumer can tell how late it arrived. A ``str`` body is sent as UTF-8.
@@ -150,6 +150,13 @@ def build_message(
         body = body.encode()
     if isinstance(tags, str):
         raise LocalProtocolError("tags is a str, not a sequence of str", code="bad_value", field="tags")
+    if id == "":  # "no id" is None; an empty one is a mistake (a blank field, a missing lookup), not a wish
+        raise LocalProtocolError(
+            f"id is empty; give 1 to {limits.max_id} UTF-8 bytes, or leave id out (None) to have one made",
+            code="limit",
+            field="id",
+            limit=limits.max_id,
+        )
     deliver_at = delivery_time(delay=delay, at=at, now_ms=now_ms)
     if deliver_at is None:
         deliver_at = now_ms
@@ -301,13 +308,26 @@ class _Packer:
         return frame
 
 
+#: What a server answers per record it holds: stored now (realtime), scheduled, or held already (a retry).
+STORED_RESULTS = frozenset({"stored", "scheduled", "duplicate"})
+
+
 def check_results(frame: OutgoingFrame, metadata: Mapping[str, Any]) -> list[str]:
-    """The per-record results of a SEND/SCHEDULE answer, checked against the frame sent."""
+    """The per-record results of a SEND/SCHEDULE answer, checked against the frame sent.
+
+    Every record must be answered with one of ``STORED_RESULTS``: "duplicate"
+    (a retry of a batch whose first answer was lost) is as good as "stored";
+    anything else is not counted as stored.
+    """
     results = metadata.get("results")
-    if not isinstance(results, list) or len(results) != len(frame) or not all(isinstance(r, str) for r in results):
+    if (
+        not isinstance(results, list)
+        or len(results) != len(frame)
+        or not all(isinstance(r, str) and r in STORED_RESULTS for r in results)
+    ):
         raise RemoteProtocolError(
-            f"{frame.command.name} answer 'results' should be a list of {len(frame)} strings, "
-            f"got {results!r:.200}",
+            f"{frame.command.name} answer 'results' should be a list of {len(frame)} of "
+            f"{', '.join(sorted(STORED_RESULTS))}, got {results!r:.200}",
             code="bad_metadata",
             field="results",
         )
@@ -323,6 +343,7 @@ def with_batch_index(error: Exception, frame: OutgoingFrame) -> Exception:
 
 
 __all__ = [
+    "STORED_RESULTS",
     "At",
     "BatchPlan",
     "Delay",

@@ -8,6 +8,15 @@ batch refused by one group and retried on another is stored once (servers
 drop ids they already hold). Routes, group choice, avoidance of slow groups
 and retries are the route client's (``delaymq.client.routes``).
 
+A request that gets no answer, or a "try elsewhere" refusal, is retried, other
+groups first, then with a growing backoff with jitter, for up to
+``send_timeout`` seconds (default 30, like Kafka's ``delivery.timeout.ms``),
+so a server restart or failover is a pause, not an error. A retry whose
+records the server already stored (the answer to the first try was lost) is
+answered "duplicate": that is success. Past ``send_timeout`` ``CallTimedOut``
+(a ``CallFailed``) lists what was tried; a refusal of the request itself
+(a limit, a bad value) is raised at once.
+
 Example::
 
     async with open_producer("127.0.0.1:20880") as producer:
@@ -38,16 +47,18 @@ from delaymq.client.messages import (
     plan_frames,
     with_batch_index,
 )
-from delaymq.client.routes import RouteClient, RouteClientStatistics, meta_addresses
+from delaymq.client.routes import RouteClient, RouteClientStatistics, check_retry_for, meta_addresses
 from delaymq.metaserver.routes import RouteKind
 from delaymq.protocol.errors import PeerError
 from delaymq.protocol.limits import DEFAULT_LIMITS, Limits
 from delaymq.protocol.records import Message
-from delaymq.protocol.transport import open_peers
+from delaymq.protocol.transport import AsyncCaller, open_peers
 from delaymq.wheel.clock import Clock, SystemClock
 
 #: Where a client finds the metaserver unless told otherwise.
 DEFAULT_META = "127.0.0.1:20880"
+#: Seconds a request keeps being retried before the send fails.
+DEFAULT_SEND_TIMEOUT = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +69,15 @@ class ProducerStatistics:
     duplicates: int  # answered "duplicate": the server already held that id
     frames: int  # requests answered
     routes: RouteClientStatistics
+
+
+def check_options(*, attempts: int, batch_bytes: int, batch_messages: int, send_timeout: float) -> None:
+    """``ValueError`` naming the first producer option that cannot work."""
+    if attempts < 1:
+        raise ValueError(f"attempts is {attempts}, must be at least 1")
+    if batch_bytes < 1 or batch_messages < 1:
+        raise ValueError(f"batch_bytes ({batch_bytes}) and batch_messages ({batch_messages}) must be at least 1")
+    check_retry_for(send_timeout, "send_timeout")
 
 
 class ProducerCore:
@@ -72,17 +92,17 @@ class ProducerCore:
         batch_messages: int,
         attempts: int,
         timeout: float | None,
+        send_timeout: float = DEFAULT_SEND_TIMEOUT,
     ) -> None:
-        if attempts < 1:
-            raise ValueError(f"attempts is {attempts}, must be at least 1")
-        if batch_bytes < 1 or batch_messages < 1:
-            raise ValueError(f"batch_bytes ({batch_bytes}) and batch_messages ({batch_messages}) must be at least 1")
+        check_options(attempts=attempts, batch_bytes=batch_bytes, batch_messages=batch_messages,
+                      send_timeout=send_timeout)  # fmt: skip
         self.clock = clock
         self.limits = limits
         self.batch_bytes = batch_bytes
         self.batch_messages = batch_messages
-        self.attempts = attempts
-        self.timeout = timeout
+        self.attempts = attempts  # groups one round of retries tries before it backs off
+        self.timeout = timeout  # seconds, per try
+        self.send_timeout = float(send_timeout)  # seconds a request keeps being retried
         self._messages = 0
         self._delayed = 0
         self._duplicates = 0
@@ -186,8 +206,10 @@ class Producer(ProducerCore):
 
         ``delay`` (seconds or ``timedelta``) or ``at`` (aware ``datetime`` or
         epoch ms) in the future schedules it; otherwise it is delivered now.
-        ``LocalProtocolError`` names a broken field or limit (nothing was sent);
-        ``NoRouteError``, ``CallFailed`` or ``PeerError`` say why no server took it.
+        ``id`` is made here unless given (a non-empty str). ``LocalProtocolError``
+        names a broken field or limit (nothing was sent); ``NoRouteError``,
+        ``CallFailed`` (``CallTimedOut`` after ``send_timeout``) or ``PeerError``
+        say why no server took it.
         """
         plan = self.plan_one(subject, body, tags=tags, properties=properties, id=id, delay=delay, at=at)
         await self._send_plan(plan)
@@ -196,9 +218,10 @@ class Producer(ProducerCore):
     async def send_batch(self, messages: Iterable[Message]) -> list[str]:
         """Send many messages (see ``message``) in as few requests as the limits allow.
 
-        All are checked before any is sent. Returns their ids, in order. If a
-        request fails, the ones before it were stored: send the same messages
-        again, and the servers drop the ids they already hold.
+        All are checked before any is sent. Returns their ids, in order. Each
+        request is retried for up to ``send_timeout``. If one fails, the ones
+        before it were stored: send the same messages again, and the servers
+        drop the ids they already hold.
         """
         plan = self.plan(messages)
         await self._send_plan(plan)
@@ -208,8 +231,9 @@ class Producer(ProducerCore):
         for frame in plan.frames:
             try:
                 answer = await self.routes.call(
-                    frame.route, frame.command, {}, frame.body, attempts=self.attempts, timeout=self.timeout
-                )
+                    frame.route, frame.command, {}, frame.body, attempts=self.attempts, timeout=self.timeout,
+                    retry_for=self.send_timeout, retry_for_name="send_timeout",
+                )  # fmt: skip
             except PeerError as error:
                 raise with_batch_index(error, frame) from None
             self.answered(frame, answer.metadata)
@@ -228,28 +252,35 @@ async def open_producer(
     batch_messages: int = DEFAULT_BATCH_MESSAGES,
     attempts: int = 3,
     timeout: float = 10.0,
+    send_timeout: float = DEFAULT_SEND_TIMEOUT,
     connect_timeout: float = 5.0,
     route_refresh: float = 30.0,
+    peers: AsyncCaller | None = None,
 ) -> AsyncIterator[Producer]:
     """A producer whose connections close when the block ends.
 
     ``meta``: the metaserver address(es). ``batch_bytes``/``batch_messages``
-    cap one request of ``send_batch``; ``attempts`` is how many groups a
-    request may try; ``timeout`` bounds each try.
+    cap one request of ``send_batch``. ``timeout`` bounds each try of a
+    request; ``send_timeout`` how long a request keeps being retried (other
+    groups first, then with backoff) before the send fails; ``attempts`` how
+    many groups one round of retries tries before it backs off. ``peers``
+    replaces the TCP connections (in-memory ones in tests).
     """
     addresses = meta_addresses(meta)
     clock = clock if clock is not None else SystemClock()
-    async with open_peers(limits=limits, connect_timeout=connect_timeout, request_timeout=timeout) as peers:
-        routes = RouteClient(peers, addresses, clock=clock, refresh_interval_ms=round(route_refresh * 1000))
-        yield Producer(
-            routes,
-            clock=clock,
-            limits=limits,
-            batch_bytes=batch_bytes,
-            batch_messages=batch_messages,
-            attempts=attempts,
-            timeout=timeout,
-        )
+    options: dict[str, Any] = {
+        "clock": clock, "limits": limits, "batch_bytes": batch_bytes, "batch_messages": batch_messages,
+        "attempts": attempts, "timeout": timeout, "send_timeout": send_timeout,
+    }  # fmt: skip
+    # Checked here, so a bad option is a ValueError, not an ExceptionGroup out of open_peers' nursery.
+    check_options(attempts=attempts, batch_bytes=batch_bytes, batch_messages=batch_messages,
+                  send_timeout=send_timeout)  # fmt: skip
+    refresh_ms = round(route_refresh * 1000)
+    if peers is not None:
+        yield Producer(RouteClient(peers, addresses, clock=clock, refresh_interval_ms=refresh_ms), **options)
+        return
+    async with open_peers(limits=limits, connect_timeout=connect_timeout, request_timeout=timeout) as tcp:
+        yield Producer(RouteClient(tcp, addresses, clock=clock, refresh_interval_ms=refresh_ms), **options)
 
 
-__all__ = ["DEFAULT_META", "Producer", "ProducerCore", "ProducerStatistics", "open_producer"]
+__all__ = ["DEFAULT_META", "DEFAULT_SEND_TIMEOUT", "Producer", "ProducerCore", "ProducerStatistics", "open_producer"]

@@ -16,12 +16,25 @@ answer (``limit``, ``bad_value``, ``bad_request``...) is about the request
 itself: it is raised at once, since another group would refuse it too. When
 every metaserver is down the last answer is used however old, and the
 metaserver is asked again no sooner than ``meta_retry_ms`` later.
+
+A call given ``retry_for`` (the producer's ``send_timeout``) rides out an
+outage instead: it tries up to ``attempts`` different groups in a round (other
+groups first), and when a round has failed it waits a backoff with jitter
+(``CALL_BACKOFF``: 100 ms doubling to 1 s, never less than half of that) and
+starts another round, always with the same request (so the same message ids),
+until ``retry_for`` seconds on the client's clock have passed; then it raises
+``CallTimedOut`` saying what was tried. A route no metaserver has answered yet,
+or one whose groups left it while the call was trying them, is waited for the
+same way; a route a metaserver answered with no group when the call began is
+raised at once (``NoRouteError``), as are refusals about the request itself.
 """
 
 from __future__ import annotations
 
+import math
 import threading
-from collections.abc import Collection, Mapping, Sequence
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +45,7 @@ from delaymq.client.routecache import RouteAnswer as CachedNames
 from delaymq.client.routecache import RouteCache, RouteCacheStatistics, RouteKey
 from delaymq.client.selector import GroupSelector
 from delaymq.metaserver.routes import GroupState, RouteAnswer, RouteKind, RoutedGroup, ServerKind
+from delaymq.protocol.backoff import Backoff, BackoffRun, RandomSource
 from delaymq.protocol.blocking import BlockingCaller
 from delaymq.protocol.commands import Command, command_name
 from delaymq.protocol.errors import PeerError, ProtocolError, RemoteProtocolError
@@ -41,6 +55,9 @@ from delaymq.wheel.clock import Clock, SystemClock
 
 #: Error codes that mean "this group will not take it now; another may".
 RETRY_CODES = frozenset({"read_only", "not_master", "unavailable", "overloaded", "shutting_down", "internal"})
+
+#: The waits between rounds of a call with ``retry_for``: 100 ms doubling to 1 s, each at least half its ceiling.
+CALL_BACKOFF = Backoff(initial_ms=100, maximum_ms=1_000, multiplier=2.0, jitter="equal")
 
 _WANTED = {
     RouteKind.DELAYED_PRODUCER: "no scheduler group in RW serves delayed producers",
@@ -73,11 +90,13 @@ def meta_addresses(meta: str | Sequence[str]) -> list[str]:
 class Attempt:
     """One try of a routed call that failed."""
 
-    group: str
+    group: str  # "" when no group was known: the route itself could not be fetched
     address: str
     error: Exception
 
     def __str__(self) -> str:
+        if not self.group:
+            return f"route lookup: {self.error}"
         return f"group {self.group} at {self.address}: {self.error}"
 
 
@@ -87,6 +106,19 @@ class CallFailed(RouteError):
     def __init__(self, message: str, attempts: Sequence[Attempt]) -> None:
         super().__init__(message)
         self.attempts = tuple(attempts)
+
+
+class CallTimedOut(CallFailed):
+    """A call with ``retry_for`` failed on every attempt until its time was up.
+
+    ``attempts`` are all the failed tries, in order; ``rounds`` how many rounds
+    of groups were tried; ``elapsed_ms`` how long the call ran on the client's clock.
+    """
+
+    def __init__(self, message: str, attempts: Sequence[Attempt], *, rounds: int, elapsed_ms: int) -> None:
+        super().__init__(message, attempts)
+        self.rounds = rounds
+        self.elapsed_ms = elapsed_ms
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +184,7 @@ class RouteTable:
         refresh_interval_ms: int = 30_000,
         policy: AvoidancePolicy | None = None,
         meta_retry_ms: int = 1_000,
+        random: RandomSource | None = None,
     ) -> None:
         if isinstance(meta_addresses, str):
             meta_addresses = [meta_addresses]
@@ -161,6 +194,7 @@ class RouteTable:
         self.cache = RouteCache(refresh_interval_ms=refresh_interval_ms)
         self.faults = LatencyFaultTable(policy)
         self.meta_retry_ms = meta_retry_ms
+        self.random = random  # the jitter of call backoffs; None: random.random
         self._held: dict[RouteKey, _Held] = {}
         self._selectors: dict[RouteKey, GroupSelector] = {}
         self._retry_at: dict[RouteKey, int] = {}  # after a failed refresh: not before this
@@ -273,11 +307,33 @@ class RouteTable:
 
     # -- sending ---------------------------------------------------------------
 
-    def start_call(self, key: RouteKey, command: int, attempts: int) -> CallPlan:
+    def start_call(
+        self,
+        key: RouteKey,
+        command: int,
+        attempts: int,
+        *,
+        now_ms: int = 0,
+        retry_for: float | None = None,
+        retry_for_name: str = "retry_for",
+        backoff: Backoff = CALL_BACKOFF,
+    ) -> CallPlan:
+        """The plan of one call: ``attempts`` tries in all, or, with ``retry_for`` (seconds), per round."""
         if attempts < 1:
             raise ValueError(f"attempts is {attempts}, must be at least 1")
+        deadline_ms = None
+        if retry_for is not None:
+            check_retry_for(retry_for, retry_for_name)
+            deadline_ms = now_ms + math.ceil(retry_for * 1000)
         self._calls += 1
-        return CallPlan(self, key, command, attempts)
+        return CallPlan(
+            self, key, command, attempts, now_ms=now_ms, deadline_ms=deadline_ms, retry_for_name=retry_for_name,
+            backoff=BackoffRun(backoff, random=self.random),
+        )  # fmt: skip
+
+    def route_unknown(self, key: RouteKey) -> bool:
+        """Whether no metaserver has answered for the route yet (it may: one may be restarting)."""
+        return key not in self._held
 
     def pick(self, key: RouteKey, now_ms: int, *, exclude: Collection[str] = ()) -> RoutedGroup:
         """The group for the next attempt; ``NoRouteError`` if the route holds none."""
@@ -318,34 +374,83 @@ class RouteTable:
 
 
 class CallPlan:
-    """The decisions of one routed call: which group next, and what each outcome means.
+    """The decisions of one routed call: which group next, when, and what each outcome means.
 
-    A driver loops: refresh the route if due, ``next_group``, send, then
-    ``succeeded`` or ``failed`` (which re-raises an error that ends the call).
-    ``next_group`` raises ``CallFailed`` once the attempts are used up.
+    A driver loops: wait until ``ready_at_ms``, refresh the route if due,
+    ``next_group`` (None: no group known yet, loop again), send with
+    ``timeout_for``, then ``succeeded`` or ``failed`` (which re-raises an error
+    that ends the call). Without a deadline ``next_group`` raises ``CallFailed``
+    once ``attempts`` tries have failed. With one, ``attempts`` caps a round:
+    after a failure an untried group is tried at once; once the round is over
+    (``attempts`` tries, or every group tried) ``ready_at_ms`` moves a backoff
+    ahead and a new round starts; ``CallTimedOut`` ends it when the next try
+    could not start before the deadline.
     """
 
-    def __init__(self, table: RouteTable, key: RouteKey, command: int, attempts: int) -> None:
+    def __init__(
+        self,
+        table: RouteTable,
+        key: RouteKey,
+        command: int,
+        attempts: int,
+        *,
+        now_ms: int = 0,
+        deadline_ms: int | None = None,
+        retry_for_name: str = "retry_for",
+        backoff: BackoffRun | None = None,
+    ) -> None:
         self._table = table
         self._key = key
         self._command = command
         self._attempts = attempts
         self._tried: list[Attempt] = []
-        self._started_ms = 0
+        self._started_ms = now_ms  # of the attempt in flight
+        self._begun_ms = now_ms  # of the call
+        self._deadline_ms = deadline_ms
+        self._retry_for_name = retry_for_name
+        self._backoff = backoff if backoff is not None else BackoffRun(CALL_BACKOFF, random=table.random)
+        self._round: set[str] = set()  # groups tried in this round
+        self._round_tries = 0
+        self.rounds = 1
+        #: Epoch ms before which the next attempt must not start (a backoff between rounds).
+        self.ready_at_ms = now_ms
 
-    def next_group(self, now_ms: int) -> RoutedGroup:
+    def next_group(self, now_ms: int) -> RoutedGroup | None:
+        """The group to try next; None when the route is not known yet (wait ``ready_at_ms``, loop)."""
         tried = self._tried
-        if len(tried) >= self._attempts:
-            detail = "; ".join(str(attempt) for attempt in tried)
-            raise CallFailed(
-                f"{command_name(self._command)} on route {self._key.kind!r} failed {len(tried)} times: {detail}",
-                tried,
-            )
-        group = self._table.pick(self._key, now_ms, exclude={a.group for a in tried})
+        if self._deadline_ms is None:
+            if len(tried) >= self._attempts:
+                detail = "; ".join(str(attempt) for attempt in tried)
+                raise CallFailed(
+                    f"{command_name(self._command)} on route {self._key.kind!r} failed {len(tried)} times: {detail}",
+                    tried,
+                )
+            exclude: Collection[str] = {a.group for a in tried}
+        else:
+            if now_ms >= self._deadline_ms:
+                raise self._timed_out(now_ms)
+            exclude = self._round
+        try:
+            group = self._table.pick(self._key, now_ms, exclude=exclude)
+        except NoRouteError as error:
+            # With a deadline, wait for a route no metaserver answered yet, or one whose groups left it
+            # while this call was trying them (evicted while down: it may register again); a route
+            # answered empty from the start is a cluster with nothing to serve it, said at once.
+            if self._deadline_ms is None or not (tried or self._table.route_unknown(self._key)):
+                raise
+            self._record(Attempt("", ", ".join(self._table.meta_addresses), error), now_ms, end_round=True)
+            return None
         if tried:
             self._table._retries += 1
         self._started_ms = now_ms
         return group
+
+    def timeout_for(self, timeout: float | None, now_ms: int) -> float | None:
+        """The timeout of the attempt starting now: ``timeout``, but never past the deadline."""
+        if self._deadline_ms is None:
+            return timeout
+        left = max(0.001, (self._deadline_ms - now_ms) / 1000)
+        return left if timeout is None else min(timeout, left)
 
     def succeeded(self, group: RoutedGroup, now_ms: int) -> None:
         self._table.answered(group.group, now_ms - self._started_ms, now_ms)
@@ -361,7 +466,60 @@ class CallPlan:
         else:
             table._unanswered += 1
         table.failed(self._key, group.group, now_ms)
-        self._tried.append(Attempt(group.group, group.address, error))
+        self._round.add(group.group)
+        self._round_tries += 1
+        answer = table.answer(self._key)
+        untried = answer is not None and any(g.group not in self._round for g in answer.groups)
+        self._record(Attempt(group.group, group.address, error), now_ms, end_round=not untried)
+
+    def _record(self, attempt: Attempt, now_ms: int, *, end_round: bool) -> None:
+        self._tried.append(attempt)
+        if self._deadline_ms is None:
+            return
+        if end_round or self._round_tries >= self._attempts:
+            self.ready_at_ms = now_ms + self._backoff.next_delay_ms()
+            self._round.clear()
+            self._round_tries = 0
+            self.rounds += 1
+        else:
+            self.ready_at_ms = now_ms  # another group, at once
+        if self.ready_at_ms >= self._deadline_ms:
+            raise self._timed_out(now_ms)
+
+    def _timed_out(self, now_ms: int) -> CallTimedOut:
+        tried = self._tried
+        elapsed = now_ms - self._begun_ms
+        assert self._deadline_ms is not None
+        limit = (self._deadline_ms - self._begun_ms) / 1000
+        by_place: dict[tuple[str, str], list[Attempt]] = {}
+        for attempt in tried:
+            by_place.setdefault((attempt.group, attempt.address), []).append(attempt)
+        places = "; ".join(
+            f"{'route lookup' if not group else f'group {group} at {address}'}: "
+            f"{len(attempts)} attempt{'s' if len(attempts) != 1 else ''}, last error: {attempts[-1].error}"
+            for (group, address), attempts in by_place.items()
+        )
+        rounds = self.rounds - 1 if self.ready_at_ms > now_ms else self.rounds  # a round not begun is not counted
+        return CallTimedOut(
+            f"{command_name(self._command)} on route {self._key.kind!r} gave up after {elapsed / 1000:.1f} s "
+            f"({self._retry_for_name} is {limit:g} s): {len(tried)} failed attempts in {rounds} "
+            f"round{'s' if rounds != 1 else ''} with backoff; {places}",
+            tried,
+            rounds=rounds,
+            elapsed_ms=elapsed,
+        )
+
+
+def check_retry_for(value: object, name: str = "retry_for") -> float:
+    """``value`` if it is a usable time limit in seconds (finite, more than 0); else ``ValueError`` naming ``name``."""
+    if (
+        not isinstance(value, int | float)
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(f"{name} is {value!r}; it must be a number of seconds more than 0")
+    return float(value)
 
 
 # -- drivers ------------------------------------------------------------------
@@ -383,10 +541,12 @@ class RouteClient:
         policy: AvoidancePolicy | None = None,
         meta_retry_ms: int = 1_000,
         meta_timeout: float = 5.0,
+        random: RandomSource | None = None,
     ) -> None:
         self.table = RouteTable(
-            meta_addresses, refresh_interval_ms=refresh_interval_ms, policy=policy, meta_retry_ms=meta_retry_ms
-        )
+            meta_addresses, refresh_interval_ms=refresh_interval_ms, policy=policy, meta_retry_ms=meta_retry_ms,
+            random=random,
+        )  # fmt: skip
         self._peers = peers
         self._clock = clock
         self._meta_timeout = meta_timeout
@@ -411,19 +571,37 @@ class RouteClient:
         subject: str | None = None,
         attempts: int = 3,
         timeout: float | None = None,
+        retry_for: float | None = None,
+        retry_for_name: str = "retry_for",
+        backoff: Backoff = CALL_BACKOFF,
     ) -> Frame:
         """Send a request to a group of the route, retrying failures on other groups.
 
-        Raises ``NoRouteError`` (no group), ``CallFailed`` (every attempt failed)
-        or the ``PeerError`` of a refusal that is about the request itself.
+        ``timeout`` bounds each try. Without ``retry_for`` at most ``attempts``
+        tries are made; with it (seconds) the call goes on in rounds of up to
+        ``attempts`` groups with ``backoff`` between them until that long has
+        passed (``retry_for_name`` is how its error names the limit). Raises
+        ``NoRouteError`` (no group), ``CallFailed`` (``CallTimedOut`` with
+        ``retry_for``: every attempt failed) or the ``PeerError`` of a refusal
+        that is about the request itself.
         """
         key = self.table.key(route, subject)
-        plan = self.table.start_call(key, command, attempts)
+        plan = self.table.start_call(
+            key, command, attempts, now_ms=self._clock.now_ms(), retry_for=retry_for,
+            retry_for_name=retry_for_name, backoff=backoff,
+        )  # fmt: skip
         while True:
+            if plan.ready_at_ms > self._clock.now_ms():
+                await self._clock.sleep_until_ms(plan.ready_at_ms)
             await self._refresh_if_due(key)
-            group = plan.next_group(self._clock.now_ms())
+            now = self._clock.now_ms()
+            group = plan.next_group(now)
+            if group is None:
+                continue
             try:
-                frame = await self._peers.call(group.address, command, metadata, body, timeout=timeout)
+                frame = await self._peers.call(
+                    group.address, command, metadata, body, timeout=plan.timeout_for(timeout, now)
+                )
             except (PeerError, TransportError) as error:
                 plan.failed(group, error, self._clock.now_ms())
             else:
@@ -472,12 +650,16 @@ class BlockingRouteClient:
         policy: AvoidancePolicy | None = None,
         meta_retry_ms: int = 1_000,
         meta_timeout: float = 5.0,
+        random: RandomSource | None = None,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.table = RouteTable(
-            meta_addresses, refresh_interval_ms=refresh_interval_ms, policy=policy, meta_retry_ms=meta_retry_ms
-        )
+            meta_addresses, refresh_interval_ms=refresh_interval_ms, policy=policy, meta_retry_ms=meta_retry_ms,
+            random=random,
+        )  # fmt: skip
         self._peers = peers
         self._clock = clock if clock is not None else SystemClock()
+        self._sleep = sleep  # seconds; tests pass one that moves their clock
         self._meta_timeout = meta_timeout
         self._lock = threading.Lock()  # guards the table
         self._refresh_lock = threading.Lock()  # one refresh at a time
@@ -501,16 +683,28 @@ class BlockingRouteClient:
         subject: str | None = None,
         attempts: int = 3,
         timeout: float | None = None,
+        retry_for: float | None = None,
+        retry_for_name: str = "retry_for",
+        backoff: Backoff = CALL_BACKOFF,
     ) -> Frame:
+        """See ``RouteClient.call``; the backoff between rounds blocks the calling thread."""
         key = self.table.key(route, subject)
         with self._lock:
-            plan = self.table.start_call(key, command, attempts)
+            plan = self.table.start_call(
+                key, command, attempts, now_ms=self._clock.now_ms(), retry_for=retry_for,
+                retry_for_name=retry_for_name, backoff=backoff,
+            )  # fmt: skip
         while True:
+            while (wait_ms := plan.ready_at_ms - self._clock.now_ms()) > 0:
+                self._sleep(wait_ms / 1000)
             self._refresh_if_due(key)
+            now = self._clock.now_ms()
             with self._lock:
-                group = plan.next_group(self._clock.now_ms())
+                group = plan.next_group(now)
+            if group is None:
+                continue
             try:
-                frame = self._peers.call(group.address, command, metadata, body, timeout=timeout)
+                frame = self._peers.call(group.address, command, metadata, body, timeout=plan.timeout_for(timeout, now))
             except (PeerError, TransportError) as error:
                 with self._lock:
                     plan.failed(group, error, self._clock.now_ms())
@@ -548,16 +742,19 @@ class BlockingRouteClient:
 
 
 __all__ = [
+    "CALL_BACKOFF",
     "RETRY_CODES",
     "Attempt",
     "BlockingRouteClient",
     "CallFailed",
     "CallPlan",
+    "CallTimedOut",
     "NoRouteError",
     "RouteClient",
     "RouteClientStatistics",
     "RouteError",
     "RouteTable",
+    "check_retry_for",
     "meta_addresses",
     "parse_route_answer",
 ]

@@ -18,12 +18,12 @@ from delaymq.client.messages import (
     delivery_time,
     plan_frames,
 )
-from delaymq.client.producer import Producer
+from delaymq.client.producer import Producer, open_producer
 from delaymq.client.routes import meta_addresses
 from delaymq.client.blocking import BlockingProducer
 from delaymq.metaserver.routes import RouteKind
 from delaymq.protocol.commands import Command
-from delaymq.protocol.errors import LocalProtocolError, PeerError
+from delaymq.protocol.errors import LocalProtocolError, PeerError, RemoteProtocolError
 from delaymq.protocol.frames import Frame, FrameKind
 from delaymq.protocol.limits import TWO_YEARS_MS, Limits
 from delaymq.protocol.records import Message, decode_batch
@@ -253,3 +253,64 @@ def test_system_clock_is_the_default() -> None:
         assert isinstance(producer.clock, SystemClock)
     finally:
         producer.close()
+
+
+# ------------------------------------------------------- ids, answers, options
+
+
+async def test_an_empty_id_is_refused_naming_id_and_none_makes_one() -> None:
+    routes = FakeRoutes()
+    producer = make_producer(routes, TrioClock(T0))
+    with pytest.raises(LocalProtocolError) as caught:
+        await producer.send("orders", b"x", id="")
+    assert (caught.value.field, caught.value.limit) == ("id", 64)
+    assert "id is empty" in str(caught.value) and "None" in str(caught.value)
+    with pytest.raises(LocalProtocolError, match="id is empty"):
+        producer.message("orders", b"x", id="")
+    assert routes.calls == []
+    made = await producer.send("orders", b"x", id=None)
+    given = await producer.send("orders", b"x", id="order-7")
+    assert len(made) == 32 and given == "order-7"
+    assert [batch[0].id for _, _, batch in routes.sent()] == [made, "order-7"]
+
+
+class DuplicateRoutes(FakeRoutes):
+    """Answers as a realtime server does a retry of records it already holds."""
+
+    def __init__(self, answers: list[list[str]]) -> None:
+        super().__init__()
+        self.answers = answers
+
+    async def call(self, route: str, command: int, metadata: Any, body: bytes, **_: Any) -> Frame:
+        self.calls.append((route, command, body))
+        return Frame(FrameKind.RESPONSE, command, 1, {"results": self.answers.pop(0)}, b"")
+
+
+async def test_records_answered_duplicate_are_stored_ids_and_counted_as_duplicates() -> None:
+    routes = DuplicateRoutes([["duplicate", "stored", "duplicate"], ["duplicate"]])
+    producer = make_producer(routes, TrioClock(T0))
+    messages = [producer.message("orders", f"m{n}") for n in range(3)]
+    assert await producer.send_batch(messages) == [m.id for m in messages]
+    assert await producer.send("orders", b"again", id=messages[0].id) == messages[0].id
+    stats = producer.statistics()
+    assert (stats.messages, stats.duplicates, stats.frames) == (4, 3, 2)
+
+
+@pytest.mark.parametrize("answer", [["stored", "refused"], ["stored"], ["stored", 1]])
+async def test_an_answer_that_does_not_say_every_record_is_held_is_an_error(answer: list[Any]) -> None:
+    producer = make_producer(DuplicateRoutes([answer]), TrioClock(T0))
+    with pytest.raises(RemoteProtocolError) as caught:
+        await producer.send_batch([producer.message("orders", f"m{n}") for n in range(2)])
+    assert caught.value.field == "results"
+    assert "should be a list of 2 of duplicate, scheduled, stored" in str(caught.value)
+    assert producer.statistics().messages == 0
+
+
+@pytest.mark.parametrize("bad", [0, -5, float("nan"), None])
+async def test_send_timeout_must_be_more_than_zero_seconds(bad: Any) -> None:
+    with pytest.raises(ValueError, match=f"send_timeout is {bad!r}; it must be a number of seconds more than 0"):
+        async with open_producer("127.0.0.1:1", send_timeout=bad):
+            pass  # pragma: no cover
+    with pytest.raises(ValueError, match="send_timeout is"):
+        BlockingProducer("127.0.0.1:1", send_timeout=bad)
+    assert BlockingProducer("127.0.0.1:1").send_timeout == 30.0

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +18,22 @@ import trio
 import trio.testing
 
 from delaymq.client.faults import AvoidancePolicy
-from delaymq.client.routes import BlockingRouteClient, CallFailed, NoRouteError, RouteClient, RouteTable
+from delaymq.client.routes import (
+    CALL_BACKOFF,
+    BlockingRouteClient,
+    CallFailed,
+    CallTimedOut,
+    NoRouteError,
+    RouteClient,
+    RouteTable,
+)
 from delaymq.metaserver.server import open_metaserver, run_inline
 from delaymq.protocol.blocking import BlockingPeers
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError, RemoteProtocolError
-from delaymq.protocol.testing import MemoryNetwork
-from delaymq.protocol.transport import FrameServer, Request, open_peers
+from delaymq.protocol.frames import Frame, FrameKind
+from delaymq.protocol.testing import MemoryNetwork, ServeStream
+from delaymq.protocol.transport import FrameServer, PeerUnavailable, Request, open_peers
 from delaymq.wheel.clock import SystemClock, TrioClock
 
 T0 = 1_700_000_000_000
@@ -57,6 +67,7 @@ class World:
     network: MemoryNetwork
     clock: TrioClock
     groups: dict[str, FakeGroup]
+    meta: ServeStream
 
     async def register(self, name: str, *, kind: str = "realtime", refuse: str | None = None,
                        delay: float = 0.0) -> FakeGroup:
@@ -84,7 +95,7 @@ async def world(tmp_path: Path) -> AsyncIterator[World]:
     ) as meta, trio.open_nursery() as nursery:
         network = MemoryNetwork(nursery)
         network.serve(META, meta.serve_stream)
-        yield World(network, clock, {})
+        yield World(network, clock, {}, meta.serve_stream)
         nursery.cancel_scope.cancel()
 
 
@@ -285,3 +296,189 @@ async def test_blocking_twin_retries_on_another_group_over_loopback(tmp_path: Pa
         assert await trio.to_thread.run_sync(produce) == ["rt2"] * 4
         assert refusing.received == 1
         nursery.cancel_scope.cancel()
+
+
+# -- calls that ride out an outage (retry_for) ------------------------------------
+
+
+class Recorder:
+    """The network, noting when (client clock, ms) each request to a group was made."""
+
+    def __init__(self, network: MemoryNetwork, clock: TrioClock) -> None:
+        self.network = network
+        self.clock = clock
+        self.times: dict[str, list[int]] = {}
+
+    async def call(
+        self, address: str, command: int, metadata: dict[str, Any] | None = None, body: bytes = b"", *,
+        timeout: float | None = None,
+    ) -> Any:  # fmt: skip
+        if command != Command.ROUTE:
+            self.times.setdefault(address, []).append(self.clock.now_ms())
+        return await self.network.call(address, command, metadata, body, timeout=timeout)
+
+
+def gaps(times: list[int]) -> list[int]:
+    return [later - earlier for earlier, later in zip(times, times[1:])]
+
+
+async def test_a_call_with_retry_for_waits_out_the_only_groups_outage_with_backoff(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    async with world(tmp_path) as w:
+        group = await w.register("rt1")
+        recorder = Recorder(w.network, w.clock)
+        client = RouteClient(recorder, [META], clock=w.clock, random=lambda: 0.0)
+        assert await send(client) == "rt1"  # the route is known and the group healthy
+        w.network.take_down("rt1:20881")  # the only group restarts...
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(send, client, retry_for=30))
+            await trio.sleep(0.8)
+            w.network.serve("rt1:20881", group.server().serve_stream)  # ...and is back 0.8 s later
+        times = recorder.times["rt1:20881"][1:]
+        assert times[0] == T0 and times[-1] > T0 + 800  # the call outlived the outage
+        assert gaps(times) == [CALL_BACKOFF.delay_ms(n, 0.0) for n in range(1, len(times))]
+        assert gaps(times) == sorted(gaps(times)) and min(gaps(times)) >= 50  # growing, never a tight loop
+        assert group.received == 2
+        stats = client.statistics()
+        assert (stats.calls, stats.unanswered, stats.retries) == (2, len(times) - 1, len(times) - 1)
+
+
+async def test_a_call_with_retry_for_tries_every_group_then_backs_off_and_says_what_it_tried(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    async with world(tmp_path) as w:
+        await w.register("rt1")
+        await w.register("rt2")
+        w.network.take_down("rt1:20881")
+        w.network.take_down("rt2:20881")
+        recorder = Recorder(w.network, w.clock)
+        client = RouteClient(recorder, [META], clock=w.clock, random=lambda: 0.0)
+        with pytest.raises(CallTimedOut) as timed_out:
+            await send(client, retry_for=2)
+        rt1, rt2 = recorder.times["rt1:20881"], recorder.times["rt2:20881"]
+        assert rt1 == rt2  # each round tries the other group at once, then waits
+        assert gaps(rt1) == [CALL_BACKOFF.delay_ms(n, 0.0) for n in range(1, len(rt1))]
+        error = timed_out.value
+        assert isinstance(error, CallFailed)  # what callers caught before still catches it
+        assert len(error.attempts) == 2 * len(rt1) and error.rounds == len(rt1)
+        assert error.elapsed_ms == w.clock.now_ms() - T0 <= 2000
+        message = str(error)
+        assert message.startswith(
+            f"SEND on route 'immediate-producer' gave up after {error.elapsed_ms / 1000:.1f} s (retry_for is 2 s): "
+            f"{2 * len(rt1)} failed attempts in {len(rt1)} rounds with backoff; "
+        )
+        for name in ("rt1", "rt2"):
+            assert (
+                f"group {name} at {name}:20881: {len(rt1)} attempts, last error: "
+                f"cannot connect to {name}:20881: it is down"
+            ) in message
+
+
+async def test_a_call_with_retry_for_goes_to_a_healthy_group_at_once(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    async with world(tmp_path) as w:
+        await w.register("rt1")
+        await w.register("rt2")
+        w.network.take_down("rt1:20881")
+        client = w.client()
+        assert await send(client, retry_for=30) == "rt2"
+        assert w.clock.now_ms() == T0  # no backoff: another group was there to try
+
+
+async def test_a_call_with_retry_for_still_raises_a_refusal_of_the_request_at_once(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    async with world(tmp_path) as w:
+        group = await w.register("rt1", refuse="limit")
+        client = w.client()
+        with pytest.raises(PeerError) as refused:
+            await send(client, retry_for=30)
+        assert refused.value.code == "limit"
+        assert (group.received, w.clock.now_ms()) == (1, T0)
+        with pytest.raises(NoRouteError, match="no scheduler group in RW"):  # answered with no group: at once
+            await client.call("delayed-producer", Command.SCHEDULE, {}, b"x", retry_for=30)
+        assert w.clock.now_ms() == T0
+
+
+async def test_a_call_with_retry_for_waits_for_a_metaserver_to_answer(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    async with world(tmp_path) as w:
+        await w.register("rt1")
+        w.network.take_down(META)  # restarting as the client starts
+        client = w.client()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(send, client, retry_for=30))
+            await trio.sleep(2)
+            assert client.statistics().fetch_failures >= 2  # asked, and asked again
+            w.network.serve(META, w.meta)
+        assert client.statistics().calls == 1 and client.statistics().fetches == 1
+        with pytest.raises(CallTimedOut, match=r"route lookup: \d+ attempts, last error: no realtime group"):
+            w.network.take_down(META)
+            await RouteClient(w.network, [META], clock=w.clock).call(PRODUCE, Command.SEND, retry_for=5)
+
+
+async def test_retry_for_must_be_a_positive_number_of_seconds(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    async with world(tmp_path) as w:
+        client = w.client()
+        for bad in (0, -1, float("nan"), "30"):
+            with pytest.raises(ValueError, match=f"retry_for is {bad!r}; it must be a number of seconds more than 0"):
+                await send(client, retry_for=bad)
+
+
+class ScriptedCaller:
+    """A blocking caller: the metaserver's route answer, and a group that is down until ``up_at_ms``."""
+
+    def __init__(self, clock: StepClock, up_at_ms: int) -> None:
+        self.clock = clock
+        self.up_at_ms = up_at_ms
+        self.sends: list[int] = []
+
+    def call(
+        self, address: str, command: int, metadata: dict[str, Any] | None = None, body: bytes = b"", *,
+        timeout: float | None = None,
+    ) -> Frame:  # fmt: skip
+        if command == Command.ROUTE:
+            group = {"group": "rt1", "kind": "realtime", "state": "RW", "address": "rt1:1", "slaves": []}
+            return Frame(FrameKind.RESPONSE, command, 1, {"version": 1, "groups": [group]}, b"")
+        self.sends.append(self.clock.now_ms())
+        if self.clock.now_ms() < self.up_at_ms:
+            raise PeerUnavailable("cannot connect to rt1:1: connection refused", address=address)
+        return Frame(FrameKind.RESPONSE, command, 1, {"group": "rt1"}, b"")
+
+
+class StepClock:
+    """A clock for blocking code that moves only when slept on."""
+
+    def __init__(self) -> None:
+        self.now = T0
+        self.slept: list[float] = []
+
+    def now_ms(self) -> int:
+        return self.now
+
+    async def sleep_until_ms(self, epoch_ms: int) -> None:  # pragma: no cover - blocking code sleeps by sleep()
+        raise AssertionError("blocking code must not sleep on trio")
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += round(seconds * 1000)
+
+
+def test_the_blocking_twin_backs_off_and_times_out_alike() -> None:
+    clock = StepClock()
+    caller = ScriptedCaller(clock, up_at_ms=T0 + 800)
+    client = BlockingRouteClient(caller, ["meta:1"], clock=clock, random=lambda: 0.0, sleep=clock.sleep)
+    frame = client.call(PRODUCE, Command.SEND, {}, b"x", retry_for=30)
+    assert frame.metadata == {"group": "rt1"}
+    assert gaps(caller.sends) == [CALL_BACKOFF.delay_ms(n, 0.0) for n in range(1, len(caller.sends))]
+    assert caller.sends[-2] < T0 + 800 <= caller.sends[-1]
+    assert [round(s * 1000) for s in clock.slept] == gaps(caller.sends)  # it slept, it did not spin
+
+    caller.up_at_ms = clock.now + 60_000
+    with pytest.raises(CallTimedOut, match=r"gave up after 2\.\d s \(send_timeout is 3 s\)"):
+        client.call(PRODUCE, Command.SEND, {}, b"x", retry_for=3, retry_for_name="send_timeout")
