@@ -11,9 +11,11 @@ import logging
 from pathlib import Path
 
 from delaymq.cli import options
+from delaymq.cli.connection_options import add_connection_options, connection_limits
 from delaymq.cli.serving import fail, run_server, wait_for_stop_signal
 from delaymq.client.producer import DEFAULT_META
 from delaymq.metaserver.server import open_metaserver
+from delaymq.protocol.limits import Limits
 from delaymq.wheel.clock import SystemClock
 
 log = logging.getLogger("delaymq.metaserver")
@@ -52,6 +54,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="DURATION",
         help="how often servers are told to heartbeat; below --evict-after (default: 5s)",
     )
+    add_connection_options(parser)
     parser.set_defaults(func=run)
 
 
@@ -61,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         evict_ms = options.duration_ms(args.evict_after)
         interval_ms = options.duration_ms(args.heartbeat_interval)
+        limits = Limits(connections=connection_limits(args))
     except argparse.ArgumentTypeError as error:
         return fail(str(error))
     if interval_ms < 1 or evict_ms <= interval_ms:
@@ -69,11 +73,12 @@ def run(args: argparse.Namespace) -> int:
             f"than --evict-after ({options.show_duration(evict_ms)})"
         )
     what = f"the metaserver on {args.listen} with data {args.data}"
-    return run_server(_serve, args.listen, args.data, evict_ms, interval_ms, what=what)
+    return run_server(_serve, args.listen, args.data, evict_ms, interval_ms, limits, what=what)
 
 
-async def _serve(listen: str, data: Path, evict_ms: int, interval_ms: int) -> None:
+async def _serve(listen: str, data: Path, evict_ms: int, interval_ms: int, limits: Limits) -> None:
     async with open_metaserver(
+        limits=limits,
         listen=listen,
         data_dir=data,
         clock=SystemClock(),

@@ -158,6 +158,23 @@ class FrameDecoder:
         """Bytes received but not yet handed out as a frame."""
         return len(self._buf) - self._pos
 
+    def partial_frame(self) -> tuple[int, int, int] | None:
+        """(command, request_id, size) of the frame at the front, once its header is in.
+
+        A server that gives up on a half-sent frame answers its request with this.
+        """
+        if self._failed is not None or self.pending < FRAME_HEADER_SIZE:
+            return None
+        (_magic, _version, _kind, command, request_id, meta_len, body_len) = FRAME_HEADER.unpack_from(
+            self._buf, self._pos
+        )
+        return command, request_id, FRAME_HEADER_SIZE + meta_len + body_len
+
+    def discard(self) -> None:
+        """Let go of every byte buffered: the connection is being closed, its memory is wanted back."""
+        self._buf = bytearray()
+        self._pos = 0
+
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         self._check_usable()
         self._buf += data

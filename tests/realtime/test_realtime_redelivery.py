@@ -157,6 +157,7 @@ async def test_dedup_memory_cap_falls_back_to_lmdb(
                 "stored",
             ]
             await trio.sleep(601)  # past the default 10-minute window
+        async with rt.memory_client(server) as client:  # a new connection: the server closes idle ones after 5m
             assert await client.send(sent[:3]) == ["stored"] * 3
 
 
