@@ -13,10 +13,11 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, Any
 
 import trio
 
@@ -53,12 +54,19 @@ def _status_kb(pid: int, field: str) -> int:
 
 
 @contextmanager
-def local_cluster(data: Path, *, flush: str) -> Iterator[ClusterProcess]:
-    """``delaymq cluster`` in a child process on a free port; stopped at the end."""
+def local_cluster(
+    data: Path, *, flush: str, env: Mapping[str, str] | None = None, stderr: IO[Any] | None = None
+) -> Iterator[ClusterProcess]:
+    """``delaymq cluster`` in a child process on a free port; stopped at the end.
+
+    ``env`` replaces the child's environment, ``stderr`` (a file) takes its log.
+    """
     process = subprocess.Popen(
         [sys.executable, "-P", "-m", "delaymq.cli", "--log-level", "warning", "cluster",
          "--data", str(data), "--meta-listen", "127.0.0.1:0", "--flush", flush],
         stdout=subprocess.PIPE,
+        stderr=stderr,
+        env=env,
         text=True,
     )
     try:

@@ -11,8 +11,10 @@ import logging
 from pathlib import Path
 
 from delaymq.cli import options
+from delaymq.cli.connection_options import add_connection_options, connection_limits
 from delaymq.cli.serving import fail, run_server, wait_for_stop_signal
 from delaymq.client.producer import DEFAULT_META
+from delaymq.protocol.limits import Limits
 from delaymq.realtime.server import open_realtime_server
 from delaymq.wheel.clock import SystemClock
 
@@ -43,6 +45,7 @@ def add_server_options(parser: argparse.ArgumentParser, *, group: str) -> None:
         default="sync",
         help="sync: answer after fsync (group commit); async: fsync every 100 ms (default: %(default)s)",
     )
+    add_connection_options(parser)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -88,14 +91,15 @@ def run(args: argparse.Namespace) -> int:
             "ack_timeout_ms": options.duration_ms(args.ack_timeout),
             "consumer_timeout_ms": options.duration_ms(args.consumer_timeout),
         }
+        limits = Limits(connections=connection_limits(args))
     except argparse.ArgumentTypeError as error:
         return fail(str(error))
     meta = args.meta or [DEFAULT_META]
     what = f"realtime server {args.group} on {args.listen} with data {args.data}"
-    return run_server(_serve, args, meta, settings, what=what)
+    return run_server(_serve, args, meta, settings, limits, what=what)
 
 
-async def _serve(args: argparse.Namespace, meta: list[str], settings: dict[str, int]) -> None:
+async def _serve(args: argparse.Namespace, meta: list[str], settings: dict[str, int], limits: Limits) -> None:
     async with open_realtime_server(
         data_dir=args.data,
         clock=SystemClock(),
@@ -103,6 +107,7 @@ async def _serve(args: argparse.Namespace, meta: list[str], settings: dict[str, 
         group=args.group,
         meta_address=meta,
         flush=args.flush,
+        limits=limits,
         **settings,
     ) as server:
         log.info("realtime server %s listening on %s (data %s, metaserver %s)", args.group, server.address, args.data, ", ".join(meta))

@@ -11,6 +11,7 @@ import argparse
 import logging
 
 from delaymq.cli import options
+from delaymq.cli.connection_options import connection_limits
 from delaymq.cli.realtime_command import add_server_options
 from delaymq.cli.serving import fail, run_server, wait_for_stop_signal
 from delaymq.client.producer import DEFAULT_META
@@ -54,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         horizon_ms = options.duration_ms(args.horizon)
         retention_ms = options.duration_ms(args.retention)
-        limits = Limits(horizon_ms=horizon_ms)
+        limits = Limits(horizon_ms=horizon_ms, connections=connection_limits(args))
     except argparse.ArgumentTypeError as error:
         return fail(str(error))
     except ValueError as error:

@@ -8,11 +8,19 @@ once per outage rather than once per attempt. The latest answer (the group's
 state, its master, the route version) is held by a ``Registration``.
 ``start_registration`` is how a server starts it: as its group's master, with
 its ``software_version()``.
+
+Each run registers with an ``incarnation``, a token new at every start: it tells
+the metaserver a restarted server (registered at once, superseding its group's
+old master) from a deposed one still running (refused as ``superseded``, and
+left unrouted, so two live masters never take turns). The heartbeat schedule and
+the backoffs are intervals of the monotonic clock: a wall-clock step neither
+stops nor rushes them.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -22,7 +30,7 @@ from typing import Any
 import trio
 
 from delaymq.metaserver.routes import ServerKind
-from delaymq.metaserver.server import REGISTER_FIRST
+from delaymq.metaserver.server import REGISTER_FIRST, SUPERSEDED
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError, RemoteProtocolError
 from delaymq.protocol.transport import AsyncCaller, TransportError
@@ -30,7 +38,8 @@ from delaymq.wheel.clock import Clock
 
 log = logging.getLogger(__name__)
 
-#: The register fields a server sends (``version`` is its software version).
+#: The register fields a server sends (``version`` is its software version); an
+#: ``incarnation`` is added when absent.
 INFO_FIELDS = ("group", "kind", "role", "address", "version")
 #: The interval used until the metaserver names one.
 DEFAULT_INTERVAL_MS = 5_000
@@ -70,6 +79,7 @@ class Registration:
         self.meta_address = ""
         self.registered = False
         self.last_answer_ms: int | None = None
+        self.superseded = False  # another server registered as this group's master since
         self._first_answer = trio.Event()
         self._registrations = 0
         self._heartbeats = 0
@@ -79,7 +89,7 @@ class Registration:
     @property
     def is_master(self) -> bool:
         """Whether routes point at this server as its group's master."""
-        return self.master == self.info["address"]
+        return not self.superseded and self.master == self.info["address"]
 
     async def wait_registered(self) -> None:
         """Return once the metaserver has answered a registration."""
@@ -106,6 +116,7 @@ class Registration:
         if interval > 0:
             self.heartbeat_interval_ms = interval
         self.registered = True
+        self.superseded = False
         self.last_answer_ms = now_ms
         if command == Command.REGISTER:
             self._registrations += 1
@@ -146,13 +157,16 @@ async def run_registration(
     returns the ``Registration`` after the first attempt, answered or not (a
     metaserver that is down must not keep a server from starting); a first
     attempt the metaserver refuses raises ``RegistrationRefused``. Several
-    ``meta_address``es are tried in turn while one is unreachable.
+    ``meta_address``es are tried in turn while one is unreachable. Without an
+    ``incarnation`` in ``info``, a new one is drawn for this run.
     """
     addresses = [meta_address] if isinstance(meta_address, str) else list(meta_address)
     if not addresses:
         raise ValueError("meta_address: at least one metaserver address is needed")
-    registration = Registration(info, interval_ms=interval_ms or DEFAULT_INTERVAL_MS)
-    full = {name: registration.info[name] for name in INFO_FIELDS}
+    registration = Registration(
+        {"incarnation": secrets.token_hex(8), **info}, interval_ms=interval_ms or DEFAULT_INTERVAL_MS
+    )
+    full = {name: registration.info[name] for name in (*INFO_FIELDS, "incarnation")}
     light = {"group": full["group"], "address": full["address"]}
     where = f"{full['address']} (group {full['group']})"
     current = 0
@@ -166,8 +180,7 @@ async def run_registration(
         registration.meta_address = address
         command = Command.REGISTER if register else Command.HEARTBEAT
         interval = interval_ms or registration.heartbeat_interval_ms
-        sent_at = clock.now_ms()
-        next_at = sent_at + interval
+        next_at = clock.monotonic_ms() + interval  # an interval: never from the wall clock
         try:
             frame = await peers.call(
                 address, command, full if register else light, timeout=max(interval, 1_000) / 1000
@@ -180,18 +193,20 @@ async def run_registration(
                 continue
             registration._failures += 1
             registration.registered = False
+            registration.superseded = error.code == SUPERSEDED
             if not started:
                 raise RegistrationRefused(f"metaserver {address} refused to register {where}: {error}") from error
-            if str(error) != refused:
-                refused = str(error)
-                log.error("metaserver %s refused %s of %s: %s", address, command.name, where, error)
+            reason = str(error).removeprefix(f"{command.name}: ")  # the same refusal of either command
+            if reason != refused:
+                refused = reason
+                log.error("metaserver %s refused %s of %s: %s", address, command.name, where, reason)
             register = True
             backoff_ms = min(interval, max(backoff_initial_ms, backoff_ms * 2))
-            next_at = clock.now_ms() + backoff_ms
+            next_at = clock.monotonic_ms() + backoff_ms
         except (TransportError, RemoteProtocolError) as error:
             registration._failures += 1
             registration.registered = False
-            now = clock.now_ms()
+            now = clock.monotonic_ms()
             if outage_since is None:
                 outage_since = now
                 registration._outages += 1
@@ -207,7 +222,7 @@ async def run_registration(
                 log.info(
                     "metaserver %s answers again after %.1f s; %s is %s",
                     address,
-                    (clock.now_ms() - outage_since) / 1000,
+                    (clock.monotonic_ms() - outage_since) / 1000,
                     where,
                     "registered" if register else "heartbeating",
                 )
@@ -226,7 +241,7 @@ async def run_registration(
         if not started:
             started = True
             task_status.started(registration)
-        await clock.sleep_until_ms(next_at)
+        await clock.sleep_ms(next_at - clock.monotonic_ms())
 
 
 def software_version() -> str:

@@ -1,8 +1,11 @@
 """The metaserver's registry: server groups, heartbeats, eviction, states, routes.
 
-A sans-IO object: the network server feeds it requests and the epoch ms of each,
-and it never reads a clock. Time inside it never runs backwards: an earlier
-``now_ms`` than one already seen is taken as the latest seen.
+A sans-IO object: the network server feeds it requests and the time of each,
+and it never reads a clock. Its times are for intervals (silence, eviction) and
+versions, so the server feeds it a steady time, one that a wall-clock step does
+not move (``Metaserver``: the wall clock at start plus the monotonic time
+since). Time inside it never runs backwards: an earlier ``now_ms`` than one
+already seen is taken as the latest seen.
 
 Rules, each chosen so a route answer is safe to act on:
 
@@ -14,9 +17,16 @@ Rules, each chosen so a route answer is safe to act on:
   Evicted servers stay known (``status`` shows them with their age) until
   ``forget``.
 - A group's master is the server that claimed mastership last (registered as
-  master when it was new or a slave). A second server claiming master therefore
-  takes over, and the old one, still claiming, is not routed even as a slave.
-  A group is routed while its master is live; its live slaves come with it.
+  master when it was new, a slave, or a new ``incarnation`` of a deposed
+  master). The newest claim wins at once: the group's previous master is
+  *superseded*, dropped from the group (and so from routes) and remembered as
+  deposed, so a dead master never holds the group until its eviction, and a
+  live one cannot take the group back: its heartbeats, and its registrations as
+  master with the same incarnation, are refused (``Superseded``). It may come
+  back as a slave, or as master after a restart (a new incarnation, which then
+  supersedes the other). A server restarting on its own address (a new
+  incarnation) is live again at its registration. A group is routed while its
+  master is live; its live slaves come with it.
 - ``version`` changes exactly when the view behind every route answer changes.
   Each change sets it to ``max(version + 1, now_ms)``, so a metaserver restored
   from an older snapshot, or started empty, never hands out a version that an
@@ -44,13 +54,18 @@ from delaymq.metaserver.routes import (
 GROUP_NAME_MAX = 128
 HOST_MAX = 255
 SOFTWARE_VERSION_MAX = 64
+INCARNATION_MAX = 64
+#: Deposed masters remembered per group (the oldest are forgotten first).
+DEPOSED_KEPT = 16
 # Only the record format's own cap: the configured subject limit is the
 # protocol's to enforce, and the metaserver must not refuse what it allows.
 SUBJECT_MAX_BYTES = 0xFFFF
 PORT_MIN, PORT_MAX = 1, 65535
 DEFAULT_EVICT_AFTER_MS = 30_000
 DEFAULT_HEARTBEAT_INTERVAL_MS = 5_000
-SNAPSHOT_FORMAT = 1
+SNAPSHOT_FORMAT = 2
+#: Snapshot formats ``restore`` reads (1: before incarnations and deposed masters).
+SNAPSHOT_FORMATS_READ = (1, 2)
 
 _GROUP_NAME = re.compile(r"[A-Za-z0-9._-]+")
 _E = TypeVar("_E", bound=enum.Enum)
@@ -69,6 +84,18 @@ class RegistryError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+class Superseded(RegistryError):
+    """A heartbeat or registration from a master that another server has superseded."""
+
+    def __init__(self, group: str, address: str, by: str) -> None:
+        super().__init__(
+            "address",
+            f"{address} was superseded as master of group {group!r} by {by} (the newest registration "
+            "wins); it is not routed: restart it to register again, or register it as a slave",
+        )
+        self.by = by
 
 
 # -- validation ---------------------------------------------------------------
@@ -141,6 +168,8 @@ class ServerInfo:
     role: Role
     address: str
     software_version: str
+    #: New at every start of the server: tells a restart from a deposed master still running.
+    incarnation: str | None = None
 
     def __post_init__(self) -> None:
         check_group_name(self.group)
@@ -148,6 +177,8 @@ class ServerInfo:
         object.__setattr__(self, "role", _choice("role", Role, self.role))
         check_address(self.address)
         _text("software_version", self.software_version, SOFTWARE_VERSION_MAX)
+        if self.incarnation is not None:
+            _text("incarnation", self.incarnation, INCARNATION_MAX)
 
     @classmethod
     def from_dict(cls, request: Mapping[str, Any]) -> ServerInfo:
@@ -158,7 +189,7 @@ class ServerInfo:
         for key in fields:
             if key not in request:
                 raise RegistryError(key, "is missing")
-        return cls(*(request[key] for key in fields))
+        return cls(*(request[key] for key in fields), incarnation=request.get("incarnation"))
 
 
 # -- answers ------------------------------------------------------------------
@@ -213,6 +244,13 @@ class _Server:
     software_version: str
     last_heartbeat_ms: int
     master_claim: int  # order of its latest claim of mastership; 0 while a slave
+    incarnation: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Deposed:
+    incarnation: str | None  # the superseded run's; a registration with another one is a restart
+    by: str  # the address that superseded it
 
 
 @dataclass(slots=True)
@@ -220,6 +258,7 @@ class _Group:
     kind: ServerKind
     state: GroupState
     servers: dict[str, _Server]
+    deposed: dict[str, _Deposed]  # address -> record, oldest first
 
     def master(self) -> str | None:
         best: str | None = None
@@ -268,31 +307,56 @@ class Registry:
             raise RegistryError(
                 "kind", f"group {info.group!r} is a {group.kind} group, {info.address} says {info.kind}"
             )
+        deposed = group.deposed.get(info.address) if group is not None else None
+        if deposed is not None and info.role is Role.MASTER and info.incarnation == deposed.incarnation:
+            raise Superseded(info.group, info.address, deposed.by)
         now = self._advance(now_ms)
         if group is None:
-            group = self._groups[info.group] = _Group(info.kind, GroupState.RW, {})
+            group = self._groups[info.group] = _Group(info.kind, GroupState.RW, {}, {})
+        if deposed is not None:  # back as a slave, or restarted: no longer deposed
+            del group.deposed[info.address]
+            self._content_changed()
         server = group.servers.get(info.address)
+        claims = info.role is Role.MASTER and (
+            server is None
+            or server.role is not Role.MASTER
+            or (server.incarnation != info.incarnation and group.master() != info.address)
+        )
         if server is None:
-            claim = self._claim() if info.role is Role.MASTER else 0
-            group.servers[info.address] = _Server(info.role, info.software_version, now, claim)
+            server = group.servers[info.address] = _Server(info.role, info.software_version, now, 0)
             self._content_changed()
         else:
             self._beat(server, now)
             if server.role is not info.role:
                 server.role = info.role
-                server.master_claim = self._claim() if info.role is Role.MASTER else 0
+                server.master_claim = 0
                 self._content_changed()
             if server.software_version != info.software_version:
                 server.software_version = info.software_version
                 self._changes += 1  # persisted, but no route shows it
+        if server.incarnation != info.incarnation:
+            server.incarnation = info.incarnation
+            self._changes += 1  # persisted, but no route shows it
+        if claims:
+            server.master_claim = self._claim()
+            self._supersede(group, info.address)
+            self._content_changed()
         self._refresh(now)
         return self._reply(group)
+
+    def superseded(self, group: str) -> dict[str, str]:
+        """The deposed masters of ``group`` still remembered: address -> who superseded it."""
+        found = self._groups.get(group)
+        return {} if found is None else {address: record.by for address, record in found.deposed.items()}
 
     def heartbeat(self, group: str, address: str, *, now_ms: int) -> HeartbeatReply:
         """The light heartbeat of a registered server: (group, address) only."""
         found = self._group(group)
         server = found.servers.get(check_address(address))
         if server is None:
+            deposed = found.deposed.get(address)
+            if deposed is not None:
+                raise Superseded(group, address, deposed.by)
             raise RegistryError("address", f"{address} is not registered in group {group!r}: register first")
         now = self._advance(now_ms)
         self._beat(server, now)
@@ -300,12 +364,14 @@ class Registry:
         return self._reply(found)
 
     def forget(self, group: str, address: str) -> None:
-        """Admin: drop a server for good (a group left with none is dropped too)."""
+        """Admin: drop a server, or the memory of a deposed master, for good (a group left
+        with neither is dropped too)."""
         found = self._group(group)
-        if check_address(address) not in found.servers:
+        if check_address(address) in found.servers:
+            del found.servers[address]
+        elif found.deposed.pop(address, None) is None:
             raise RegistryError("address", f"{address} is not registered in group {group!r}")
-        del found.servers[address]
-        if not found.servers:
+        if not found.servers and not found.deposed:
             del self._groups[group]
         self._content_changed()
         self._refresh(self._now_ms)
@@ -430,8 +496,13 @@ class Registry:
                             "role": server.role.value,
                             "software_version": server.software_version,
                             "master_claim": server.master_claim,
+                            "incarnation": server.incarnation,
                         }
                         for address, server in sorted(group.servers.items())
+                    ],
+                    "deposed": [
+                        {"address": address, "incarnation": record.incarnation, "by": record.by}
+                        for address, record in group.deposed.items()
                     ],
                 }
                 for name, group in sorted(self._groups.items())
@@ -459,9 +530,10 @@ class Registry:
         registry = cls(evict_after_ms=evict_after_ms, heartbeat_interval_ms=heartbeat_interval_ms)
         now = registry._advance(now_ms)
         data = _mapping("snapshot", snapshot)
-        if data.get("format") != SNAPSHOT_FORMAT:
+        if data.get("format") not in SNAPSHOT_FORMATS_READ:
             raise RegistryError(
-                "snapshot.format", f"is {_show(data.get('format'))}, this code reads {SNAPSHOT_FORMAT}"
+                "snapshot.format",
+                f"is {_show(data.get('format'))}, this code reads {' or '.join(map(str, SNAPSHOT_FORMATS_READ))}",
             )
         saved_version = _count("snapshot.version", data.get("version"))
         claims = _count("snapshot.master_claims", data.get("master_claims"))
@@ -478,6 +550,7 @@ class Registry:
                 _choice(f"{where}.kind", ServerKind, entry.get("kind")),
                 _choice(f"{where}.state", GroupState, entry.get("state")),
                 {},
+                {},
             )
             servers = entry.get("servers")
             if not isinstance(servers, list) or not servers:
@@ -489,8 +562,18 @@ class Registry:
                 role = _choice(f"{at}.role", Role, item.get("role"))
                 claim = _count(f"{at}.master_claim", item.get("master_claim"), minimum=1 if role is Role.MASTER else 0)
                 version = _text(f"{at}.software_version", item.get("software_version"), SOFTWARE_VERSION_MAX)
-                group.servers[address] = _Server(role, version, now, claim if role is Role.MASTER else 0)
+                incarnation = _optional_text(f"{at}.incarnation", item.get("incarnation"), INCARNATION_MAX)
+                group.servers[address] = _Server(role, version, now, claim if role is Role.MASTER else 0, incarnation)
                 claims = max(claims, claim)
+            deposed = entry.get("deposed", [])
+            if not isinstance(deposed, list):
+                raise RegistryError(f"{where}.deposed", "must be a list")
+            for j, raw_record in enumerate(deposed):
+                at = f"{where}.deposed[{j}]"
+                item = _mapping(at, raw_record)
+                address = check_address(item.get("address"), f"{at}.address")
+                incarnation = _optional_text(f"{at}.incarnation", item.get("incarnation"), INCARNATION_MAX)
+                group.deposed[address] = _Deposed(incarnation, check_address(item.get("by"), f"{at}.by"))
             registry._groups[name] = group
         registry._claims = claims
         registry._view, registry._next_expiry_ms = registry._build_view(now)
@@ -512,6 +595,14 @@ class Registry:
     def _claim(self) -> int:
         self._claims += 1
         return self._claims
+
+    def _supersede(self, group: _Group, master: str) -> None:
+        """``master`` claimed the group: every other master is dropped and remembered as deposed."""
+        for address in [a for a, s in group.servers.items() if s.role is Role.MASTER and a != master]:
+            group.deposed.pop(address, None)
+            group.deposed[address] = _Deposed(group.servers.pop(address).incarnation, master)
+        while len(group.deposed) > DEPOSED_KEPT:
+            del group.deposed[next(iter(group.deposed))]
 
     def _alive(self, server: _Server, now: int) -> bool:
         return now - server.last_heartbeat_ms < self._evict_after_ms
@@ -574,6 +665,10 @@ def _check_subject(value: object) -> None:
         raise RegistryError("subject", f"is {size} UTF-8 bytes, limit {SUBJECT_MAX_BYTES}")
 
 
+def _optional_text(field: str, value: object, limit: int) -> str | None:
+    return None if value is None else _text(field, value, limit)
+
+
 def _mapping(field: str, value: object) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
         raise RegistryError(field, f"must be a mapping, got {type(value).__name__}")
@@ -596,6 +691,7 @@ __all__ = [
     "ServerInfo",
     "ServerKind",
     "StatusRow",
+    "Superseded",
     "check_address",
     "check_group_name",
 ]

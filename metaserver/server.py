@@ -1,7 +1,9 @@
 """The metaserver: the sans-IO ``Registry`` served over the network and kept in lmdb.
 
 Every request is handled on the trio thread against the one registry, with the
-time read from the clock at arrival. A change worth keeping (a new server, a
+time read at arrival: the registry's *steady* time, the wall clock at start plus
+the monotonic time since, so a wall-clock step neither evicts every server (a
+step forward) nor keeps dead ones routed (a step back). A change worth keeping (a new server, a
 role or state change) is written as one registry snapshot to the data folder's
 lmdb store before the request is answered, so what an admin was told is what a
 restarted metaserver knows; concurrent changes share one write. On start the
@@ -11,10 +13,12 @@ groups that lose or regain their master.
 
 Wire metadata (msgpack maps) of each command:
 
-- ``REGISTER {group, kind, role, address, version}`` and ``HEARTBEAT {group,
-  address}`` answer ``{state, master, route_version, heartbeat_interval_ms}``;
-  a heartbeat from a server this metaserver does not know is refused with code
-  ``register_first``.
+- ``REGISTER {group, kind, role, address, version, incarnation?}`` and
+  ``HEARTBEAT {group, address}`` answer ``{state, master, route_version,
+  heartbeat_interval_ms}``; a heartbeat from a server this metaserver does not
+  know is refused with code ``register_first``; one from a master another server
+  has superseded (the newest registration of a group's master wins), and its
+  registrations as master with the same ``incarnation``, with code ``superseded``.
 - ``ROUTE {route, subject?, known_version?}`` answers ``{version, groups: [{group,
   kind, state, address, slaves}]}``, or ``{version, unchanged: true}`` when
   ``known_version`` is the current version.
@@ -24,7 +28,8 @@ Wire metadata (msgpack maps) of each command:
   seconds_since_heartbeat, evicted, is_master}]}``.
 - ``PING {}`` answers ``{now_ms}``.
 
-Refusals are ``bad_request`` errors naming the field (``register_first`` aside).
+Refusals are ``bad_request`` errors naming the field (``register_first`` and
+``superseded`` aside).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from delaymq.metaserver.registry import (
     RegistryStatistics,
     ServerInfo,
     StatusRow,
+    Superseded,
     check_address,
     check_group_name,
 )
@@ -65,6 +71,8 @@ SNAPSHOT_DB = "metaserver"
 SNAPSHOT_KEY = b"registry"
 #: The error code of a heartbeat from a server the metaserver does not know.
 REGISTER_FIRST = "register_first"
+#: The error code of a heartbeat or registration from a master another server superseded.
+SUPERSEDED = "superseded"
 
 T = TypeVar("T")
 #: How blocking store calls are run: in a worker thread, or inline (see ``open_metaserver``).
@@ -96,6 +104,8 @@ def _refusals(command: str) -> Iterator[None]:
     """Turn a ``RegistryError`` into the ``bad_request`` answer naming its field."""
     try:
         yield
+    except Superseded as error:
+        raise RemoteProtocolError(f"{command}: {error.args[0]}", code=SUPERSEDED, field=error.field) from None
     except RegistryError as error:
         field = _WIRE_FIELDS.get(error.field, error.field)
         message = str(error).split(": ", 1)[-1]
@@ -174,14 +184,20 @@ class Metaserver:
         self._clock = clock
         self._run_blocking = run_blocking
         self._check_interval_ms = check_interval_ms
+        # The registry's steady time: the wall clock at start, then monotonic.
+        self._steady_origin = clock.now_ms() - clock.monotonic_ms()
         self._persist_lock = trio.Lock()
         self._snapshots_written = 0
-        rows = registry.status(clock.now_ms())
+        rows = registry.status(self.steady_ms())
         self._restored = len(rows)
         self._known = {(row.group, row.address) for row in rows}
         self._masters = _live_masters(rows)
         self._seen_version = registry.version
         self.server = FrameServer(self.handlers(), limits=limits)
+
+    def steady_ms(self) -> int:
+        """The registry's time: epoch ms at start, moved on by the monotonic clock only."""
+        return self._steady_origin + self._clock.monotonic_ms()
 
     def handlers(self) -> dict[int, Handler]:
         return {
@@ -216,15 +232,30 @@ class Metaserver:
         group, kind, role, address, version = (
             _field("REGISTER", md, name, str) for name in ("group", "kind", "role", "address", "version")
         )
-        now = self._clock.now_ms()
+        incarnation = _field("REGISTER", md, "incarnation", str, required=False)
+        now = self.steady_ms()
         changes = self.registry.changes
+        deposed_before = self.registry.superseded(group)
         with _refusals("REGISTER"):
-            reply = self.registry.register(ServerInfo(group, kind, role, address, version), now_ms=now)
+            reply = self.registry.register(
+                ServerInfo(group, kind, role, address, version, incarnation=incarnation), now_ms=now
+            )
         if (group, address) not in self._known:
             self._known.add((group, address))
             log.info("server %s registered: %s of %s group %s (version %s)", address, role, kind, group, version)
         elif self.registry.changes != changes:
             log.info("server %s of group %s now registers as %s (version %s)", address, group, role, version)
+        for old, by in self.registry.superseded(group).items():
+            if deposed_before.get(old) != by:
+                self._known.discard((group, old))
+                log.warning(
+                    "server %s superseded %s as master of group %s: %s is dropped from routes at once, "
+                    "and refused if it is still running",
+                    by,
+                    old,
+                    group,
+                    old,
+                )
         await self.persist()
         self._notice(now)
         return _reply(reply)
@@ -236,9 +267,11 @@ class Metaserver:
         with _refusals("HEARTBEAT"):
             check_group_name(group)
             check_address(address)
-        now = self._clock.now_ms()
+        now = self.steady_ms()
         try:
             reply = self.registry.heartbeat(group, address, now_ms=now)
+        except Superseded as error:
+            raise RemoteProtocolError(f"HEARTBEAT: {error.args[0]}", code=SUPERSEDED, field=error.field) from None
         except RegistryError as error:  # well-formed, so: not registered here
             raise RemoteProtocolError(
                 f"HEARTBEAT: {error}; send REGISTER", code=REGISTER_FIRST, field=error.field
@@ -251,7 +284,7 @@ class Metaserver:
         route = _field("ROUTE", md, "route", str)
         subject = _field("ROUTE", md, "subject", str, required=False)
         known = _field("ROUTE", md, "known_version", int, required=False)
-        now = self._clock.now_ms()
+        now = self.steady_ms()
         with _refusals("ROUTE"):
             answer = self.registry.route(route, now_ms=now, subject=subject)
         self._notice(now)
@@ -263,7 +296,7 @@ class Metaserver:
         md = request.metadata
         group = _field("SET_STATE", md, "group", str)
         state = _field("SET_STATE", md, "state", str)
-        now = self._clock.now_ms()
+        now = self.steady_ms()
         with _refusals("SET_STATE"):
             check_group_name(group)
             previous = next((row.state for row in self.registry.status(now) if row.group == group), None)
@@ -278,11 +311,11 @@ class Metaserver:
         return {"state": current.value, "previous": previous.value}
 
     async def _status(self, request: Request) -> dict[str, Any]:
-        now = self._clock.now_ms()
+        now = self.steady_ms()
         rows = self.registry.status(now)
         self._notice(now)
         return {
-            "now_ms": now,
+            "now_ms": self._clock.now_ms(),
             "route_version": self.registry.version,
             "evict_after_ms": self.evict_after_ms,
             "heartbeat_interval_ms": self.heartbeat_interval_ms,
@@ -308,8 +341,8 @@ class Metaserver:
         """Notice evictions every ``check_interval_ms``, so they are logged when due."""
         task_status.started()
         while True:
-            await self._clock.sleep_until_ms(self._clock.now_ms() + self._check_interval_ms)
-            now = self._clock.now_ms()
+            await self._clock.sleep_ms(self._check_interval_ms)
+            now = self.steady_ms()
             self.registry.expire(now)
             self._notice(now, always=True)
 
@@ -337,7 +370,7 @@ class Metaserver:
                     log.info("group %s has no live master", group)
             elif before is None:
                 log.info("group %s is back: its master %s heartbeats", group, master)
-            else:
+            elif self.registry.superseded(group).get(before) != master:  # superseding was logged
                 log.info("group %s master moved from %s to %s", group, before, master)
         self._masters = masters
         self._seen_version = self.registry.version

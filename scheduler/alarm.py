@@ -9,13 +9,17 @@ sleeping until it.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+from functools import partial
+
 import trio
 
 from delaymq.wheel.clock import Clock
 
 
 class Alarm:
-    """One sleeper's wake-up: ``wait(deadline_ms)`` returns at the deadline or on ``poke``."""
+    """One sleeper's wake-up: ``wait(deadline_ms)`` (a wall moment) or ``wait_ms(duration)``
+    (an interval) returns then or on ``poke``."""
 
     __slots__ = ("_clock", "_poked", "_scope", "pokes")
 
@@ -33,7 +37,16 @@ class Alarm:
             self._scope.cancel()
 
     async def wait(self, deadline_ms: int | None) -> None:
-        """Sleep until ``deadline_ms`` (epoch ms; None: no deadline) or a poke."""
+        """Sleep until the wall clock reads ``deadline_ms`` (epoch ms; None: no deadline)
+        or a poke."""
+        await self._sleep(None if deadline_ms is None else partial(self._clock.sleep_until_ms, deadline_ms))
+
+    async def wait_ms(self, duration_ms: int) -> None:
+        """Sleep ``duration_ms`` of the monotonic clock (an interval, which a wall-clock
+        step must not stretch) or until a poke."""
+        await self._sleep(partial(self._clock.sleep_ms, duration_ms))
+
+    async def _sleep(self, sleeper: Callable[[], Awaitable[None]] | None) -> None:
         if self._poked:
             self._poked = False
             await trio.lowlevel.checkpoint()
@@ -41,10 +54,10 @@ class Alarm:
         with trio.CancelScope() as scope:
             self._scope = scope
             try:
-                if deadline_ms is None:
+                if sleeper is None:
                     await trio.sleep_forever()
                 else:
-                    await self._clock.sleep_until_ms(deadline_ms)
+                    await sleeper()
             finally:
                 self._scope = None
         self._poked = False

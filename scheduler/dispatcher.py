@@ -13,8 +13,10 @@ every disk read or write runs through ``run_blocking`` (a worker thread):
   (``dispatch_batch`` records, ``dispatch_bytes`` bytes) through ``deliver`` (SEND
   on the ``scheduler-delivery`` route: a realtime group for the subject, other groups
   tried per call). A failed batch stays at the head of its lane and is retried with
-  a doubling backoff (capped), logged once per outage: nothing is dropped and order
-  within a subject holds;
+  a doubling backoff (capped; an interval of the monotonic clock), logged once per
+  outage: nothing is dropped and order within a subject holds. A batch is never sent
+  before the wall clock reads its messages' ``deliver_at``, even if the clock stepped
+  back after they fired;
 - the **confirmer** records what realtime accepted in the hours' dispatch logs (one
   thread call and one fsync per round) and only then marks it done in the wheel, which
   moves the tick and frees the memory budget.
@@ -147,7 +149,7 @@ class Dispatcher:
         self._waiting = 0
         self._to_confirm: dict[int, list[tuple[int, int]]] = {}
         self._failing: set[bytes] = set()
-        self._outage_since: int | None = None
+        self._outage_since: int | None = None  # monotonic ms
         self._outage_failures = 0
         self._nursery: trio.Nursery | None = None
         self._dispatched = 0
@@ -337,12 +339,20 @@ class Dispatcher:
             while items:
                 batch: list[tuple[int, int, int, bytes]] = []
                 size = 0
+                latest = 0
                 for item in items:
                     length = len(item[3])
                     if batch and (len(batch) >= self._batch or size + length > self._batch_bytes):
                         break
                     batch.append(item)
                     size += length
+                    if item[1] > latest:
+                        latest = item[1]
+                if latest > self._clock.now_ms():
+                    # Fired, then the wall clock stepped back (while a retry waited): still
+                    # never early by the wall clock.
+                    await self._clock.sleep_until_ms(latest)
+                    continue
                 count = len(batch)
                 body = b"".join(item[3] for item in batch)
                 try:
@@ -352,7 +362,7 @@ class Dispatcher:
                         raise ValueError(f"realtime answered {len(results)} results for {count} records")
                 except Exception as error:  # anything: the batch stays and is sent again
                     self._send_failed(lane, error)
-                    await self._clock.sleep_until_ms(self._clock.now_ms() + backoff)
+                    await self._clock.sleep_ms(backoff)  # an interval: a wall-clock step must not stretch it
                     backoff = min(backoff * 2, self._max_backoff_ms)
                     continue
                 for _ in range(count):
@@ -389,7 +399,7 @@ class Dispatcher:
         self._failures += 1
         self._failing.add(lane.subject)
         if self._outage_since is None:
-            self._outage_since = self._clock.now_ms()
+            self._outage_since = self._clock.monotonic_ms()
             self._outage_failures = 0
             log.warning(
                 "delivery of subject %r failed (%s: %s); retrying with backoff up to %d ms, nothing is dropped",
@@ -408,7 +418,7 @@ class Dispatcher:
             log.warning(
                 "delivery works again after %d failed attempt(s) over %.1f s",
                 self._outage_failures,
-                (self._clock.now_ms() - self._outage_since) / 1000,
+                (self._clock.monotonic_ms() - self._outage_since) / 1000,
             )
             self._outage_since = None
 

@@ -49,7 +49,7 @@ from delaymq.scheduler.replay import DEFAULT_STEP_BYTES, replay_step, replay_unt
 from delaymq.scheduler.schedulelog import ScheduleStore
 from delaymq.scheduler.status import SchedulerStatistics, parse_status_request, status_answer
 from delaymq.scheduler.wheelset import DEFAULT_HOUR_PRELOAD_MS, DEFAULT_LOAD_AHEAD_MS, DEFAULT_MAX_LOADED, WheelSet
-from delaymq.storage.errors import StorageError
+from delaymq.storage.errors import StorageError, storage_refusal
 from delaymq.storage.log import DEFAULT_SEGMENT_SIZE, SegmentedLog, check_max_record
 from delaymq.storage.state import StateStore
 from delaymq.storage.writer import FlushPolicy, LogWriter, open_log_writer
@@ -217,10 +217,8 @@ class Scheduler:
         assert self._writer is not None
         try:
             await self._writer.append(data)
-        except StorageError as error:  # the disk failed: another group may take it
-            raise RemoteProtocolError(
-                f"SCHEDULE: the message log could not store the batch ({error})", code="unavailable"
-            ) from error
+        except StorageError as error:  # the disk failed (full?): retried here later, or another group takes it
+            raise storage_refusal("SCHEDULE: the message log could not store the batch", error) from error
         self._requests += 1
         self._scheduled += len(deliver_ats)
         self._replay_alarm.poke()
@@ -245,9 +243,12 @@ class Scheduler:
         task_status.started()
         message_log, store, wheels = self._log, self.store, self.wheels
         step_once = partial(replay_step, message_log, store, max_bytes=self._replay_bytes)
-        deadline: int | None = None
+        poll = False
         while True:
-            await self._replay_alarm.wait(deadline)
+            if poll:
+                await self._replay_alarm.wait_ms(_UNFLUSHED_POLL_MS)
+            else:
+                await self._replay_alarm.wait(None)
             while True:
                 step = await self._run_blocking(step_once)
                 if step.idle:
@@ -256,13 +257,12 @@ class Scheduler:
                 for hour, arrivals in step.arrivals.items():
                     wheels.arrive(hour, arrivals.first_entry, arrivals.ms_in_hour)
                 self.dispatcher.poke()
-            unflushed = message_log.flushed_offset < message_log.end_offset
-            deadline = self._clock.now_ms() + _UNFLUSHED_POLL_MS if unflushed else None
+            poll = message_log.flushed_offset < message_log.end_offset  # unflushed: look again soon
 
     async def _cleanup_loop(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         while True:
-            await self._clock.sleep_until_ms(self._clock.now_ms() + self._cleanup_interval_ms)
+            await self._clock.sleep_ms(self._cleanup_interval_ms)
             await self.cleanup()
 
     def _delete_old(self, now_ms: int, keep: set[int]) -> tuple[int, list[int]]:

@@ -43,10 +43,14 @@ def read_format(directory: str | os.PathLike[str]) -> dict[str, FormatValue] | N
 
 def write_format(directory: str | os.PathLike[str], params: FormatParams) -> None:
     """Store ``params`` atomically: a crash leaves the old file or the new one."""
-    folder = Path(directory)
-    final = folder / FORMAT_FILE
-    temp = folder / (FORMAT_FILE + ".tmp")
-    data = (json.dumps(dict(params), indent=2, sort_keys=True) + "\n").encode("utf-8")
+    write_json_atomically(Path(directory) / FORMAT_FILE, dict(params))
+
+
+def write_json_atomically(final: Path, value: object) -> None:
+    """Write ``value`` as JSON to ``final``: temp file, fsync, rename, directory fsync."""
+    folder = final.parent
+    temp = folder / (final.name + ".tmp")
+    data = (json.dumps(value, indent=2, sort_keys=True) + "\n").encode("utf-8")
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     try:
         view = memoryview(data)

@@ -11,11 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from delaymq.metaserver.registry import (
+    DEPOSED_KEPT,
     GroupState,
     Registry,
     RegistryError,
     RouteKind,
     ServerInfo,
+    Superseded,
 )
 
 T0 = 1_700_000_000_000
@@ -29,8 +31,9 @@ ROUTES = [
 
 
 def info(group: str = "rt1", kind: str = "realtime", role: str = "master", address: str = "10.0.0.1:20881",
-         software_version: str = "0.1.0") -> dict[str, Any]:
-    return {"group": group, "kind": kind, "role": role, "address": address, "software_version": software_version}
+         software_version: str = "0.1.0", incarnation: str | None = None) -> dict[str, Any]:
+    fields = {"group": group, "kind": kind, "role": role, "address": address, "software_version": software_version}
+    return fields if incarnation is None else {**fields, "incarnation": incarnation}
 
 
 def groups(registry: Registry, route: str, now_ms: int, subject: str | None = None) -> list[str]:
@@ -183,24 +186,88 @@ def test_statistics_is_a_frozen_snapshot() -> None:
 # -- mastership --------------------------------------------------------------
 
 
-def test_latest_master_claim_wins_and_the_old_master_is_not_routed() -> None:
+def test_latest_master_claim_wins_and_the_old_master_is_refused_not_routed() -> None:
     registry = Registry()
     registry.register(info(role="master", address="a:1"), now_ms=T0)
     registry.register(info(role="slave", address="b:1"), now_ms=T0)
     first = registry.route("consumer", now_ms=T0)
     registry.register(info(role="master", address="b:1"), now_ms=T0 + 1)  # failover
-    registry.register(info(role="master", address="a:1"), now_ms=T0 + 2)  # old master still claims
+    with pytest.raises(Superseded) as refused:  # the old master still claims: refused, no flapping
+        registry.register(info(role="master", address="a:1"), now_ms=T0 + 2)
+    assert refused.value.field == "address" and refused.value.by == "b:1"
+    assert "a:1 was superseded as master of group 'rt1' by b:1" in str(refused.value)
+    with pytest.raises(Superseded):
+        registry.heartbeat("rt1", "a:1", now_ms=T0 + 2)
     after = registry.route("consumer", now_ms=T0 + 2)
     assert (after.groups[0].address, after.groups[0].slaves) == ("b:1", ())
     assert after.version != first.version
-    assert [(r.address, r.role.value, r.is_master) for r in registry.status(T0 + 2)] == [
-        ("a:1", "master", False),
-        ("b:1", "master", True),
-    ]
+    assert [(r.address, r.role.value, r.is_master) for r in registry.status(T0 + 2)] == [("b:1", "master", True)]
+    assert registry.superseded("rt1") == {"a:1": "b:1"}
     # Demoted properly, then promoted again: it claims anew and takes over.
     registry.register(info(role="slave", address="a:1"), now_ms=T0 + 3)
+    assert registry.superseded("rt1") == {}
     registry.register(info(role="master", address="a:1"), now_ms=T0 + 4)
     assert registry.route("consumer", now_ms=T0 + 4).groups[0].address == "a:1"
+    assert registry.superseded("rt1") == {"b:1": "a:1"}
+
+
+def test_a_new_master_address_supersedes_a_dead_master_at_once() -> None:
+    """A restart on a new port: routes point at the new address at once, not after eviction."""
+    registry = Registry()
+    registry.register(info(role="master", address="127.0.0.1:4001", incarnation="run1"), now_ms=T0)
+    before = registry.route("immediate-producer", now_ms=T0 + 1_000)
+    registry.register(info(role="master", address="127.0.0.1:4002", incarnation="run2"), now_ms=T0 + 1_000)
+    after = registry.route("immediate-producer", now_ms=T0 + 1_000)
+    assert [g.address for g in after.groups] == ["127.0.0.1:4002"]
+    assert after.version > before.version
+    assert [r.address for r in registry.status(T0 + 1_000)] == ["127.0.0.1:4002"]
+
+
+def test_a_restarted_deposed_master_registers_again_and_wins() -> None:
+    registry = Registry()
+    registry.register(info(role="master", address="a:1", incarnation="a-run1"), now_ms=T0)
+    registry.register(info(role="master", address="b:1", incarnation="b-run1"), now_ms=T0 + 1)
+    with pytest.raises(Superseded):  # the same run of a:1: refused
+        registry.register(info(role="master", address="a:1", incarnation="a-run1"), now_ms=T0 + 2)
+    registry.register(info(role="master", address="a:1", incarnation="a-run2"), now_ms=T0 + 3)  # restarted
+    assert registry.route("consumer", now_ms=T0 + 3).groups[0].address == "a:1"
+    with pytest.raises(Superseded):
+        registry.heartbeat("rt1", "b:1", now_ms=T0 + 4)
+
+
+def test_a_master_restarting_on_its_own_address_is_routed_at_its_registration() -> None:
+    registry = Registry()
+    registry.register(info(role="master", address="a:1", incarnation="run1"), now_ms=T0)
+    assert groups(registry, "consumer", T0 + EVICT) == []  # dead long enough to be evicted
+    registry.register(info(role="master", address="a:1", incarnation="run2"), now_ms=T0 + EVICT + 5)
+    assert groups(registry, "consumer", T0 + EVICT + 5) == ["rt1"]
+    assert registry.superseded("rt1") == {}
+    registry.heartbeat("rt1", "a:1", now_ms=T0 + EVICT + 10)  # same address, same member
+
+
+def test_deposed_masters_survive_a_restore_and_are_remembered_boundedly() -> None:
+    registry = Registry()
+    for n in range(DEPOSED_KEPT + 3):
+        registry.register(info(role="master", address=f"m{n}:1", incarnation=f"run{n}"), now_ms=T0 + n)
+    last = f"m{DEPOSED_KEPT + 2}:1"
+    assert len(registry.superseded("rt1")) == DEPOSED_KEPT
+    assert "m0:1" not in registry.superseded("rt1")  # the oldest forgotten first
+    restored = Registry.restore(msgpack.unpackb(msgpack.packb(registry.snapshot())), now_ms=T0 + 100)
+    assert restored.superseded("rt1") == registry.superseded("rt1")
+    with pytest.raises(Superseded):
+        restored.register(info(role="master", address="m5:1", incarnation="run5"), now_ms=T0 + 101)
+    assert restored.route("consumer", now_ms=T0 + 101).groups[0].address == last
+
+
+def test_a_format_1_snapshot_is_still_restored() -> None:
+    snapshot = build_cluster().snapshot()
+    snapshot["format"] = 1
+    for group in snapshot["groups"]:
+        del group["deposed"]
+        for server in group["servers"]:
+            del server["incarnation"]
+    restored = Registry.restore(snapshot, now_ms=T0)
+    assert groups(restored, "consumer", T0) == ["rt1", "rt2"]
 
 
 def test_group_is_evicted_when_its_master_is_silent_even_with_live_slaves() -> None:
@@ -515,12 +582,21 @@ class Model:
         self.groups: dict[str, dict[str, Any]] = {}
         self.claims = 0
 
+    def refuses(self, group: str, address: str, role: str | None) -> bool:
+        """A deposed master's heartbeat (role None) or its claim of mastership is refused."""
+        return address in self.groups.get(group, {"deposed": set()})["deposed"] and role != "slave"
+
     def register(self, group: str, kind: str, address: str, role: str, now: int) -> None:
-        entry = self.groups.setdefault(group, {"kind": kind, "state": "RW", "servers": {}})
+        entry = self.groups.setdefault(group, {"kind": kind, "state": "RW", "servers": {}, "deposed": set()})
+        entry["deposed"].discard(address)
         server = entry["servers"].get(address)
         if server is None or server["role"] != role:
             self.claims += 1
             entry["servers"][address] = {"role": role, "claim": self.claims, "last": now}
+            if role == "master":  # the newest claim supersedes every other master
+                for other in [a for a, s in entry["servers"].items() if s["role"] == "master" and a != address]:
+                    del entry["servers"][other]
+                    entry["deposed"].add(other)
         server = entry["servers"][address]
         server["last"] = now
 
@@ -560,13 +636,20 @@ def run(ops: list[tuple[Any, ...]], check: Any) -> tuple[Registry, Model, int]:
         if op[0] == "register":
             _, group, address, role, step = op
             now += step
-            registry.register(info(group, GROUP_KINDS[group], role, address), now_ms=now)
-            model.register(group, GROUP_KINDS[group], address, role, now)
+            if model.refuses(group, address, role):
+                with pytest.raises(Superseded):
+                    registry.register(info(group, GROUP_KINDS[group], role, address), now_ms=now)
+            else:
+                registry.register(info(group, GROUP_KINDS[group], role, address), now_ms=now)
+                model.register(group, GROUP_KINDS[group], address, role, now)
         elif op[0] == "heartbeat":
             _, group, address, step = op
             now += step
             known = address in model.groups.get(group, {"servers": {}})["servers"]
-            if known:
+            if model.refuses(group, address, None):
+                with pytest.raises(Superseded):
+                    registry.heartbeat(group, address, now_ms=now)
+            elif known:
                 registry.heartbeat(group, address, now_ms=now)
                 model.groups[group]["servers"][address]["last"] = now
             else:

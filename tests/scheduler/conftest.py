@@ -33,7 +33,7 @@ from delaymq.protocol.records import encode_message, scan_batch
 from delaymq.protocol.transport import TransportError
 from delaymq.realtime.server import RealtimeServer, open_realtime_server
 from delaymq.scheduler.server import Scheduler, open_scheduler
-from delaymq.wheel.clock import TrioClock
+from delaymq.wheel.clock import Clock, TrioClock
 
 META = "meta.test:1"
 SCHEDULER = "scheduler.test:1"
@@ -84,7 +84,7 @@ class Receiver:
     """A consumer of one subject on every realtime group: long polls, acks at once."""
 
     net: MemoryNetwork
-    clock: TrioClock
+    clock: Clock
     subject: str = "orders"
     group: str = "g"
     poll_ms: int = 60_000
@@ -136,7 +136,7 @@ class Cluster:
     """A metaserver, realtime servers and (while open) a scheduler on a ``MemoryNetwork``."""
 
     tmp: Path
-    clock: TrioClock
+    clock: Clock
     net: MemoryNetwork
     nursery: trio.Nursery
     options: dict[str, Any]
@@ -210,10 +210,13 @@ class Cluster:
 
 
 @asynccontextmanager
-async def open_cluster(tmp: Path, *, realtime: tuple[str, ...] = ("rt1",), **options: Any) -> AsyncIterator[Cluster]:
+async def open_cluster(
+    tmp: Path, *, realtime: tuple[str, ...] = ("rt1",), clock: Clock | None = None, **options: Any
+) -> AsyncIterator[Cluster]:
     """``options``: ``meta`` (open_metaserver options), ``scheduler`` (defaults for
-    open_scheduler), ``rt_checkpoint_ms``."""
-    clock = TrioClock(EPOCH_MS)
+    open_scheduler), ``rt_checkpoint_ms``. ``clock``: every server's (default: a
+    ``TrioClock`` at ``EPOCH_MS``)."""
+    clock = clock or TrioClock(EPOCH_MS)
     async with AsyncExitStack() as stack:
         meta_options = {"run_blocking": run_inline, **options.get("meta", {})}
         meta = await stack.enter_async_context(

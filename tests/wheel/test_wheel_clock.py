@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+
+import pytest
 import trio
 import trio.testing
 from freezegun import freeze_time
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from delaymq.wheel.clock import Clock, SystemClock, TrioClock
+from delaymq.wheel.clock import STEP_WARN_MS, WALL_RECHECK_MS, Clock, StepWatch, SystemClock, TrioClock
 
 EPOCH = 1_795_000_000_000  # 2026-11-18T...Z
 TWO_YEARS_MS = 2 * 366 * 86_400_000
@@ -66,3 +69,162 @@ async def test_system_clock_never_wakes_early() -> None:
         target = clock.now_ms() + delay
         await clock.sleep_until_ms(target)
         assert clock.now_ms() >= target
+
+
+# -- wall-clock steps -----------------------------------------------------------
+
+MINUTE_MS = 60_000
+
+
+class SteppedWall:
+    """A wall clock for ``SystemClock`` that follows trio's clock, plus steps."""
+
+    def __init__(self, epoch_ms: int) -> None:
+        self.offset_ns = epoch_ms * 1_000_000 - self.monotonic_ns()
+
+    def monotonic_ns(self) -> int:
+        return round(trio.current_time() * 1e9)
+
+    def wall_ns(self) -> int:
+        return self.monotonic_ns() + self.offset_ns
+
+    def step(self, delta_ms: int) -> None:
+        self.offset_ns += delta_ms * 1_000_000
+
+
+def stepped_system_clock(epoch_ms: int) -> tuple[SystemClock, SteppedWall]:
+    wall = SteppedWall(epoch_ms)
+    return SystemClock(wall_ns=wall.wall_ns, monotonic_ns=wall.monotonic_ns), wall
+
+
+def step_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "stepped" in r.getMessage()]
+
+
+async def test_trio_clock_step_moves_the_wall_reading_not_the_monotonic_one(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = TrioClock(EPOCH)
+    await trio.sleep(2)
+    mono = clock.monotonic_ms()
+    clock.step(-10 * MINUTE_MS)
+    assert clock.now_ms() == EPOCH + 2_000 - 10 * MINUTE_MS
+    assert clock.monotonic_ms() == mono
+    await clock.sleep_ms(1_500)
+    assert clock.monotonic_ms() == mono + 1_500
+    assert clock.now_ms() == EPOCH + 3_500 - 10 * MINUTE_MS
+    assert step_warnings(caplog) == ["the wall clock stepped back by 600.0 s; waits for a moment follow the new "
+                                     "wall clock (a message is never delivered before its deliver_at by it), "
+                                     "intervals are not affected"]
+
+
+async def wake_times(clock: Clock, target: int, woke: list[int], *, task_status: trio.TaskStatus[None]) -> None:
+    task_status.started()
+    await clock.sleep_until_ms(target)
+    woke.append(clock.now_ms())
+
+
+@pytest.mark.parametrize("make", ["trio", "system"])
+async def test_a_wall_moment_wait_follows_a_step_back_and_its_correction(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture, make: str
+) -> None:
+    if make == "trio":
+        clock: Clock = TrioClock(EPOCH)
+        step = clock.step  # type: ignore[attr-defined]
+    else:
+        clock, wall = stepped_system_clock(EPOCH)
+        step = wall.step
+    target = EPOCH + 10_000
+    woke: list[int] = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(wake_times, clock, target, woke)
+        await trio.sleep(5)
+        step(-10 * MINUTE_MS)  # the wall clock goes back ten minutes...
+        await trio.sleep(20)
+        assert woke == []  # ...so the moment has not come by it, though 25 s went by
+        step(10 * MINUTE_MS)  # corrected: now 25 s past the start, 15 s past the target
+        corrected = trio.current_time()
+    assert woke and woke[0] >= target
+    assert trio.current_time() - corrected <= WALL_RECHECK_MS / 1000
+    clock.now_ms()
+    assert len(step_warnings(caplog)) == 2  # each step once
+
+
+@pytest.mark.parametrize("make", ["trio", "system"])
+async def test_a_wall_moment_wait_after_a_step_back_ends_when_the_new_wall_clock_reads_it(
+    autojump_clock: trio.testing.MockClock, make: str
+) -> None:
+    if make == "trio":
+        clock: Clock = TrioClock(EPOCH)
+        step = clock.step  # type: ignore[attr-defined]
+    else:
+        clock, wall = stepped_system_clock(EPOCH)
+        step = wall.step
+    target = EPOCH + 10_000
+    woke: list[int] = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(wake_times, clock, target, woke)
+        await trio.sleep(5)
+        step(-2 * MINUTE_MS)
+    assert woke[0] >= target  # never early by the wall clock
+    assert woke[0] - target <= 1
+    assert trio.current_time() == pytest.approx(5 + 120 + 5, abs=0.01)
+
+
+@pytest.mark.parametrize("make", ["trio", "system"])
+async def test_a_step_forward_wakes_a_wall_moment_wait_within_a_second(
+    autojump_clock: trio.testing.MockClock, make: str
+) -> None:
+    if make == "trio":
+        clock: Clock = TrioClock(EPOCH)
+        step = clock.step  # type: ignore[attr-defined]
+    else:
+        clock, wall = stepped_system_clock(EPOCH)
+        step = wall.step
+    woke: list[int] = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(wake_times, clock, EPOCH + 30 * MINUTE_MS, woke)
+        await trio.sleep(3)
+        step(45 * MINUTE_MS)
+        stepped = trio.current_time()
+    assert woke[0] >= EPOCH + 30 * MINUTE_MS
+    assert trio.current_time() - stepped <= WALL_RECHECK_MS / 1000
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.integers(min_value=0, max_value=60_000),
+    st.lists(st.tuples(st.integers(0, 5_000), st.integers(-20 * MINUTE_MS, 20 * MINUTE_MS)), max_size=6),
+)
+def test_a_system_clock_wait_is_never_early_by_the_wall_clock_however_it_steps(
+    offset: int, steps: list[tuple[int, int]]
+) -> None:
+    woke: list[tuple[int, int]] = []
+
+    async def main() -> None:
+        clock, wall = stepped_system_clock(EPOCH)
+        target = EPOCH + offset
+
+        async def stepper() -> None:
+            for pause, delta in steps:
+                await trio.sleep(pause / 1000)
+                wall.step(delta)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stepper)
+            await clock.sleep_until_ms(target)
+            woke.append((target, clock.now_ms()))
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert all(now >= target for target, now in woke)
+
+
+def test_step_watch_tells_steps_from_slewing() -> None:
+    watch = StepWatch()
+    assert watch.observe(EPOCH, 0) == 0
+    # NTP slews at most 0.5 ms per second: an hour of it is no step.
+    for second in range(1, 3_600):
+        assert watch.observe(EPOCH + second * 1_000 + second // 2, second * 1_000) == 0
+    assert watch.observe(EPOCH + 3_600_000 - 5_000, 3_600_000) < -STEP_WARN_MS
+    assert watch.steps == 1
