@@ -587,14 +587,15 @@ class RouteClient:
         """
         key = self.table.key(route, subject)
         plan = self.table.start_call(
-            key, command, attempts, now_ms=self._clock.now_ms(), retry_for=retry_for,
+            key, command, attempts, now_ms=self._clock.monotonic_ms(), retry_for=retry_for,
             retry_for_name=retry_for_name, backoff=backoff,
         )  # fmt: skip
         while True:
-            if plan.ready_at_ms > self._clock.now_ms():
-                await self._clock.sleep_until_ms(plan.ready_at_ms)
+            wait_ms = plan.ready_at_ms - self._clock.monotonic_ms()
+            if wait_ms > 0:
+                await self._clock.sleep_ms(wait_ms)
             await self._refresh_if_due(key)
-            now = self._clock.now_ms()
+            now = self._clock.monotonic_ms()
             group = plan.next_group(now)
             if group is None:
                 continue
@@ -603,14 +604,14 @@ class RouteClient:
                     group.address, command, metadata, body, timeout=plan.timeout_for(timeout, now)
                 )
             except (PeerError, TransportError) as error:
-                plan.failed(group, error, self._clock.now_ms())
+                plan.failed(group, error, self._clock.monotonic_ms())
             else:
-                plan.succeeded(group, self._clock.now_ms())
+                plan.succeeded(group, self._clock.monotonic_ms())
                 return frame
 
     async def _refresh_if_due(self, key: RouteKey) -> None:
         while True:
-            if not self.table.needs_fetch(key, self._clock.now_ms()):
+            if not self.table.needs_fetch(key, self._clock.monotonic_ms()):
                 return
             running = self._refreshing.get(key)
             if running is None:
@@ -622,13 +623,13 @@ class RouteClient:
             for address, metadata in self.table.fetch_plan(key):
                 try:
                     frame = await self._peers.call(address, Command.ROUTE, metadata, timeout=self._meta_timeout)
-                    self.table.accept(key, address, frame.metadata, self._clock.now_ms())
+                    self.table.accept(key, address, frame.metadata, self._clock.monotonic_ms())
                     return
                 except _REFRESH_ERRORS as error:
                     if self.table.question_refused(error):
                         raise
                     failures.append((address, error))
-            self.table.fetch_failed(key, failures, self._clock.now_ms())
+            self.table.fetch_failed(key, failures, self._clock.monotonic_ms())
         finally:
             del self._refreshing[key]
             done.set()
@@ -691,14 +692,14 @@ class BlockingRouteClient:
         key = self.table.key(route, subject)
         with self._lock:
             plan = self.table.start_call(
-                key, command, attempts, now_ms=self._clock.now_ms(), retry_for=retry_for,
+                key, command, attempts, now_ms=self._clock.monotonic_ms(), retry_for=retry_for,
                 retry_for_name=retry_for_name, backoff=backoff,
             )  # fmt: skip
         while True:
-            while (wait_ms := plan.ready_at_ms - self._clock.now_ms()) > 0:
+            while (wait_ms := plan.ready_at_ms - self._clock.monotonic_ms()) > 0:
                 self._sleep(wait_ms / 1000)
             self._refresh_if_due(key)
-            now = self._clock.now_ms()
+            now = self._clock.monotonic_ms()
             with self._lock:
                 group = plan.next_group(now)
             if group is None:
@@ -707,19 +708,19 @@ class BlockingRouteClient:
                 frame = self._peers.call(group.address, command, metadata, body, timeout=plan.timeout_for(timeout, now))
             except (PeerError, TransportError) as error:
                 with self._lock:
-                    plan.failed(group, error, self._clock.now_ms())
+                    plan.failed(group, error, self._clock.monotonic_ms())
             else:
                 with self._lock:
-                    plan.succeeded(group, self._clock.now_ms())
+                    plan.succeeded(group, self._clock.monotonic_ms())
                 return frame
 
     def _refresh_if_due(self, key: RouteKey) -> None:
         with self._lock:
-            if not self.table.needs_fetch(key, self._clock.now_ms()):
+            if not self.table.needs_fetch(key, self._clock.monotonic_ms()):
                 return
         with self._refresh_lock:
             with self._lock:
-                if not self.table.needs_fetch(key, self._clock.now_ms()):
+                if not self.table.needs_fetch(key, self._clock.monotonic_ms()):
                     return  # another thread fetched it while this one waited
                 plan = self.table.fetch_plan(key)
             failures: list[tuple[str, Exception]] = []
@@ -727,14 +728,14 @@ class BlockingRouteClient:
                 try:
                     frame = self._peers.call(address, Command.ROUTE, metadata, timeout=self._meta_timeout)
                     with self._lock:
-                        self.table.accept(key, address, frame.metadata, self._clock.now_ms())
+                        self.table.accept(key, address, frame.metadata, self._clock.monotonic_ms())
                     return
                 except _REFRESH_ERRORS as error:
                     if self.table.question_refused(error):
                         raise
                     failures.append((address, error))
             with self._lock:
-                self.table.fetch_failed(key, failures, self._clock.now_ms())
+                self.table.fetch_failed(key, failures, self._clock.monotonic_ms())
 
     def statistics(self) -> RouteClientStatistics:
         with self._lock:

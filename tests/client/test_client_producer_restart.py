@@ -256,7 +256,7 @@ async def test_after_send_timeout_the_error_says_what_was_tried(
         async with open_producer(META, clock=cluster.clock, peers=cluster.network) as producer:
             await producer.send("orders", b"before")
             await cluster.realtime.stop()  # and it does not come back
-            with pytest.raises(CallTimedOut, match=r"gave up after 1\.\d s \(send_timeout is 2 s\)"):
+            with pytest.raises(CallTimedOut, match=r"gave up after (1\.\d|2\.0) s \(send_timeout is 2 s\)"):
                 async with open_producer(META, clock=cluster.clock, peers=cluster.network, send_timeout=2) as short:
                     await short.send("orders", b"lost too")
             started = cluster.clock.now_ms()
