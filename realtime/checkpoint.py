@@ -20,7 +20,8 @@ lmdb layout (named dbs; records are msgpack maps so outside tools read them)::
     meta            b"index_offset" -> u64 BE: message-log offset indexed (and fsynced) below
     consume_counts  consume-log stem (16 bytes) -> u64 BE: entries fsynced at that offset
     shares          share key (16 bytes) -> {subject, group, broadcast_consumer,
-                                             position, redeliver: [seq, redeliveries, ...]}
+                                             position, redeliver: [seq, redeliveries, ...],
+                                             skip: [seq, ...]}
     consumers       consumer stem (16 bytes) -> {subject, group, consumer, broadcast,
                                                  acked, length, done: [[start, end], ...]}
     dedup_*         see ``delaymq.realtime.dedup``
@@ -42,6 +43,7 @@ from delaymq.realtime import dedup
 from delaymq.realtime.consumelog import ConsumeLog, subject_stem
 from delaymq.realtime.groups import ConsumerState, Share
 from delaymq.realtime.pulllog import PullLog
+from delaymq.storage.errors import StorageError, describe
 from delaymq.storage.folder import fsync_directory
 from delaymq.storage.log import SegmentedLog
 from delaymq.storage.state import StateStore, pack, unpack
@@ -77,6 +79,7 @@ def encode_share(share: Share) -> bytes:
             "broadcast_consumer": share.broadcast_consumer,
             "position": share.position,
             "redeliver": flat,
+            "skip": sorted(share.skip),
         }
     )
 
@@ -86,6 +89,7 @@ def decode_share(key: bytes, data: bytes) -> Share:
     share = Share(key, record["subject"], record["group"], record["broadcast_consumer"], record["position"])
     flat = record["redeliver"]
     share.redeliver.extend(zip(flat[0::2], flat[1::2]))
+    share.skip.update(record.get("skip", ()))  # absent in records written before it existed
     return share
 
 
@@ -234,6 +238,7 @@ class Committer:
         self._lock = trio.Lock()
         self.commits = 0
         self.failures = 0
+        self._failing = 0  # failures since the last snapshot written (logged once per outage)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -265,9 +270,18 @@ class Committer:
                     with trio.CancelScope(shield=True):
                         await trio.to_thread.run_sync(self._write, snapshot)
                     self.commits += 1
+                    if self._failing:
+                        log.info("realtime checkpoint written again after %d failure(s)", self._failing)
+                        self._failing = 0
             except Exception as error:
                 self.failures += 1
-                log.exception("realtime checkpoint failed; its changes go into the next one")
+                self._failing += 1
+                if self._failing == 1:  # once per outage, not at every interval
+                    log.warning(
+                        "realtime checkpoint failed: %s; its changes go into the next one, retried until written",
+                        describe(error),
+                        exc_info=not isinstance(error, StorageError | OSError),  # a bug: show where
+                    )
                 self._failures[number] = error
                 self._failed(snapshot)
             else:

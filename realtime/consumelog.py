@@ -159,6 +159,17 @@ class ConsumeLog:
         self._on_disk = self.count
         self._pending = bytearray()
 
+    def take_back(self, count: int) -> None:
+        """Forget the entries from ``count`` on, pending or written: their index step failed (disk full).
+
+        Written ones stay in the file unconfirmed, as after a crash: ``add``
+        confirms them when the step is retried, or cuts them.
+        """
+        self._pending = bytearray()
+        self.count = count
+        self._written = min(self._written, count)
+        self._on_disk = max(self._on_disk, self._written)
+
     def finish_recovery(self) -> None:
         """Cut entries past the checkpoint that replay did not confirm."""
         self.write_pending()
@@ -206,6 +217,50 @@ class ConsumeLog:
             os.close(fd)
 
 
+def cut_to_offset(path: Path, end_offset: int, checkpoint_count: int) -> tuple[int, int]:
+    """Cut a consume log to the entries whose records end at or below ``end_offset``.
+
+    For a message log that lost its records from ``end_offset`` on (blocking;
+    start-up). Entries below ``checkpoint_count`` were fsynced and are trusted
+    (their offsets grow, so the cut is found by bisection); past it the file may
+    hold entries indexed after the checkpoint. The file is fsynced. Returns
+    ``(kept, lost)``: entries kept, and entries cut that held a record (the
+    unconfirmed ones up to the first that does not check).
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        on_disk = os.fstat(fd).st_size // ENTRY_SIZE
+        trusted = min(checkpoint_count, on_disk)
+
+        def ends_by(sequence: int) -> bool:
+            entry = decode_entry(os.pread(fd, ENTRY_SIZE, sequence * ENTRY_SIZE))
+            if entry is None:
+                raise CorruptLog(f"consume log {path}: fsynced entry {sequence} does not check")
+            return entry.offset + entry.size <= end_offset
+
+        low, high = 0, trusted
+        while low < high:
+            middle = (low + high) // 2
+            if ends_by(middle):
+                low = middle + 1
+            else:
+                high = middle
+        kept = low
+        lost = trusted - kept
+        if on_disk > trusted:
+            data = os.pread(fd, (on_disk - trusted) * ENTRY_SIZE, trusted * ENTRY_SIZE)
+            for position in range(0, len(data), ENTRY_SIZE):
+                if decode_entry(data, position) is None:
+                    break
+                lost += 1
+        if os.fstat(fd).st_size != kept * ENTRY_SIZE:
+            os.ftruncate(fd, kept * ENTRY_SIZE)
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    return kept, lost
+
+
 def write_small_file(path: Path, data: bytes) -> None:
     """A small file written whole; the checkpoint fsyncs it and its folder."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
@@ -248,6 +303,7 @@ __all__ = [
     "ENTRY_SIZE",
     "ConsumeLog",
     "Entry",
+    "cut_to_offset",
     "decode_entry",
     "encode_entry",
     "iter_entries",

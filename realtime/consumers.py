@@ -115,7 +115,7 @@ class Consumers:
             state = consumer_from_record(key, record, share, sequences, redeliveries)
         else:
             state = ConsumerState(key, subject, group, name, share)
-            pull_log.create(subject, group, name)
+            pull_log.create(subject, group, name, broadcast=broadcast)
             self._written.add(pull_log)
             self._groups.dirty_consumers.add(state)
         self.adopt(state, pull_log, now)

@@ -4,18 +4,22 @@
 position, filtered by tag bitmask, within the message and byte limits); it reads
 consume-log entries (small ``pread``s from the page cache) and moves the share.
 ``read_records`` then reads the records from the message log in a worker thread,
-adjacent ones in one read, and raises the attempts of redelivered ones.
+adjacent ones in one read, and raises the attempts of redelivered ones;
+``read_intact`` leaves out records that do not check (a damaged message log).
 """
 
 from __future__ import annotations
 
+import logging
 import struct
 
 from delaymq.protocol.records import MAX_ATTEMPTS, rewrite_delivery
 from delaymq.realtime.consumelog import ConsumeLog, iter_entries
 from delaymq.realtime.groups import Groups, Share
-from delaymq.storage.errors import CorruptLog
+from delaymq.storage.errors import BadOffset, CorruptLog
 from delaymq.storage.log import SegmentedLog
+
+log = logging.getLogger(__name__)
 
 #: Consume-log entries read at a time, and scanned at most by one ``pick`` (a tag
 #: filter may skip many; the caller lets other tasks run and picks again).
@@ -35,7 +39,8 @@ def pick(
 
     At least one entry is picked when any is available, even one bigger than
     ``max_bytes``. The tag filter (``mask``, 0 for none) skips new entries only:
-    a given-back one passed it before. Skipped entries are consumed for the share.
+    a given-back one passed it before. Skipped entries are consumed for the share,
+    and so are those in ``share.skip`` (handed out before a crash).
     """
     picked: list[Picked] = []
     if consume_log is None:
@@ -44,6 +49,16 @@ def pick(
     if share.redeliver:
         taken = groups.take_redeliveries(share, limit)
         for index, (sequence, redeliveries) in enumerate(taken):
+            if sequence >= consume_log.count:
+                # Its record was lost to damage (recovery drops these; never fail a pull).
+                log.warning(
+                    "realtime: group %r on %r: given-back entry %d is past the consume log's %d; dropped",
+                    share.group,
+                    share.subject,
+                    sequence,
+                    consume_log.count,
+                )
+                continue
             try:
                 entry = consume_log.entry(sequence)
             except BaseException:
@@ -56,6 +71,7 @@ def pick(
             total += entry.size
     position = share.position
     count = consume_log.count
+    skip = share.skip
     scanned = 0
     full = len(picked) >= limit
     while not full and position < count and scanned < SCAN_ENTRIES:
@@ -64,7 +80,8 @@ def pick(
             break
         for offset, size, entry_mask, _stored_at, _crc in iter_entries(data):
             scanned += 1
-            if mask and not entry_mask & mask:
+            if (mask and not entry_mask & mask) or (skip and position in skip):
+                skip.discard(position)  # handed out before a crash: in a pull log already
                 position += 1
                 continue
             if picked and total + size > max_bytes:
@@ -104,6 +121,30 @@ def read_records(log: SegmentedLog, picked: list[Picked]) -> bytes:
     return b"".join(parts)
 
 
+def read_intact(log: SegmentedLog, picked: list[Picked]) -> tuple[list[Picked], bytes, list[Picked]]:
+    """``read_records``, leaving out records that do not check (blocking: a worker thread).
+
+    A byte flipped inside an older segment of the message log is not looked for
+    at start-up (that would read the whole log); it is found here. Returns the
+    entries whose records were read, their bytes, and the entries left out.
+    """
+    try:
+        return picked, read_records(log, picked), []
+    except (CorruptLog, BadOffset):
+        pass
+    kept: list[Picked] = []
+    parts: list[bytes] = []
+    bad: list[Picked] = []
+    for item in picked:
+        try:
+            parts.append(read_records(log, [item]))
+        except (CorruptLog, BadOffset):
+            bad.append(item)
+            continue
+        kept.append(item)
+    return kept, b"".join(parts), bad
+
+
 def _read_span(log: SegmentedLog, offset: int, length: int) -> bytes:
     chunks: list[bytes] = []
     position = offset
@@ -120,4 +161,4 @@ def _read_span(log: SegmentedLog, offset: int, length: int) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-__all__ = ["Picked", "pick", "read_records"]
+__all__ = ["Picked", "pick", "read_intact", "read_records"]

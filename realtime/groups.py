@@ -45,6 +45,10 @@ class Share:
     broadcast_consumer: str | None  # None for a clustered group's share
     position: int
     redeliver: deque[tuple[int, int]] = field(default_factory=deque)  # (sequence, redeliveries)
+    # Sequences past ``position`` a consumer was handed before a crash (restored
+    # from its pull log): taking new entries passes over them. Empty but after a
+    # crash of a group whose hand-outs had gaps (entries its tag filter skipped).
+    skip: set[int] = field(default_factory=set)
 
 
 @dataclass(eq=False, slots=True)
@@ -294,6 +298,15 @@ class Groups:
         consumer._trim()
         self.dirty_consumers.add(consumer)
         return []
+
+    def settle(self, consumer: ConsumerState, start: int, end: int) -> None:
+        """Mark pull-log entries ``[start, end)`` done without an ack: they will not come back.
+
+        For a hand-out that never reached the consumer (a PULL whose records did not check).
+        """
+        consumer.progress.mark(start, end)
+        consumer._trim()
+        self.dirty_consumers.add(consumer)
 
     def _unsettled(self, consumer: ConsumerState, start: int, end: int) -> list[tuple[int, int]]:
         """The parts of ``[start, end)`` neither settled nor claimed."""

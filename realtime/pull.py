@@ -2,14 +2,17 @@
 
 Per request the work is one read of consume-log entries (``pick``: given-back
 entries first, then new ones, by tag bitmask) and one read of the records in a
-worker thread. With nothing to hand out the pull parks on its subject until an
-entry arrives or is given back, or its ``timeout_ms`` passes; a consumer in a
-long poll counts as alive. What is handed out goes into the consumer's pull log
-and is due back by the ack timeout.
+worker thread (a record that does not check, in a damaged message log, is
+left out and logged). With nothing to hand out the pull parks on its subject
+until an entry arrives or is given back, or its ``timeout_ms`` passes; a
+consumer in a long poll counts as alive. What is handed out goes into the
+consumer's pull log before the answer (so after a crash recovery knows it) and
+is due back by the ack timeout.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import trio
@@ -18,7 +21,7 @@ from delaymq.protocol.limits import Limits
 from delaymq.protocol.records import tags_mask
 from delaymq.protocol.transport import Request
 from delaymq.realtime.consumers import Consumers
-from delaymq.realtime.delivery import pick, read_records
+from delaymq.realtime.delivery import pick, read_intact
 from delaymq.realtime.groups import Groups
 from delaymq.realtime.index import Indexer
 from delaymq.realtime.parked import ParkedPulls
@@ -26,6 +29,8 @@ from delaymq.realtime.redelivery import RedeliverySweeper
 from delaymq.realtime.requests import parse_pull
 from delaymq.storage.log import SegmentedLog
 from delaymq.wheel.clock import Clock
+
+log = logging.getLogger(__name__)
 
 
 class PullHandler:
@@ -82,11 +87,26 @@ class PullHandler:
         if not picked:
             groups.touch(consumer, now)
             return {"pull_start": consumer.length, "count": 0, "acked": consumer.acked}, b""
+        # In the pull log before the answer: after a crash, recovery knows what went out.
         start = self._consumers.record_pull(consumer, picked, now)
         self._sweeper.poke()
-        self.delivered += len(picked)
-        body = await trio.to_thread.run_sync(read_records, self._log, picked)
-        return {"pull_start": start, "count": len(picked), "acked": consumer.acked}, body
+        kept, body, bad = await trio.to_thread.run_sync(read_intact, self._log, picked)
+        if bad:
+            log.warning(
+                "realtime: group %r on %r: %d record(s) at message-log offsets %s do not check "
+                "(the message log is damaged there); the group goes on without them",
+                pull.group,
+                subject,
+                len(bad),
+                ", ".join(str(item[2]) for item in bad[:10]) + (" ..." if len(bad) > 10 else ""),
+            )
+            # That hand-out never reaches the consumer: settled, the intact ones handed anew.
+            groups.settle(consumer, start, start + len(picked))
+            if not kept:
+                return {"pull_start": consumer.length, "count": 0, "acked": consumer.acked}, b""
+            start = self._consumers.record_pull(consumer, kept, now)
+        self.delivered += len(kept)
+        return {"pull_start": start, "count": len(kept), "acked": consumer.acked}, body
 
 
 __all__ = ["PullHandler"]

@@ -11,9 +11,12 @@ whatever other consumers of the group took. An entry (16 bytes, big-endian)::
     12     4     crc           u32  CRC-32 of bytes 0..12
 
 Entry *n* (the pull-log sequence *n*) sits at byte ``n * 16`` of
-``pull/<stem>.log``; ``pull/<stem>.json`` names the subject, group and consumer.
-The lmdb state holds the committed length (a longer file is cut back on open:
-those hand-outs were never committed, and their messages are handed out again).
+``pull/<stem>.log``; ``pull/<stem>.json`` names the subject, group and consumer
+(and whether it reads as a broadcast consumer). The lmdb state holds the
+committed length. Entries past it are hand-outs made after the last checkpoint:
+a PULL is answered only after its entries are written (to the page cache), so
+after a crash of the process they say exactly what was handed out, and recovery
+keeps them (``read_tail``) instead of handing those messages out again as new.
 
 The consumer's progress in it is a ``delaymq.protocol.ranges.AckRanges``: the
 acked position plus the acked (or given back) ranges above it.
@@ -28,6 +31,7 @@ import struct
 import zlib
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from delaymq.realtime.consumelog import write_small_file
 
@@ -49,8 +53,9 @@ def encode_pull_entries(sequences: Iterable[int], redeliveries: Iterable[int]) -
     return bytes(out)
 
 
-def decode_pull_entries(data: bytes) -> tuple[list[int], list[int]]:
-    """Sequences and redelivery counts of whole entries; a bad CRC raises ValueError."""
+def decode_pull_entries(data: bytes, *, prefix: bool = False) -> tuple[list[int], list[int]]:
+    """Sequences and redelivery counts of whole entries; a bad CRC raises ValueError
+    (``prefix``: ends the entries instead)."""
     sequences: list[int] = []
     counts: list[int] = []
     view = memoryview(data)
@@ -59,6 +64,8 @@ def decode_pull_entries(data: bytes) -> tuple[list[int], list[int]]:
     ):
         start = index * PULL_ENTRY_SIZE
         if zlib.crc32(view[start : start + 12]) != crc:
+            if prefix:
+                break
             raise ValueError(f"pull-log entry {index} of the block does not check")
         sequences.append(sequence)
         counts.append(count)
@@ -79,12 +86,44 @@ class PullLog:
         self._names = directory / f"{stem}.json"
         self.created = False
 
-    def create(self, subject: str, group: str, consumer: str) -> None:
+    def create(self, subject: str, group: str, consumer: str, *, broadcast: bool = False) -> None:
         """Write the names file if this is a new pull log (fsynced by the checkpoint)."""
         if self._names.exists():
             return
-        write_small_file(self._names, json.dumps({"subject": subject, "group": group, "consumer": consumer}).encode())
+        names = {"subject": subject, "group": group, "consumer": consumer, "broadcast": broadcast}
+        write_small_file(self._names, json.dumps(names).encode())
         self.created = True
+
+    def read_names(self) -> dict[str, Any] | None:
+        """The names file (``subject``, ``group``, ``consumer``, ``broadcast``), or None if unreadable."""
+        try:
+            names = json.loads(self._names.read_bytes())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(names, dict) or not all(
+            isinstance(names.get(key), str) for key in ("subject", "group", "consumer")
+        ):
+            return None
+        return names
+
+    def read_tail(self, start: int) -> tuple[list[int], list[int]]:
+        """The entries from ``start`` to the first that does not check (start-up, blocking).
+
+        Past the committed length a crash (of the machine) may leave a torn or
+        unwritten entry: what comes before it is kept.
+        """
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return [], []
+        try:
+            size = os.fstat(fd).st_size
+            if size <= start * PULL_ENTRY_SIZE:
+                return [], []
+            data = os.pread(fd, size - start * PULL_ENTRY_SIZE, start * PULL_ENTRY_SIZE)
+        finally:
+            os.close(fd)
+        return decode_pull_entries(data, prefix=True)
 
     def write(self, position: int, data: bytes) -> None:
         """Write entries at pull-log sequence ``position`` (page cache; fsync in ``flush``)."""
@@ -113,7 +152,7 @@ class PullLog:
         return decode_pull_entries(data)
 
     def truncate(self, length: int) -> None:
-        """Cut entries past the committed ``length`` (start-up)."""
+        """Cut entries past ``length`` (a consumer loaded after start-up, whose tail recovery did not keep)."""
         try:
             size = os.stat(self.path).st_size
         except FileNotFoundError:
@@ -136,6 +175,11 @@ class PullLog:
         return created
 
 
+def list_pull_logs(directory: Path) -> list[str]:
+    """The stems of the pull logs in ``directory``."""
+    return sorted(name[:-4] for name in os.listdir(directory) if name.endswith(".log"))
+
+
 __all__ = [
     "PULL_ENTRY_SIZE",
     "PULL_FORMAT",
@@ -143,4 +187,5 @@ __all__ = [
     "consumer_stem",
     "decode_pull_entries",
     "encode_pull_entries",
+    "list_pull_logs",
 ]
