@@ -64,7 +64,7 @@ class AckHandler:
         nack = parse_ack(request.metadata, self._limits, nack=True)
         consumer = await self._consumers.get(nack.subject, nack.group, nack.consumer)
         names = _names(nack)
-        now = self._clock.now_ms()
+        now = self._clock.monotonic_ms()
         if not nack.retry or consumer is None or consumer.broadcast:
             # Back to the group at once: asked so, or a broadcast consumer (its own
             # read position: a retry subject would reach every consumer of its group).
@@ -85,7 +85,7 @@ class AckHandler:
 
     async def heartbeat(self, request: Request) -> dict[str, Any]:
         beat = parse_heartbeat(request.metadata, self._limits)
-        now = self._clock.now_ms()
+        now = self._clock.monotonic_ms()
         for subject in beat.subjects:
             state = self._consumers.find(subject, beat.group, beat.consumer)
             if state is not None:

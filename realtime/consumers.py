@@ -106,7 +106,7 @@ class Consumers:
             return record, pull_log.read(record["acked"], record["length"])
 
         record, (sequences, redeliveries) = await trio.to_thread.run_sync(load)
-        now = self._clock.now_ms()
+        now = self._clock.monotonic_ms()
         if record is None and create is None:
             return None
         broadcast = record["broadcast"] if record is not None else create.broadcast  # type: ignore[union-attr]
@@ -138,7 +138,7 @@ class Consumers:
 
     def seen(self, consumer: ConsumerState) -> int:
         """A sign of life from ``consumer``: its timeout starts again. Returns the time."""
-        now = self._clock.now_ms()
+        now = self._clock.monotonic_ms()
         self._groups.touch(consumer, now)
         self._sweeper.poke()
         return now

@@ -18,6 +18,9 @@ server re-schedules the messages (a scheduler round trip) nothing else may give
 them back; ``release`` then marks them done, or gives them back after all.
 
 This module is fed times and sequences; the server does the file and lmdb I/O.
+The times are the monotonic clock's milliseconds (``Clock.monotonic_ms``): every
+deadline here is an interval, and a wall-clock step must neither fire every ack
+timeout at once nor postpone them by the step.
 Deadlines come out in order: hand-outs sit in one deque in hand-out order (the
 ack timeout is one constant) and consumers in an ordered dict by last sign of
 life, so a sweep costs what it expires, not what is tracked.

@@ -83,7 +83,7 @@ class PullHandler:
         finally:
             consumer.waiting -= 1
         self.pulls += 1
-        now = self._clock.now_ms()
+        now = self._clock.monotonic_ms()
         if not picked:
             groups.touch(consumer, now)
             return {"pull_start": consumer.length, "count": 0, "acked": consumer.acked}, b""

@@ -56,12 +56,12 @@ class RedeliverySweeper:
             with trio.CancelScope() as scope:
                 self._scope = scope
                 self._sleeping_for = deadline
-                await self._clock.sleep_until_ms(target)
+                await self._clock.sleep_ms(target - self._clock.monotonic_ms())
             self._scope = None
             self._sleeping_for = math.inf
             if scope.cancelled_caught:
                 continue
-            now = self._clock.now_ms()
+            now = self._clock.monotonic_ms()
             last = now
             self._parked.wake([share.subject for share in groups.expire(now)])
 

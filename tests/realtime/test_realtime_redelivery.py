@@ -187,3 +187,20 @@ async def test_a_thousand_parked_pulls_wait_idle_and_one_message_goes_to_one(
             # could come back to the group).
             assert [ids for _, ids in got if ids] == [["m00000"]]
             assert len(got) == 1000
+
+
+@pytest.mark.parametrize("step_ms", [600_000, -600_000])
+async def test_a_wall_clock_step_neither_fires_nor_postpones_the_ack_timeout(
+    tmp_path: Path, rt: SimpleNamespace, autojump_clock: trio.testing.MockClock, step_ms: int
+) -> None:
+    clock = TrioClock(EPOCH)
+    async with open_realtime_server(data_dir=tmp_path, clock=clock, ack_timeout_ms=5_000) as server:
+        async with rt.memory_client(server) as client:
+            await client.send(rt.messages(2))
+            first = await client.pull(10, **{"from": "earliest"})
+            pulled_at = trio.current_time()
+            clock.step(step_ms)  # ten minutes forward, or back: the ack timeout is an interval
+            assert (await client.pull(10, timeout_ms=1_000)).count == 0  # not given back at once
+            again = await client.pull(10, timeout_ms=20_000)
+            assert 5 <= trio.current_time() - pulled_at < 6  # five seconds after the hand-out, as set
+            assert again.ids == first.ids and [m.attempts for m in again.messages] == [1, 1]
