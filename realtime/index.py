@@ -5,9 +5,16 @@ durable; batches of one write group may arrive out of order, so they wait in
 ``_waiting`` until every byte before them is indexed. ``indexed_offset`` is thus
 always a clean cut: every record below it is in its consume log. A checkpoint
 stores that offset (with each subject's entry count, fsynced first); after a
-crash ``replay`` reads the message log from it with the very same ``submit``,
-and the consume logs confirm or rewrite the entries past their checkpoint, so
-nothing acknowledged is ever missing from a consume log.
+crash ``replay`` reads the message log from it with the very same indexing
+step, and the consume logs confirm or rewrite the entries past their
+checkpoint, so nothing acknowledged is ever missing from a consume log.
+
+A batch is indexed whole or not at all: if a consume-log write fails (a full
+disk), every entry of it is taken back and the index **stalls** at that batch.
+``submit`` still answers at once (the records are durable in the message log,
+so they will be delivered); the batches behind it wait, and ``run`` retries the
+step with backoff, logging once when it stalls and once when it goes on, until
+it succeeds and the waiting batches follow.
 """
 
 from __future__ import annotations
@@ -16,14 +23,22 @@ import logging
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+import trio
+
+from delaymq.protocol.backoff import Backoff, BackoffRun
 from delaymq.protocol.limits import Limits
 from delaymq.protocol.records import MessageBatch, scan_batch, tags_mask
 from delaymq.realtime.consumelog import ConsumeLog, list_subjects, subject_stem
 from delaymq.realtime.dedup import dedup_keys
-from delaymq.storage.errors import CorruptLog
+from delaymq.storage.errors import CorruptLog, describe
 from delaymq.storage.log import SegmentedLog
+from delaymq.wheel.clock import Clock
 
 log = logging.getLogger(__name__)
+
+#: Waits between retries of a stalled index step: soon at first, at most a second
+#: apart, so delivery resumes within about a second of space coming back.
+RETRY_BACKOFF = Backoff(initial_ms=10, maximum_ms=1000, jitter="equal")
 
 #: Every record the message log may hold passes these (replay must not refuse
 #: old records because this run was started with smaller limits).
@@ -74,6 +89,9 @@ class Indexer:
         self.on_ids = on_ids
         self.dirty: set[ConsumeLog] = set()  # written since the last checkpoint
         self.entries = 0
+        #: Why the index step at ``indexed_offset`` failed; None while it keeps up.
+        self.stalled: OSError | None = None
+        self._retry_now: trio.Event | None = None  # set by ``run``: wakes it on a stall
 
     # ----------------------------------------------------------- start-up
 
@@ -106,7 +124,8 @@ class Indexer:
                 break
             batch = scan_batch(data, REPLAY_LIMITS)
             items = batch_items(batch, offset, range(len(batch)))
-            self.submit(offset, next_offset, items, dedup_keys(batch), now)
+            self._waiting[offset] = (next_offset, items, dedup_keys(batch), now)
+            self._advance()  # a disk error here fails the start-up
             count += len(items)
             offset = next_offset
         for consume_log in self.logs.values():
@@ -123,31 +142,87 @@ class Indexer:
         return consume_log.count if consume_log is not None else 0
 
     def submit(self, base: int, end: int, items: list[Item], ids: list[str], stored_at: int) -> None:
-        """Records ``[base, end)`` of the message log are durable: index them in order."""
-        if base != self.indexed_offset:
-            self._waiting[base] = (end, items, ids, stored_at)
-            return
-        self._apply(end, items, ids, stored_at)
+        """Records ``[base, end)`` of the message log are durable: index them in order.
+
+        Never fails for the disk: a failed step stalls the index and ``run`` retries it.
+        """
+        self._waiting[base] = (end, items, ids, stored_at)
+        if self.stalled is None and base == self.indexed_offset:
+            self._advance_or_stall()
+
+    def retry(self) -> bool:
+        """Try the stalled step again (and the batches behind it); True once the index keeps up."""
+        self._advance_or_stall()
+        return self.stalled is None
+
+    async def run(self, *, clock: Clock, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Retry a stalled index step with backoff until it succeeds, for as long as the server runs."""
+        task_status.started()
+        while True:
+            if self.stalled is None:
+                self._retry_now = trio.Event()
+                await self._retry_now.wait()
+                continue
+            started = clock.monotonic_ms()
+            backoff = BackoffRun(RETRY_BACKOFF)
+            while self.stalled is not None:
+                await clock.sleep_ms(backoff.next_delay_ms())
+                self.retry()
+            log.info(
+                "realtime: indexing goes on after %.1f s (%d retries); caught up to message-log offset %d",
+                (clock.monotonic_ms() - started) / 1000,
+                backoff.failures,
+                self.indexed_offset,
+            )
+
+    def _advance_or_stall(self) -> None:
+        try:
+            self._advance()
+        except OSError as error:
+            if self.stalled is None:
+                log.warning(
+                    "realtime: indexing stopped at message-log offset %d: %s; the records are stored and "
+                    "will be delivered: retrying until it succeeds",
+                    self.indexed_offset,
+                    describe(error),
+                )
+                if self._retry_now is not None:
+                    self._retry_now.set()
+            self.stalled = error
+        else:
+            self.stalled = None
+
+    def _advance(self) -> None:
+        """Index the waiting batches that are next in offset order (raises ``OSError`` from the disk)."""
         waiting = self._waiting
         while waiting:
-            next_batch = waiting.pop(self.indexed_offset, None)
+            base = self.indexed_offset
+            next_batch = waiting.get(base)
             if next_batch is None:
                 break
             self._apply(*next_batch)
+            del waiting[base]
 
     def _apply(self, end: int, items: list[Item], ids: list[str], stored_at: int) -> None:
-        touched: dict[str, ConsumeLog] = {}
+        """Index one batch, all or nothing: after a failed write no consume log keeps an entry of it."""
+        touched: dict[str, tuple[ConsumeLog, int]] = {}  # subject -> (its log, its count before)
         logs = self.logs
-        for subject, offset, size, mask in items:
-            consume_log = touched.get(subject)
-            if consume_log is None:
-                consume_log = logs.get(subject)
-                if consume_log is None:
-                    consume_log = logs[subject] = ConsumeLog.open(self.directory, subject)
-                touched[subject] = consume_log
-            consume_log.add(offset, size, mask, stored_at)
-        for consume_log in touched.values():
-            consume_log.write_pending()
+        try:
+            for subject, offset, size, mask in items:
+                step = touched.get(subject)
+                if step is None:
+                    consume_log = logs.get(subject)
+                    if consume_log is None:
+                        consume_log = logs[subject] = ConsumeLog.open(self.directory, subject)
+                    touched[subject] = step = (consume_log, consume_log.count)
+                step[0].add(offset, size, mask, stored_at)
+            for consume_log, _count in touched.values():
+                consume_log.write_pending()
+        except OSError:
+            for consume_log, count in touched.values():
+                consume_log.take_back(count)
+            raise
+        for consume_log, _count in touched.values():
             self.dirty.add(consume_log)
         self.indexed_offset = end
         self.entries += len(items)
@@ -158,7 +233,7 @@ class Indexer:
 
     @property
     def waiting(self) -> int:
-        """Batches appended but not yet indexed (an earlier one is still on its way)."""
+        """Batches appended but not yet indexed (an earlier one is on its way, or the index stalled)."""
         return len(self._waiting)
 
     def take_dirty(self) -> list[ConsumeLog]:

@@ -6,6 +6,12 @@ Records whose id the server stored within the dedup window are answered
 and answers under the flush policy, and then to the indexer, which files each
 record into its subject's consume log and wakes the pulls parked on it. Dead
 letters and retries due at once (NACK) are stored the same way, by ``append``.
+
+So a SEND is either stored durably and will be delivered (answered ``stored``;
+a failed index step is retried in the background, see ``index``), or refused
+as ``unavailable`` (the disk is full: the client retries) and its ids are not
+remembered, so the retry stores it. A record whose id is being appended right
+now waits for that append: it is a duplicate only once the first is stored.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from delaymq.protocol.transport import Request
 from delaymq.realtime import dedup as dedup_store
 from delaymq.realtime.dedup import DedupWindow, dedup_keys
 from delaymq.realtime.index import Indexer, batch_items
+from delaymq.storage.errors import StorageError, storage_refusal
 from delaymq.storage.state import StateStore
 from delaymq.storage.writer import LogWriter
 from delaymq.wheel.clock import Clock
@@ -41,6 +48,7 @@ class SendHandler:
         self.sends = 0  # SEND requests answered
         self.stored = 0
         self.duplicates = 0  # records answered "duplicate"
+        self._appending: dict[str, trio.Event] = {}  # ids in an append not finished yet
 
     async def handle(self, request: Request) -> dict[str, Any]:
         fresh = await self.append(scan_batch(request.batch_body(), self._limits))
@@ -51,14 +59,20 @@ class SendHandler:
         """Append a checked batch's new records (dedup) and index them; which records were new."""
         ids = dedup_keys(batch)
         dedup = self._dedup
-        now = self._clock.now_ms()
-        unsure = dedup.to_look_up(ids, now)
-        stored: set[str] = set()
-        if unsure:
-            stored = await trio.to_thread.run_sync(
-                dedup_store.lookup_stored, self._store, unsure, now - dedup.window_ms
-            )
+        appending = self._appending
+        while True:
             now = self._clock.now_ms()
+            unsure = dedup.to_look_up(ids, now)
+            stored: set[str] = set()
+            if unsure:
+                stored = await trio.to_thread.run_sync(
+                    dedup_store.lookup_stored, self._store, unsure, now - dedup.window_ms
+                )
+                now = self._clock.now_ms()
+            busy = next((appending[i] for i in ids if i in appending), None) if appending else None
+            if busy is None:
+                break
+            await busy.wait()  # stored or refused: look again
         fresh = dedup.admit(ids, now, stored)
         kept = [index for index, new in enumerate(fresh) if new]
         self.duplicates += len(ids) - len(kept)
@@ -71,14 +85,24 @@ class SendHandler:
             data = b"".join([batch.buf[starts[i] : ends[i]] for i in kept])
         kept_ids = [ids[i] for i in kept]
         assert self.writer is not None
+        done = trio.Event()
+        for message_id in kept_ids:
+            appending[message_id] = done
         try:
             # Shielded: once handed to the writer the batch may reach the log, and
             # then it must be indexed (the index moves in offset order only).
             with trio.CancelScope(shield=True):
                 base = await self.writer.append(data)
-        except BaseException:
-            dedup.forget(kept_ids)
+        except BaseException as error:
+            dedup.forget(kept_ids)  # not stored: a retry must store it
+            if isinstance(error, StorageError):
+                raise storage_refusal("the message log could not store the batch", error) from error
             raise
+        finally:
+            for message_id in kept_ids:
+                if appending.get(message_id) is done:
+                    del appending[message_id]
+            done.set()
         items = batch_items(batch, base, kept)
         self._indexer.submit(base, base + len(data), items, kept_ids, self._clock.now_ms())
         self.stored += len(kept)

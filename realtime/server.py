@@ -103,6 +103,8 @@ class RealtimeServer:
         self.group = group
         self.address = ""
         self.registration: Registration | None = None
+        self.crashed = False
+        self._life: trio.CancelScope | None = None
         self._clock = clock
         self._log = message_log
         self._store = store
@@ -160,6 +162,18 @@ class RealtimeServer:
             },
             limits=limits,
         )
+
+    def crash(self) -> None:
+        """Test hook: stop now, as a killed process would.
+
+        Every task is cancelled where it waits, the block's own code too
+        (``open_realtime_server`` then returns quietly), and nothing more is
+        committed: no last checkpoint. What was written stays, as the page cache
+        keeps it for the next process.
+        """
+        self.crashed = True
+        if self._life is not None:
+            self._life.cancel()
 
     @property
     def scheduler_routes(self) -> RouteClient | None:
@@ -291,6 +305,7 @@ async def open_realtime_server(
                 groups=groups,
                 dedup=dedup,
                 now=start_ms,
+                found=storage.found,
             )
         )
         server = RealtimeServer(
@@ -307,15 +322,17 @@ async def open_realtime_server(
             dedup_buckets=dedup_buckets,
             checkpoint_interval_ms=checkpoint_interval_ms,
         )
-        now = clock.now_ms()
+        now = clock.monotonic_ms()  # the groups' timeouts are intervals: a wall-clock step must not fire them
         for consumer, pull_log in in_flight:
             server.consumers.adopt(consumer, pull_log, now)
         body_error: Exception | None = None
         async with open_log_writer(message_log, flush=flush) as writer:
             server.send_handler.writer = writer
             async with trio.open_nursery() as nursery:
+                server._life = nursery.cancel_scope
                 await nursery.start(server.committer.run)
                 await nursery.start(server.sweeper.run)
+                await nursery.start(partial(indexer.run, clock=clock))  # retries a stalled index step
                 server.address = await nursery.start(server.frame_server.serve, host, port)
                 if meta_address is not None:
                     server.scheduler_routes = RouteClient(
@@ -337,8 +354,9 @@ async def open_realtime_server(
                     body_error = error  # raised below, not inside an ExceptionGroup
                 finally:
                     nursery.cancel_scope.cancel()
-        with trio.CancelScope(shield=True):
-            await server.committer.commit_now()
+        if not server.crashed:
+            with trio.CancelScope(shield=True):
+                await server.committer.commit_now()
         if body_error is not None:
             raise body_error
     finally:

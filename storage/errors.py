@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Sequence
 from pathlib import Path
+
+from delaymq.protocol.errors import RemoteProtocolError
+
+#: ``errno`` values that mean the file system (or the user's quota) has no space left.
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
 class StorageError(Exception):
@@ -96,5 +102,39 @@ class StateStoreError(StorageError):
     """A refusal from the lmdb state store (key too long, map limit reached...)."""
 
 
+class StoreIOError(StateStoreError):
+    """A write transaction failed at the operating system (disk full, I/O error); none of it is written.
+
+    The store stays usable: the same write succeeds once the cause is gone.
+    """
+
+
 class StoreClosed(StateStoreError):
     """The state store was used after ``close()``."""
+
+
+def disk_full(error: BaseException | None) -> bool:
+    """Whether ``error``, or an error that led to it, is the file system running out of space."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, OSError) and error.errno in DISK_FULL_ERRNOS:
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def describe(error: BaseException) -> str:
+    """``error`` for a log line or an answer: says "the disk is full" first when it is."""
+    text = str(error) or type(error).__name__
+    return f"the disk is full ({text})" if disk_full(error) else text
+
+
+def storage_refusal(what: str, error: BaseException) -> RemoteProtocolError:
+    """The answer to a request whose data could not be stored: ``unavailable``, so the client retries.
+
+    ``what`` names the request and the step ("SEND: the message log could not
+    store the batch"). Nothing of the request was stored, so a retry (here once
+    space is freed, or at another group) stores it.
+    """
+    return RemoteProtocolError(f"{what}: {describe(error)}; nothing of it was stored, retry", code="unavailable")

@@ -9,6 +9,9 @@ batch bigger than a segment gets one of its own).
 Crash safety rests on two rules: a segment is fsynced before the next one is
 created, so only the last segment can have a torn tail; and on open that tail is
 cut at the first record that does not check (envelope size, magic, version, CRC).
+A write that fails (a full disk) is cut back at once, so no torn record is ever
+followed by later ones; after a failed fsync the log refuses appends until it is
+reopened or its owner cuts the unflushed tail (``drop_unflushed``).
 
 Threads: one thread appends and flushes while readers run in others (the event
 loop included). ``end_offset`` moves only after a write has returned, so a reader
@@ -216,6 +219,11 @@ class SegmentedLog:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def failed(self) -> bool:
+        """An fsync (or the cut after a failed write) failed: appends are refused (see ``drop_unflushed``)."""
+        return self._failure is not None
+
     def segments(self) -> list[tuple[int, int]]:
         """``(first offset, length)`` of each segment, oldest first (for status tools)."""
         return [(s.base, s.size) for s in self._index[1]]
@@ -266,6 +274,36 @@ class SegmentedLog:
             self._flushed = target
             return target
 
+    def drop_unflushed(self) -> int:
+        """Cut what was appended past ``flushed_offset`` and take appends again; returns the bytes cut.
+
+        For an owner that tells no one of an append before its flush (the ``sync``
+        writer), after a failed fsync (a full disk) or a failed cut of a failed
+        write: those bytes were acknowledged to nobody, and the kernel may have
+        dropped their pages, so the log carries on from its last good flush
+        rather than refusing every later append. Nobody may have read past
+        ``flushed_offset`` (the scheduler's replay and the realtime index do not).
+        """
+        with self._append_lock, self._flush_lock:
+            if self._closed:
+                raise LogClosed(f"log {self._folder.path} is closed")
+            segment = self._active
+            keep = self._flushed - segment.base
+            if keep < 0:  # cannot happen: a roll flushes the segment it leaves
+                raise LogFailed(f"log {self._folder.path}: unflushed bytes before the active segment")
+            cut = self._end - self._flushed
+            try:
+                os.ftruncate(segment.fd, keep)
+            except OSError as error:
+                self._failure = error
+                raise LogIOError(
+                    f"cannot cut segment {segment.path.name} back to offset {self._flushed}: {error}"
+                ) from error
+            segment.size = keep
+            self._end = self._flushed
+            self._failure = None
+            return cut
+
     def _write(self, segment: _Segment, data: bytes | bytearray | memoryview, offset: int) -> None:
         view = memoryview(data).cast("B")
         position = segment.size
@@ -307,8 +345,14 @@ class SegmentedLog:
         path = self._folder.path / segment_name(base)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        except OSError as error:
+            raise LogIOError(f"cannot create segment {path}: {error}") from error
+        try:
             self._folder.fsync()
         except OSError as error:
+            # Not ours yet: remove it, so the next roll (once space is back) can create it.
+            os.close(fd)
+            path.unlink(missing_ok=True)
             raise LogIOError(f"cannot create segment {path}: {error}") from error
         segment = _Segment(base, path, fd, 0)
         with self._index_lock:

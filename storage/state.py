@@ -5,23 +5,27 @@ sub-databases. Writes are batched: a ``WriteBatch`` records puts and deletes and
 applies them in one write transaction (one fsync) when its ``with`` block ends.
 Because the batch is a list of operations, a full map is handled by aborting,
 doubling the map size and replaying the batch, so ``MapFullError`` never reaches a
-caller. Every call blocks; trio code calls it through ``trio.to_thread.run_sync``.
+caller. A write the disk cannot take (full, or an I/O error) raises ``StoreIOError``
+with the ``OSError`` behind it; nothing of the batch is written and the store
+stays usable, so the same write succeeds once space is freed.
+Every call blocks; trio code calls it through ``trio.to_thread.run_sync``.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
 import lmdb
 import msgpack
 
-from delaymq.storage.errors import StateStoreError, StoreClosed
+from delaymq.storage.errors import StateStoreError, StoreClosed, StoreIOError
 from delaymq.storage.folder import DataFolder
 from delaymq.storage.format import FormatValue, ensure_format
 
@@ -29,6 +33,8 @@ STATE_FORMAT = "lmdb-state"
 STATE_FORMAT_VERSION = 1
 DEFAULT_MAP_SIZE = 64 << 20
 DEFAULT_MAX_MAP_SIZE = 1 << 40
+#: lmdb reports a commit cut short by a full disk as EIO: with less free than this, that is a full disk.
+LOW_SPACE = 64 << 20
 
 Bytes = bytes | bytearray | memoryview
 _DELETE = object()
@@ -215,6 +221,33 @@ class StateStore:
                 return
             except lmdb.MapFullError:
                 self._grow(seen_map_size)
+            except lmdb.Error as error:
+                self._raise_io_error(error, f"a write of {len(ops)} change(s)")
+
+    def _raise_io_error(self, error: lmdb.Error, what: str) -> NoReturn:
+        """``StoreIOError`` for an lmdb error the disk caused (its ``OSError`` as cause); else ``error``."""
+        cause = self._os_error(error)
+        if cause is None:
+            raise error
+        raise StoreIOError(f"state store {self._folder.path}: {what} failed: {cause.strerror}") from cause
+
+    def _os_error(self, error: lmdb.Error) -> OSError | None:
+        """The ``OSError`` behind an lmdb error, which names it only in its message (None: not one)."""
+        if isinstance(error, lmdb.DiskError):
+            code = errno.ENOSPC
+        elif os.strerror(errno.EIO) in str(error):
+            code = errno.EIO
+            try:
+                stat = os.statvfs(self._folder.path)
+                if stat.f_bavail * stat.f_frsize < LOW_SPACE:
+                    code = errno.ENOSPC  # a page write cut short by the end of the free space
+            except OSError:
+                pass
+        else:
+            return None
+        cause = OSError(code, os.strerror(code))
+        cause.__cause__ = error
+        return cause
 
     def _grow(self, seen_map_size: int) -> None:
         with self._gate.resize():
@@ -251,6 +284,8 @@ class StateStore:
                         raise StateStoreError(
                             f"cannot open db {db!r}: the store already has max_dbs named dbs"
                         ) from error
+                    except lmdb.Error as error:
+                        self._raise_io_error(error, f"creating db {db!r}")
                 self._dbs[db] = handle
         return handle
 

@@ -11,12 +11,17 @@ Under ``async`` an append returns once written, and a background task fsyncs
 every ``flush_interval_ms`` and once more on close.
 
 A failed write or fsync reaches every appender of the group as ``AppendFailed``
-(its ``__cause__`` is the log's error); a failed background fsync makes every later
-append fail and is raised again when the writer closes: never silently dropped.
+(its ``__cause__`` is the log's error). Under ``sync`` the group's bytes are then
+cut from the log (nobody was told of them), so the next group is appended as if
+the failed one never came: a full disk refuses appends while it lasts and the
+writer takes them again once space is freed, with one log line per outage.
+Under ``async`` a failed background fsync makes every later append fail and is
+raised again when the writer closes: never silently dropped.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -26,8 +31,10 @@ from typing import Literal
 import trio
 
 from delaymq.protocol.envelope import encode
-from delaymq.storage.errors import AppendFailed, LogClosed, RecordTooLarge
+from delaymq.storage.errors import AppendFailed, LogClosed, RecordTooLarge, StorageError, describe
 from delaymq.storage.log import SegmentedLog
+
+_logger = logging.getLogger(__name__)
 
 FlushPolicy = Literal["sync", "async"]
 DEFAULT_MAX_GROUP_BYTES = 4 << 20
@@ -85,6 +92,7 @@ class LogWriter:
         self._fsyncs = 0
         self._max_group = 0
         self._pending = 0
+        self._refused_in_outage: int | None = None  # appends failed since the last good write (an outage)
 
     @property
     def log(self) -> SegmentedLog:
@@ -175,10 +183,12 @@ class LogWriter:
             except Exception as error:
                 group.error = error
                 self._failed_appends += group.count
+                self._note_failure(error, group.count)
             else:
                 self._appends += group.count
                 self._bytes += group.size
                 self._max_group = max(self._max_group, group.count)
+                self._note_success()
             finally:
                 self._pending -= group.count
                 group.done.set()
@@ -189,10 +199,38 @@ class LogWriter:
         return offset
 
     def _write_and_flush(self, data: bytes | bytearray | memoryview) -> int:
-        offset = self._write(data)
-        self._log.flush()
+        try:
+            offset = self._write(data)
+            self._log.flush()
+        except Exception:
+            # A failed write cut itself back. After a failed fsync the log refuses
+            # appends: nobody was told of the bytes past the last good flush, so cut
+            # them and go on from there (if even that fails, the next group tries again).
+            if self._log.failed:
+                try:
+                    self._log.drop_unflushed()
+                except (StorageError, OSError):
+                    pass
+            raise
         self._fsyncs += 1
         return offset
+
+    def _note_failure(self, error: BaseException, count: int) -> None:
+        if self._refused_in_outage is None:
+            self._refused_in_outage = 0
+            _logger.warning(
+                "log %s: appends fail: %s; each is refused until a write succeeds",
+                self._log.directory,
+                describe(error),
+            )
+        self._refused_in_outage += count
+
+    def _note_success(self) -> None:
+        if self._refused_in_outage is not None:
+            _logger.info(
+                "log %s: appends succeed again (%d refused meanwhile)", self._log.directory, self._refused_in_outage
+            )
+            self._refused_in_outage = None
 
     async def _flush_loop(self) -> None:
         while not self._closing.is_set() and self._failure is None:
