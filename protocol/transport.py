@@ -351,7 +351,13 @@ class FrameServer:
             reply = await handler(Request(frame, peer))
         except ProtocolError as error:
             self._errors += 1
-            log.info("refused %s from %s: %s", command_name(frame.command), peer, error)
+            # A flood of one refusal (a full disk refuses every SEND) is a line a minute with a count.
+            count = self._refusal_log.note(f"{frame.command}:{error.code}", trio.current_time())
+            if count is not None:
+                log.info(
+                    "refused %s from %s: %s (%d such refusal(s) since the last such line)",
+                    command_name(frame.command), peer, error, count,
+                )  # fmt: skip
             return error_response(frame, error) if expects_answer else None
         except Exception as error:  # a bug in a handler must not kill the server
             self._errors += 1

@@ -25,6 +25,7 @@ from delaymq.realtime.index import Indexer
 from delaymq.realtime.pulllog import PullLog, consumer_stem, encode_pull_entries
 from delaymq.realtime.redelivery import RedeliverySweeper
 from delaymq.realtime.requests import PullRequest
+from delaymq.storage.errors import storage_refusal
 from delaymq.storage.state import StateStore
 from delaymq.wheel.clock import Clock
 
@@ -147,11 +148,16 @@ class Consumers:
         """Hand ``picked`` to ``consumer``: the groups track it, its pull log gets it; returns the pull start."""
         sequences = [item[0] for item in picked]
         redeliveries = [item[1] for item in picked]
-        start = self._groups.record_pull(consumer, sequences, redeliveries, now)
         pull_log = self._pull_logs[consumer.key]
-        pull_log.write(start, encode_pull_entries(sequences, redeliveries))
+        try:
+            # The pull log first: a hand-out it cannot record (a full disk) is no hand-out.
+            pull_log.write(consumer.length, encode_pull_entries(sequences, redeliveries))
+        except OSError as error:
+            # Back to the front of the share, with the counts they had: nobody received them.
+            self._groups.put_back(consumer.share, list(zip(sequences, redeliveries, strict=True)))
+            raise storage_refusal("PULL: the pull log could not record the hand-out", error) from error
         self._written.add(pull_log)
-        return start
+        return self._groups.record_pull(consumer, sequences, redeliveries, now)
 
     # ----------------------------------------------------------- checkpoints
 

@@ -183,8 +183,9 @@ class Groups:
         return taken
 
     def put_back(self, share: Share, items: list[tuple[int, int]]) -> None:
-        """Return taken redeliveries that could not be handed out, at the front."""
+        """Return taken entries that could not be handed out, at the front, with their counts."""
         share.redeliver.extendleft(reversed(items))
+        self.dirty_shares.add(share)
 
     def advance(self, share: Share, position: int) -> None:
         if position != share.position:

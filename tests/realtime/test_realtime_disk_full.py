@@ -257,3 +257,31 @@ async def test_a_minute_of_full_disk_then_every_acknowledged_message_is_delivere
             assert refusals > 0
     assert not tracebacks(caplog)
     assert len(complaints(caplog)) <= 2, complaints(caplog)  # the message log, the index step
+
+
+async def test_a_pull_whose_pull_log_cannot_be_written_is_refused_and_hands_out_nothing(
+    tmp_path: Path,
+    rt: SimpleNamespace,
+    full_disk: FullDisk,
+    caplog: pytest.LogCaptureFixture,
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    clock = TrioClock(EPOCH)
+    batch = rt.messages(4)
+    async with open_realtime_server(data_dir=tmp_path, clock=clock) as server:
+        async with rt.memory_client(server) as client:
+            await client.pull(timeout_ms=0)  # joins the group; its pull log exists
+            assert await client.send(batch) == ["stored"] * 4
+            full_disk.fill(tmp_path / "pull")
+            with pytest.raises(PeerError) as error:
+                await client.pull(10)
+            assert error.value.code == "unavailable" and "disk is full" in str(error.value)
+            full_disk.free()
+            got = await client.pull(10)
+            # The same messages, in order, as first deliveries: the refused pull handed out nothing.
+            assert got.ids == [m.id for m in batch] and [m.attempts for m in got.messages] == [0] * 4
+            await client.ack(got.start, got.end)
+    assert not tracebacks(caplog)
+    async with open_realtime_server(data_dir=tmp_path, clock=clock) as server:  # and it reopens cleanly
+        async with rt.memory_client(server) as client:
+            assert (await client.pull(10, timeout_ms=0)).count == 0
