@@ -70,6 +70,12 @@ MESSAGE_HEADER_SIZE = MESSAGE_HEADER.size  # 34
 RECORD_HEADER = struct.Struct(HEADER.format + MESSAGE_HEADER.format[1:])
 RECORD_HEADER_SIZE = RECORD_HEADER.size  # 46
 
+#: The envelope header, ``deliver_at`` and ``created_at``: what filing a record by
+#: its hour reads (size, magic, version, kind, crc, deliver_at, created_at).
+RECORD_TIMES = struct.Struct(HEADER.format + "qq")
+_LENGTHS = struct.Struct(">HH")  # id_len, subject_len
+_LENGTHS_OFFSET = 30
+
 _PREFIX = struct.Struct(">IBBH")  # the CRC-covered part of the envelope header
 _CRC = struct.Struct(">I")
 _DELIVER_AT = struct.Struct(">q")  # at 12
@@ -821,6 +827,20 @@ def rewrite_delivery(
         crc = zlib.crc32(view[HEADER_SIZE:], zlib.crc32(view[:8]))
     _CRC.pack_into(data, 8, crc)
     return bytes(data)
+
+
+def record_subject(record: bytes | bytearray | memoryview) -> bytes:
+    """The subject bytes of one message record (checked when it was received)."""
+    id_len, subject_len = _LENGTHS.unpack_from(record, _LENGTHS_OFFSET)
+    start = RECORD_HEADER_SIZE + id_len
+    return bytes(record[start : start + subject_len])
+
+
+def raise_attempts(record: bytes | bytearray | memoryview, by: int) -> bytes:
+    """The record handed out again: ``attempts`` raised by ``by`` (capped at ``MAX_ATTEMPTS``), fresh CRC."""
+    deliver_at = _DELIVER_AT.unpack_from(record, _DELIVER_AT_OFFSET)[0]
+    attempts = min(_ATTEMPTS.unpack_from(record, _ATTEMPTS_OFFSET)[0] + by, MAX_ATTEMPTS)
+    return rewrite_delivery(record, deliver_at=deliver_at, attempts=attempts)
 
 
 # ------------------------------------------------------------ ids and tag bits

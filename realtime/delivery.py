@@ -11,9 +11,8 @@ adjacent ones in one read, and raises the attempts of redelivered ones;
 from __future__ import annotations
 
 import logging
-import struct
 
-from delaymq.protocol.records import MAX_ATTEMPTS, rewrite_delivery
+from delaymq.protocol.records import raise_attempts
 from delaymq.realtime.consumelog import ConsumeLog, iter_entries
 from delaymq.realtime.groups import Groups, Share
 from delaymq.storage.errors import BadOffset, CorruptLog
@@ -25,8 +24,6 @@ log = logging.getLogger(__name__)
 #: filter may skip many; the caller lets other tasks run and picks again).
 READ_ENTRIES = 1024
 SCAN_ENTRIES = 64 * 1024
-_DELIVER_AT = struct.Struct(">q")  # at byte 12 of a record
-_ATTEMPTS = struct.Struct(">H")  # at byte 28
 
 #: One picked entry: (consume-log sequence, redeliveries, message-log offset, size).
 Picked = tuple[int, int, int, int]
@@ -105,10 +102,7 @@ def read_records(log: SegmentedLog, picked: list[Picked]) -> bytes:
     while index < count:
         _sequence, redeliveries, offset, size = picked[index]
         if redeliveries:
-            record = _read_span(log, offset, size)
-            deliver_at = _DELIVER_AT.unpack_from(record, 12)[0]
-            attempts = min(_ATTEMPTS.unpack_from(record, 28)[0] + redeliveries, MAX_ATTEMPTS)
-            parts.append(rewrite_delivery(record, deliver_at=deliver_at, attempts=attempts))
+            parts.append(raise_attempts(_read_span(log, offset, size), redeliveries))
             index += 1
             continue
         end = offset + size

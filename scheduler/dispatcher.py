@@ -27,7 +27,6 @@ Docs: docs/scheduler.md.
 from __future__ import annotations
 
 import logging
-import struct
 from collections import deque
 from collections.abc import Awaitable, Callable
 from collections.abc import Set as AbstractSet
@@ -37,6 +36,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from delaymq.protocol.records import record_subject
 from delaymq.scheduler.alarm import Alarm
 from delaymq.scheduler.delayindex import Heads
 from delaymq.scheduler.schedulelog import HourLog, ScheduleStore
@@ -57,18 +57,6 @@ DEFAULT_MAX_CACHED_BYTES = 256 << 20
 DEFAULT_MAX_SENDS = 16
 DEFAULT_BACKOFF_MS = 100
 DEFAULT_MAX_BACKOFF_MS = 5_000
-
-_LENGTHS = struct.Struct(">HH")  # id_len, subject_len at record byte 30
-_LENGTHS_AT = 30
-_TEXT_AT = 46  # RECORD_HEADER_SIZE: the id starts here, the subject after it
-
-
-def subject_of(record: bytes) -> bytes:
-    """The subject bytes of a message record (checked when it was received)."""
-    id_len, subject_len = _LENGTHS.unpack_from(record, _LENGTHS_AT)
-    start = _TEXT_AT + id_len
-    return record[start : start + subject_len]
-
 
 @dataclass(frozen=True, slots=True)
 class DispatcherStatistics:
@@ -316,7 +304,7 @@ class Dispatcher:
             for at, entry in items:
                 record = cache.pop(entry)
                 size += len(record)
-                subject = subject_of(record)
+                subject = record_subject(record)
                 lane = lanes.get(subject)
                 if lane is None:
                     lane = lanes[subject] = _Lane(subject)
@@ -486,5 +474,4 @@ __all__ = [
     "Dispatcher",
     "DispatcherStatistics",
     "RunBlocking",
-    "subject_of",
 ]

@@ -51,6 +51,7 @@ from functools import partial
 from pathlib import Path
 
 from delaymq.protocol.envelope import HEADER_SIZE, RecordKind
+from delaymq.protocol.records import RECORD_TIMES
 from delaymq.scheduler.delayindex import (
     CHECKPOINT_KEY,
     DELETED_DB,
@@ -105,7 +106,6 @@ STORE_FORMAT_VERSION = 2  # 2: heads tables in files (version 1 kept them as lmd
 DEFAULT_MAX_STEP_HOURS = 20_000
 DEFAULT_MAX_OPEN_DISPATCH_LOGS = 256
 
-_RECORD_START = struct.Struct(">IBBHIqq")  # envelope header, deliver_at, created_at
 #: A step reading more slots of one hour than this reads its whole table at once.
 _WHOLE_TABLE_FROM = 64
 _MESSAGE = int(RecordKind.MESSAGE)
@@ -397,7 +397,7 @@ class ScheduleStore:
     def _stage(self, buf: bytes, source: int, stop: int) -> int:
         self._read_slots(self._slots_to_read(buf, stop))
         view = memoryview(buf)
-        unpack = _RECORD_START.unpack_from
+        unpack = RECORD_TIMES.unpack_from
         pack_body = ENTRY_BODY.pack
         pack_crc = ENTRY_CRC.pack
         crc32 = zlib.crc32
@@ -490,7 +490,7 @@ class ScheduleStore:
     def _slots_to_read(self, buf: bytes, stop: int) -> set[int]:
         """The heads slots (``hour << 12 | second``) the records ``_stage`` will file from
         ``buf[:stop]`` fall in and the step does not hold yet (stopping where it stops)."""
-        unpack = _RECORD_START.unpack_from
+        unpack = RECORD_TIMES.unpack_from
         heads = self._heads
         hours = set(self._staged)
         limit = self._max_step_hours

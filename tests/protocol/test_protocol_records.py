@@ -28,6 +28,7 @@ from delaymq.protocol import (
     tags_mask,
 )
 from delaymq.protocol.envelope import RecordKind, encode, iter_spans, valid_prefix
+from delaymq.protocol.records import MAX_ATTEMPTS, RECORD_TIMES, raise_attempts, record_subject
 from delaymq.protocol.errors import CODES
 
 I64 = st.integers(-(1 << 63), (1 << 63) - 1)
@@ -519,3 +520,18 @@ def test_the_widest_tag_limits_the_layout_holds() -> None:
     record = message.encode(limits)
     assert scan_batch(record, limits).tags == [message.tags]
     assert decode_message(record, limits=limits) == message
+
+
+@given(
+    id=st.text(st.characters(min_codepoint=33, max_codepoint=126), min_size=1, max_size=64),
+    subject=st.text(st.characters(min_codepoint=48, max_codepoint=122), min_size=1, max_size=255),
+    attempts=st.integers(0, 0xFFFF),
+    by=st.integers(1, 0x1FFFF),
+)
+def test_record_readers_agree_with_the_decoder(id: str, subject: str, attempts: int, by: int) -> None:
+    record = encode_message(id, subject, body=b"x", deliver_at=123, created_at=45, attempts=attempts)
+    assert record_subject(record) == subject.encode()
+    assert RECORD_TIMES.unpack_from(record)[-2:] == (123, 45)
+    again = decode_message(raise_attempts(record, by))  # a fresh CRC: it decodes
+    assert again.attempts == min(attempts + by, MAX_ATTEMPTS)
+    assert (again.id, again.subject, again.deliver_at, again.body) == (id, subject, 123, b"x")
