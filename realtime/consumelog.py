@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from delaymq.storage.errors import CorruptLog
+from delaymq.storage.files import pwrite_all
 
 ENTRY = struct.Struct(">QIQqI")
 ENTRY_SIZE = ENTRY.size  # 32
@@ -147,14 +148,7 @@ class ConsumeLog:
         """Write the added entries in one ``pwrite`` (to the page cache)."""
         if not self._pending:
             return
-        data = self._pending
-        view = memoryview(data)
-        position = self._written * ENTRY_SIZE
-        while view:
-            written = os.pwrite(self._fd, view, position)
-            view = view[written:]
-            position += written
-        view.release()
+        pwrite_all(self._fd, self._pending, self._written * ENTRY_SIZE, path=self.path)
         self._written = self.count
         self._on_disk = self.count
         self._pending = bytearray()

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from delaymq.realtime.consumelog import write_small_file
+from delaymq.storage.files import pwrite_all
 
 PULL_ENTRY = struct.Struct(">QHHI")
 PULL_ENTRY_SIZE = PULL_ENTRY.size  # 16
@@ -129,12 +130,7 @@ class PullLog:
         """Write entries at pull-log sequence ``position`` (page cache; fsync in ``flush``)."""
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
-            view = memoryview(data)
-            offset = position * PULL_ENTRY_SIZE
-            while view:
-                written = os.pwrite(fd, view, offset)
-                view = view[written:]
-                offset += written
+            pwrite_all(fd, data, position * PULL_ENTRY_SIZE, path=self.path)
         finally:
             os.close(fd)
 

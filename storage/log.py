@@ -51,6 +51,7 @@ from delaymq.storage.errors import (
     OffsetDeleted,
     RecordTooLarge,
 )
+from delaymq.storage.files import pwrite_all
 from delaymq.storage.folder import DataFolder
 from delaymq.storage.format import FormatValue, ensure_format
 
@@ -305,15 +306,8 @@ class SegmentedLog:
             return cut
 
     def _write(self, segment: _Segment, data: bytes | bytearray | memoryview, offset: int) -> None:
-        view = memoryview(data).cast("B")
-        position = segment.size
         try:
-            while view:
-                written = os.pwrite(segment.fd, view, position)
-                if written <= 0:
-                    raise OSError(28, "write made no progress")
-                view = view[written:]
-                position += written
+            pwrite_all(segment.fd, data, segment.size, path=segment.path)
         except OSError as error:
             try:
                 os.ftruncate(segment.fd, segment.size)
