@@ -26,6 +26,7 @@ run: $(VENV)/.installed-run
 	$(BIN)/delaymq cluster --data $(DATA)
 
 test: $(VENV)/.installed-dev
+	$(BIN)/lint-imports --no-cache --no-logo
 	PYTHONSAFEPATH=1 $(BIN)/python -m pytest -q
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 
 from delaymq.cli.status_command import add_meta_option, ask_metaserver
-from delaymq.metaserver.routes import GroupState
 from delaymq.protocol.commands import Command
+from delaymq.protocol.routes import GroupState
 
 STATE_HELP = "RW: read-write; R: read-only (consumers only, no new messages); NRW: routed to nobody"
 

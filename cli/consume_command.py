@@ -18,9 +18,6 @@ from delaymq.client.routes import RouteError
 from delaymq.protocol.errors import ProtocolError
 from delaymq.protocol.transport import TransportError
 
-#: The longest long poll a round of the blocking consumer makes.
-POLL_SECONDS = 1.0
-
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -93,7 +90,6 @@ def run(args: argparse.Namespace) -> int:
     if args.max is not None and args.max < 1:
         print(f"delaymq consume: --max is {args.max}, must be at least 1", file=sys.stderr)
         return 1
-    poll = POLL_SECONDS if args.timeout is None else max(0.0, min(POLL_SECONDS, args.timeout))
     count = 0
     try:
         with BlockingConsumer(
@@ -103,7 +99,6 @@ def run(args: argparse.Namespace) -> int:
             tags=args.tag,
             broadcast=args.broadcast,
             start=args.start,
-            poll_timeout=poll,
             consumer_id=args.consumer_id,
             max_messages_held=args.max if args.max is not None else 1000,
             pull_batch=min(100, args.max) if args.max is not None else 100,

@@ -15,6 +15,7 @@ from typing import Sequence
 
 from delaymq.cli import (
     admin_command,
+    backlog_command,
     bench_command,
     cluster_command,
     consume_command,
@@ -26,7 +27,7 @@ from delaymq.cli import (
 )
 from delaymq.cli.config import ConfigError, apply_config, load_config
 from delaymq.cli.parser import CommandParser
-from delaymq.metaserver.agent import software_version
+from delaymq.client.registration import software_version
 
 log = logging.getLogger("delaymq")
 
@@ -41,6 +42,7 @@ SUBCOMMANDS = [
     status_command,
     admin_command,
     bench_command,
+    backlog_command,
 ]
 
 LOG_LEVELS = ("debug", "info", "warning", "error")

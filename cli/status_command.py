@@ -12,8 +12,8 @@ import sys
 from typing import Any
 
 from delaymq.cli import options
+from delaymq.client.blocking import BlockingPeers
 from delaymq.client.producer import DEFAULT_META
-from delaymq.protocol.blocking import BlockingPeers
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError, ProtocolError
 from delaymq.protocol.transport import TransportError

@@ -10,7 +10,7 @@ Trio::
         async for message in consumer:
             await message.ack()
 
-Blocking::
+Blocking (the trio clients on a loop thread of their own: same options, defaults, errors)::
 
     with BlockingProducer("127.0.0.1:20880") as producer:
         producer.send("orders", b"now")

@@ -1,7 +1,12 @@
-"""The blocking twins of ``Producer`` and ``Consumer``, for plain (threaded) code.
+"""The clients for plain (threaded) code: ``BlockingProducer``, ``BlockingConsumer``, ``BlockingPeers``.
 
-They make the same decisions as the trio clients (``ProducerCore`` and
-``ConsumerCore``), over ``BlockingRouteClient`` and ``BlockingPeers``.
+Each runs its trio client (``open_producer``, ``open_consumer``, ``open_peers``)
+on a trio event loop in a background thread of its own (``LoopThread``) and
+calls into it with ``trio.from_thread``. So there is one implementation of
+every loop, the options and their defaults are the trio client's (taken from
+its signature, they cannot drift), and an error raised in the trio code is
+raised in the caller's thread as the same exception (``LocalProtocolError``,
+``NoRouteError``, ``CallFailed``/``CallTimedOut``, ``PeerError``...).
 
 Example::
 
@@ -14,230 +19,285 @@ Example::
             print(message.id, message.body)
             consumer.ack(message)  # or message.ack()
 
-The consumer runs a thread per realtime group that pulls (each with its own
-connection, so a long poll never holds up an ack), one more per group for the
-group's retry subject (where nacked messages come back after their retry
-delay; see ``open_consumer``), and one housekeeping thread
-that sends acks in batches, heartbeats and re-reads the route. Blocking
-sockets cannot be woken, so ``close()`` waits for the pulls in flight; pulls
-therefore poll in short rounds (``poll_timeout``, default 1 s).
+A receive waits on the consumer's real long polls, so a message is handed out
+as soon as it arrives. ``close()`` (or the end of the ``with`` block) ends a
+receive waiting in another thread at once, gives back what is held and not
+settled, sends the acks not sent yet and ends the loop thread. The thread is a
+daemon, so a client never closed does not keep the interpreter from exiting (a
+producer or peers dropped without ``close()`` also closes when garbage collected).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
 import logging
-import queue
+import math
 import threading
-import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from datetime import timedelta
-from typing import Any
+import weakref
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any, Generic, Self, TypeVar
 
-from delaymq.client.consumer import POLL_MARGIN, ConsumerFailed, is_retryable, send_failure
-from delaymq.client.delivery import ConsumerCore, ConsumerStatistics, ReceivedMessage, Settlement
-from delaymq.client.messages import DEFAULT_BATCH_BYTES, DEFAULT_BATCH_MESSAGES, At, BatchPlan, Delay, with_batch_index
-from delaymq.client.producer import DEFAULT_META, DEFAULT_SEND_TIMEOUT, ProducerCore, ProducerStatistics
-from delaymq.client.retry import DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_DELAYS
-from delaymq.client.routes import BlockingRouteClient, meta_addresses
-from delaymq.metaserver.routes import RouteAnswer, RouteKind
-from delaymq.protocol.blocking import BlockingPeers
-from delaymq.protocol.commands import Command
-from delaymq.protocol.errors import PeerError, ProtocolError
-from delaymq.protocol.limits import DEFAULT_LIMITS, MiB, Limits
+import trio
+
+from delaymq.client.consumer import Consumer, ConsumerFailed, open_consumer
+from delaymq.client.delivery import ConsumerStatistics, ReceivedMessage
+from delaymq.client.producer import Producer, ProducerStatistics, open_producer
+from delaymq.protocol.frames import Frame
 from delaymq.protocol.records import Message
-from delaymq.protocol.transport import TransportError
-from delaymq.wheel.clock import Clock, SystemClock
+from delaymq.protocol.transport import Peers, open_peers
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+R = TypeVar("R")
+F = TypeVar("F", bound=Callable[..., Any])
 
-class BlockingProducer(ProducerCore):
-    """``Producer`` for plain code: ``send`` and ``send_batch`` block until stored.
 
-    Takes the options of ``open_producer``; the backoff between retries blocks the calling thread.
+class LoopClosed(RuntimeError):
+    """The client was closed (before the call, or while it was in flight)."""
+
+
+class LoopThread(Generic[T]):
+    """A trio event loop on a daemon thread, holding one async context (a trio client) open until closed.
+
+    ``value`` is what the context gave. ``run`` calls an async function in the
+    loop from any other thread and returns (or raises) what it does.
     """
 
-    def __init__(
-        self,
-        meta: str | Sequence[str] = DEFAULT_META,
-        *,
-        clock: Clock | None = None,
-        limits: Limits = DEFAULT_LIMITS,
-        batch_bytes: int = DEFAULT_BATCH_BYTES,
-        batch_messages: int = DEFAULT_BATCH_MESSAGES,
-        attempts: int = 3,
-        timeout: float = 10.0,
-        send_timeout: float = DEFAULT_SEND_TIMEOUT,
-        connect_timeout: float = 5.0,
-        route_refresh: float = 30.0,
-    ) -> None:
-        addresses = meta_addresses(meta)
-        clock = clock if clock is not None else SystemClock()
-        super().__init__(
-            clock=clock,
-            limits=limits,
-            batch_bytes=batch_bytes,
-            batch_messages=batch_messages,
-            attempts=attempts,
-            timeout=timeout,
-            send_timeout=send_timeout,
-        )
-        self._peers = BlockingPeers(limits=limits, connect_timeout=connect_timeout, request_timeout=timeout)
-        self.routes = BlockingRouteClient(
-            self._peers, addresses, clock=clock, refresh_interval_ms=round(route_refresh * 1000)
-        )
+    def __init__(self, name: str, open_context: Callable[[], AbstractAsyncContextManager[T]]) -> None:
+        self.value: T  # what the context gave, once open
+        self.token: trio.lowlevel.TrioToken
+        self._closing: trio.Event
+        self._opened = threading.Event()
+        self._error: BaseException | None = None
+        self._calls: set[trio.CancelScope] = set()  # calls in flight, cancelled on close
+        self._thread = threading.Thread(target=self._run, args=(open_context,), name=name, daemon=True)
+        self._thread.start()
+        self._opened.wait()
+        if self._error is not None:
+            self._thread.join()
+            error, self._error = self._error, None
+            raise error
 
-    def send(
-        self,
-        subject: str,
-        body: bytes | str = b"",
-        *,
-        tags: Iterable[str] = (),
-        properties: Mapping[str, Any] | None = None,
-        id: str | None = None,
-        delay: Delay | None = None,
-        at: At | None = None,
-    ) -> str:
-        """Send one message; returns its id (see ``Producer.send``)."""
-        plan = self.plan_one(subject, body, tags=tags, properties=properties, id=id, delay=delay, at=at)
-        self._send_plan(plan)
-        return plan.ids[0]
+    def _run(self, open_context: Callable[[], AbstractAsyncContextManager[T]]) -> None:
+        try:
+            trio.run(self._main, open_context)
+        except BaseException as error:  # trio itself failed: __init__ must not wait forever
+            self._error = error
+        finally:
+            self._opened.set()
 
-    def send_batch(self, messages: Iterable[Message]) -> list[str]:
-        """Send many messages built with ``message()``; returns their ids (see ``Producer.send_batch``)."""
-        plan = self.plan(messages)
-        self._send_plan(plan)
-        return plan.ids
+    async def _main(self, open_context: Callable[[], AbstractAsyncContextManager[T]]) -> None:
+        self.token = trio.lowlevel.current_trio_token()
+        self._closing = trio.Event()
+        try:
+            async with open_context() as value:
+                self.value = value
+                self._opened.set()
+                await self._closing.wait()
+                for scope in self._calls:
+                    scope.cancel()
+        except BaseException as error:  # raised in the caller's thread, by __init__ or close
+            self._error = single(error)
 
-    def _send_plan(self, plan: BatchPlan) -> None:
-        for frame in plan.frames:
+    def run(self, afn: Callable[..., Awaitable[R]], *args: Any) -> R:
+        """``await afn(*args)`` in the loop; ``LoopClosed`` if the loop closes first."""
+        try:
+            return trio.from_thread.run(self._call, afn, *args, trio_token=self.token)
+        except (trio.RunFinishedError, trio.Cancelled):
+            raise LoopClosed("the client is closed") from None
+
+    async def _call(self, afn: Callable[..., Awaitable[R]], *args: Any) -> R:
+        with trio.CancelScope() as scope:
+            self._calls.add(scope)
             try:
-                answer = self.routes.call(
-                    frame.route, frame.command, {}, frame.body, attempts=self.attempts, timeout=self.timeout,
-                    retry_for=self.send_timeout, retry_for_name="send_timeout",
-                )  # fmt: skip
-            except PeerError as error:
-                raise with_batch_index(error, frame) from None
-            self.answered(frame, answer.metadata)
+                return await afn(*args)
+            except BaseExceptionGroup as group:
+                raise single(group) from None
+            finally:
+                self._calls.discard(scope)
+        raise LoopClosed("the client was closed while this call waited")
 
-    def statistics(self) -> ProducerStatistics:  # type: ignore[override]
-        return super().statistics(self.routes.statistics())
+    def read(self, fn: Callable[[], R]) -> R:
+        """``fn()``, a snapshot of the client's state, taken in the loop whose tasks change that state.
+
+        Taken here once the loop has ended, or when called from trio code (which must not block).
+        """
+        if not self.running or trio.lowlevel.in_trio_run():
+            return fn()
+        try:
+            return trio.from_thread.run_sync(fn, trio_token=self.token)
+        except trio.RunFinishedError:
+            return fn()
+
+    def run_sync_soon(self, fn: Callable[..., object], *args: Any) -> None:
+        """Call ``fn(*args)`` in the loop soon, without waiting; nothing if the loop has ended."""
+        try:
+            self.token.run_sync_soon(fn, *args)
+        except trio.RunFinishedError:
+            pass
+
+    def close_soon(self) -> None:
+        """Start closing without waiting (what a garbage-collected client does)."""
+        self.run_sync_soon(self._closing.set)
 
     def close(self) -> None:
-        self._peers.close()
+        """Cancel calls in flight, leave the context, end the loop; raises what leaving it raised."""
+        self.close_soon()
+        self._thread.join()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
 
-    def __enter__(self) -> BlockingProducer:
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+
+def single(error: BaseException) -> BaseException:
+    """The one exception inside nested one-member groups (a nursery wraps what crosses it), else ``error``."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error
+
+
+def same_signature(trio_twin: Callable[..., Any], *, without: Iterable[str] = ()) -> Callable[[F], F]:
+    """Give a blocking method ``(self, *args, **options)`` the signature of its trio twin (less ``without``).
+
+    The parameters and their defaults are the trio code's, so the two cannot
+    drift; ``help()`` and ``inspect`` show them. An ``__init__`` checks its
+    arguments at once (a misspelt option is a ``TypeError`` naming the class);
+    other methods pass theirs on to the trio twin, which checks them.
+    """
+    left_out = set(without)
+    twin = inspect.signature(trio_twin)
+    parameters = [p for name, p in twin.parameters.items() if name not in left_out]
+    if not parameters or parameters[0].name != "self":  # the twin is a function, not a method
+        parameters.insert(0, inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY))
+
+    def decorate(method: F) -> F:
+        if method.__name__ != "__init__":
+            method.__signature__ = twin.replace(parameters=parameters)  # type: ignore[attr-defined]
+            return method
+        signature = twin.replace(parameters=parameters, return_annotation=None)
+
+        @functools.wraps(method)
+        def checked(self: Any, *args: Any, **options: Any) -> None:
+            try:
+                signature.bind(self, *args, **options)
+            except TypeError as error:
+                raise TypeError(f"{type(self).__name__}: {error}") from None
+            method(self, *args, **options)
+
+        checked.__signature__ = signature  # type: ignore[attr-defined]
+        return checked  # type: ignore[return-value]
+
+    return decorate
+
+
+class OnLoopThread(Generic[T]):
+    """A blocking client whose trio twin runs on ``_loop``: closing, and ``with``."""
+
+    _loop: LoopThread[T]
+
+    def close(self) -> None:
+        """Close the trio client and end its loop thread."""
+        self._loop.close()
+
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _closes_when_collected(self) -> None:
+        weakref.finalize(self, self._loop.close_soon).atexit = False
+
+
+class BlockingProducer(OnLoopThread[Producer]):
+    """``Producer`` for plain code: ``send`` and ``send_batch`` block until stored.
+
+    Takes the options of ``open_producer`` (but ``peers``), with its defaults.
+    """
+
+    @same_signature(open_producer, without=("peers",))
+    def __init__(self, *args: Any, **options: Any) -> None:
+        self._loop = LoopThread("delaymq-producer", functools.partial(open_producer, *args, **options))
+        self._closes_when_collected()
+        self._producer = producer = self._loop.value
+        self.clock = producer.clock
+        self.limits = producer.limits
+        self.attempts = producer.attempts
+        self.timeout = producer.timeout
+        self.send_timeout = producer.send_timeout
+        #: A checked message for ``send_batch`` (see ``Producer.message``); no I/O, so called here.
+        self.message = producer.message
+
+    @same_signature(Producer.send)
+    def send(self, *args: Any, **fields: Any) -> str:
+        """Send one message; returns its id once stored (see ``Producer.send``)."""
+        return self._loop.run(functools.partial(self._producer.send, *args, **fields))
+
+    def send_batch(self, messages: Iterable[Message]) -> list[str]:
+        """Send many messages built with ``message()``; returns their ids (see ``Producer.send_batch``)."""
+        return self._loop.run(self._producer.send_batch, messages)
+
+    def statistics(self) -> ProducerStatistics:
+        return self._loop.read(self._producer.statistics)
+
 
 class BlockingConsumer:
     """``Consumer`` for plain code. Starts pulling on ``start()``, ``with`` or the first receive.
 
-    Takes the options of ``open_consumer`` (``retry_delays`` and ``max_attempts`` too).
+    Takes the options of ``open_consumer``, with its defaults.
     """
 
-    def __init__(
-        self,
-        meta: str | Sequence[str],
-        subject: str,
-        *,
-        group: str,
-        tags: Iterable[str] = (),
-        broadcast: bool = False,
-        start: str = "latest",
-        max_messages_held: int = 1000,
-        max_bytes_held: int = 64 * MiB,
-        pull_batch: int = 100,
-        poll_timeout: float = 1.0,
-        retry_delays: Sequence[float | timedelta] = DEFAULT_RETRY_DELAYS,
-        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
-        consumer_id: str | None = None,
-        heartbeat_interval: float = 5.0,
-        route_refresh: float = 10.0,
-        clock: Clock | None = None,
-        limits: Limits = DEFAULT_LIMITS,
-        connect_timeout: float = 5.0,
-        request_timeout: float = 10.0,
-    ) -> None:
-        self.core = ConsumerCore(
-            subject,
-            group=group,
-            consumer_id=consumer_id,
-            tags=tags,
-            broadcast=broadcast,
-            start=start,
-            max_messages_held=max_messages_held,
-            max_bytes_held=max_bytes_held,
-            pull_batch=pull_batch,
-            poll_timeout_ms=round(poll_timeout * 1000),
-            retry_delays=retry_delays,
-            max_attempts=max_attempts,
-            limits=limits,
-        )
-        self._clock = clock if clock is not None else SystemClock()
-        self._limits = limits
-        self._connect_timeout = connect_timeout
-        self._request_timeout = request_timeout
-        self._heartbeat_interval = heartbeat_interval
-        self._route_refresh = route_refresh
-        self._control = BlockingPeers(limits=limits, connect_timeout=connect_timeout, request_timeout=request_timeout)
-        self.routes = BlockingRouteClient(
-            self._control, meta_addresses(meta), clock=self._clock, refresh_interval_ms=round(route_refresh * 1000)
-        )
-        self._lock = threading.Condition()  # guards core; notified when room frees or acks wait
-        self._settle_lock = threading.Lock()  # one settle round at a time
-        self._queue: queue.SimpleQueue[ReceivedMessage | None] = queue.SimpleQueue()
-        self._stop = threading.Event()
-        self._pullers: dict[tuple[str, bool], threading.Thread] = {}  # (group, retry subject?)
-        self._housekeeper: threading.Thread | None = None
-        self._failure: BaseException | None = None
-        self._started = False
+    @same_signature(open_consumer)
+    def __init__(self, *args: Any, **options: Any) -> None:
+        self._open = functools.partial(open_consumer, *args, **options)
+        self._loop: LoopThread[Consumer] | None = None
+        self._start_lock = threading.Lock()
         self._closed = False
+        self._failure: ConsumerFailed | None = None
+        self._ready: deque[ReceivedMessage] = deque()  # received from the loop, not handed out yet
+        self._settles: deque[tuple[ReceivedMessage, bool]] = deque()  # settled here, not yet in the loop
 
     # -- life ---------------------------------------------------------------------
 
     def start(self) -> None:
         """Read the route and start pulling; ``NoRouteError`` when no metaserver answers."""
-        with self._lock:
-            if self._started:
+        with self._start_lock:
+            if self._loop is not None:
                 return
             if self._closed:
-                raise RuntimeError("the consumer is closed")
-            self._started = True
-        try:
-            self._apply_route(self.routes.groups(RouteKind.CONSUMER))
-        except BaseException:
-            with self._lock:
-                self._started = False
-            raise
-        self._housekeeper = threading.Thread(target=self._housekeep, name="delaymq-consumer-housekeeper", daemon=True)
-        self._housekeeper.start()
+                raise LoopClosed("the consumer is closed")
+            self._loop = LoopThread("delaymq-consumer", self._open_in_loop)
+
+    @asynccontextmanager
+    async def _open_in_loop(self) -> AsyncIterator[Consumer]:
+        async with self._open() as consumer:
+            self._settle_wanted = trio.Event()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._settle_loop, consumer)
+                try:
+                    yield consumer
+                finally:
+                    nursery.cancel_scope.cancel()
+            await self._apply_settles(consumer)  # settled before close: acked, not given back
 
     def close(self) -> None:
         """Stop pulling, give back what is held and not acked, send the acks not sent yet."""
-        with self._lock:
-            if self._closed:
-                return
+        with self._start_lock:
             self._closed = True
-            self._stop.set()
-            self._lock.notify_all()
-        for thread in list(self._pullers.values()):
-            thread.join(self.core.poll_timeout_ms / 1000 + POLL_MARGIN)
-        with self._lock:
-            released = self.core.release_all()
-        if released:
-            log.info("consumer %s: gave back %d unacked message(s)", self.core.consumer_id, released)
-        if self._housekeeper is not None:
-            self._housekeeper.join()
-        if not self.flush():
-            log.warning("consumer %s: some acks could not be sent before closing", self.core.consumer_id)
-        self._queue.put(None)
-        self._control.close()
+            loop = self._loop
+        if loop is not None:
+            loop.close()
 
-    def __enter__(self) -> BlockingConsumer:
+    def __enter__(self) -> Self:
         self.start()
         return self
 
@@ -250,16 +310,33 @@ class BlockingConsumer:
         """The next message, or None after ``timeout`` seconds without one (or once closed)."""
         self.start()
         try:
-            message = self._queue.get(timeout=timeout)
-        except queue.Empty:
-            message = None
-        if message is None:
-            if not self._closed and self._failure is None:
-                return None
-            self._queue.put(None)  # wake the next reader too
-            if self._failure is not None:
-                raise ConsumerFailed(str(self._failure)) from self._failure
-        return message
+            return self._ready.popleft()
+        except IndexError:
+            pass
+        assert self._loop is not None
+        try:
+            batch = self._loop.run(self._receive_batch, self._loop.value, timeout)
+        except LoopClosed:
+            batch = []
+        except ConsumerFailed as failure:
+            self._failure = failure
+            raise
+        if not batch:
+            if self._closed and self._failure is not None:
+                raise ConsumerFailed(str(self._failure)) from self._failure.__cause__
+            return None
+        messages = [dataclasses.replace(message, settle=self._settle) for message in batch]
+        self._ready.extend(messages[1:])
+        return messages[0]
+
+    @staticmethod
+    async def _receive_batch(consumer: Consumer, timeout: float | None) -> list[ReceivedMessage]:
+        with trio.move_on_after(math.inf if timeout is None else timeout):
+            try:
+                return await consumer.receive_batch()
+            except trio.EndOfChannel:  # closed
+                pass
+        return []
 
     def messages(self, timeout: float | None = None) -> Iterator[ReceivedMessage]:
         """Messages as they come; stops after ``timeout`` seconds without one, or when closed."""
@@ -278,9 +355,30 @@ class BlockingConsumer:
         self._settle(message, False)
 
     def _settle(self, message: ReceivedMessage, ack: bool) -> None:
-        with self._lock:
-            if self.core.settle(message, ack):
-                self._lock.notify_all()
+        """Queue the settlement for the loop without waiting for it (``flush`` waits)."""
+        self._settles.append((message, ack))
+        if self._loop is not None:
+            self._loop.run_sync_soon(self._wake_settles)
+
+    def _wake_settles(self) -> None:
+        self._settle_wanted.set()
+
+    async def _settle_loop(self, consumer: Consumer) -> None:
+        while True:
+            await self._settle_wanted.wait()
+            self._settle_wanted = trio.Event()
+            await self._apply_settles(consumer)
+
+    async def _apply_settles(self, consumer: Consumer) -> None:
+        """Hand the queued settlements to the trio consumer, all at once (``flush`` and ``close`` see all).
+
+        Settling never waits, so the shield only keeps a cancellation from
+        dropping one already taken from the queue.
+        """
+        with trio.CancelScope(shield=True):
+            while self._settles:
+                message, ack = self._settles.popleft()
+                await (consumer.ack(message) if ack else consumer.nack(message))
 
     def run(self, handler: Callable[[ReceivedMessage], Any], *, timeout: float | None = None) -> None:
         """Hand messages to ``handler``: it returns → ack, it raises → nack (logged).
@@ -298,142 +396,36 @@ class BlockingConsumer:
 
     def flush(self) -> bool:
         """Send every ack and nack not sent yet; False if some could not be (they stay queued)."""
-        with self._settle_lock:
-            with self._lock:
-                settlements = self.core.take_pending()
-            return all([self._send_settlement(settlement) for settlement in settlements])
+        self.start()
+        assert self._loop is not None
+        return self._loop.run(self._flush, self._loop.value)
+
+    async def _flush(self, consumer: Consumer) -> bool:
+        await self._apply_settles(consumer)
+        return await consumer.flush()
 
     def statistics(self) -> ConsumerStatistics:
-        with self._lock:
-            return self.core.statistics()
-
-    # -- threads ------------------------------------------------------------------
-
-    def _apply_route(self, answer: RouteAnswer) -> None:
-        with self._lock:
-            if self._stop.is_set():
-                return
-            _, stopped = self.core.update_route((group.group, group.address) for group in answer.groups)
-            self._lock.notify_all()  # stopped pullers waiting for room notice it
-        for name in stopped:
-            log.info("consumer %s: group %s left the route; stop pulling it", self.core.consumer_id, name)
-        with self._lock:
-            active = [name for name, link in self.core.links.items() if link.active]
-        for name in active:
-            for lane in self.core.lanes:
-                old = self._pullers.get((name, lane))
-                if old is not None and old.is_alive():
-                    continue  # pulling (or finishing its last poll; it sees the group active again)
-                thread_name = f"delaymq-pull-{name}{'-retry' if lane else ''}"
-                thread = threading.Thread(target=self._pull, args=(name, lane), name=thread_name, daemon=True)
-                self._pullers[(name, lane)] = thread
-                thread.start()
-        if not any(link.active for link in self.core.links.values()):
-            log.warning("consumer %s: no realtime group serves consumers yet; waiting", self.core.consumer_id)
-
-    def _pull(self, name: str, retry: bool) -> None:
-        """Pull one subject (``retry``: the group's retry subject) from one group."""
-        core = self.core
-        timeout = core.poll_timeout_ms / 1000 + POLL_MARGIN
-        with BlockingPeers(
-            limits=self._limits, connect_timeout=self._connect_timeout, request_timeout=timeout
-        ) as peers:
-            while True:
-                with self._lock:
-                    while True:
-                        link = core.links[name]
-                        if self._stop.is_set() or not link.active:
-                            return
-                        request = core.pull_request(name, retry=retry)
-                        if request is not None:
-                            break
-                        self._lock.wait()
-                    address = link.address
-                try:
-                    frame = peers.call(address, Command.PULL, request, timeout=timeout)
-                    with self._lock:
-                        now = self._clock.now_ms()
-                        messages = core.accept_pull(name, frame.metadata, frame.body, now, self._settle, retry=retry)
-                        if core.has_pending():
-                            self._lock.notify_all()
-                except (PeerError, TransportError, ProtocolError) as error:
-                    if not is_retryable(error):
-                        self._fail(error)
-                        return
-                    with self._lock:
-                        backoff = core.pull_failed(name, retry=retry)
-                    log.info("consumer %s: pull of %s from group %s failed (%s); retry in %d ms",
-                             core.consumer_id, request["subject"], name, error, backoff)  # fmt: skip
-                    self._stop.wait(backoff / 1000)
-                    continue
-                for message in messages:
-                    self._queue.put(message)
-
-    def _fail(self, error: BaseException) -> None:
-        log.error("consumer %s stops: %s", self.core.consumer_id, error)
-        with self._lock:
-            if self._failure is None:
-                self._failure = error
-            self._stop.set()
-            self._lock.notify_all()
-        self._queue.put(None)
-
-    def _housekeep(self) -> None:
-        """Acks as they are settled, heartbeats and route re-reads when due, until closed."""
-        now = time.monotonic()
-        next_beat = now + self._heartbeat_interval
-        next_route = now + self._route_refresh
-        retry_at = 0.0
-        while not self._stop.is_set():
-            with self._lock:
-                while not self._stop.is_set():
-                    now = time.monotonic()
-                    due = min(next_beat, next_route)
-                    if (self.core.has_pending() and now >= retry_at) or now >= due:
-                        break
-                    wake = due if not self.core.has_pending() else min(due, retry_at)
-                    self._lock.wait(max(0.0, wake - now))
-            if self._stop.is_set():
-                return
-            if self.core.has_pending() and time.monotonic() >= retry_at:
-                if not self.flush():
-                    retry_at = time.monotonic() + 1.0
-            now = time.monotonic()
-            if now >= next_beat:
-                next_beat = now + self._heartbeat_interval
-                self._heartbeat()
-            if now >= next_route:
-                next_route = now + self._route_refresh
-                try:
-                    self._apply_route(self.routes.groups(RouteKind.CONSUMER))
-                except (TransportError, ProtocolError, LookupError) as error:
-                    log.info("consumer %s: route refresh failed: %s", self.core.consumer_id, error)
-
-    def _heartbeat(self) -> None:
-        with self._lock:
-            targets = self.core.heartbeat_targets()
-            metadata = self.core.heartbeat_metadata()
-        for name, address in targets:
-            try:
-                self._control.call(address, Command.CONSUMER_HEARTBEAT, metadata)
-            except (PeerError, TransportError) as error:
-                log.debug("consumer %s: heartbeat to %s failed: %s", self.core.consumer_id, name, error)
-
-    def _send_settlement(self, settlement: Settlement) -> bool:
-        core = self.core
-        unsent = settlement.requests()
-        while unsent:
-            request = unsent[0]
-            command = Command.ACK if request.ack else Command.NACK
-            try:
-                self._control.call(settlement.address, command, core.settle_metadata(settlement, request))
-            except (PeerError, TransportError) as error:
-                if send_failure(settlement, error):
-                    with self._lock:
-                        core.settle_failed(settlement, unsent)
-                    return False
-            unsent.pop(0)
-        return True
+        loop = self._loop
+        if loop is None:
+            raise LoopClosed("the consumer has not started: call start() or receive() first")
+        return loop.read(loop.value.statistics)
 
 
-__all__ = ["BlockingConsumer", "BlockingProducer"]
+class BlockingPeers(OnLoopThread[Peers]):
+    """``Peers`` for plain code: one reused connection per peer address, calls block until answered.
+
+    Takes the options of ``Peers``, with its defaults.
+    """
+
+    @same_signature(Peers, without=("nursery",))
+    def __init__(self, **options: Any) -> None:
+        self._loop = LoopThread("delaymq-peers", functools.partial(open_peers, **options))
+        self._closes_when_collected()
+
+    @same_signature(Peers.call)
+    def call(self, *args: Any, **options: Any) -> Frame:
+        """One request to an address (see ``Peers.call``); raises ``TransportError`` or ``PeerError``."""
+        return self._loop.run(functools.partial(self._loop.value.call, *args, **options))
+
+
+__all__ = ["BlockingConsumer", "BlockingPeers", "BlockingProducer", "LoopClosed", "LoopThread", "OnLoopThread"]

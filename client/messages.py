@@ -23,11 +23,11 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from delaymq.metaserver.routes import RouteKind
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import LocalProtocolError, RemoteProtocolError
 from delaymq.protocol.limits import DEFAULT_LIMITS, FRAME_RESERVE, MiB, Limits
 from delaymq.protocol.records import Message, encode_message, new_message_id
+from delaymq.protocol.routes import RouteKind
 
 DEFAULT_BATCH_BYTES = 4 * MiB
 DEFAULT_BATCH_MESSAGES = 1000

@@ -48,10 +48,10 @@ from delaymq.client.messages import (
     with_batch_index,
 )
 from delaymq.client.routes import RouteClient, RouteClientStatistics, check_retry_for, meta_addresses
-from delaymq.metaserver.routes import RouteKind
 from delaymq.protocol.errors import PeerError
 from delaymq.protocol.limits import DEFAULT_LIMITS, Limits
 from delaymq.protocol.records import Message
+from delaymq.protocol.routes import RouteKind
 from delaymq.protocol.transport import AsyncCaller, open_peers
 from delaymq.wheel.clock import Clock, SystemClock
 

@@ -21,8 +21,8 @@ class RouteKey(NamedTuple):
 
 
 @dataclass(frozen=True, slots=True)
-class RouteAnswer:
-    """One route as the metaserver answered it: group names only (addresses live elsewhere)."""
+class CachedRoute:
+    """What the cache holds of one route: the metaserver's answer as group names only (addresses live elsewhere)."""
 
     version: int
     groups: tuple[str, ...]
@@ -41,7 +41,7 @@ class RouteCacheStatistics:
 
 @dataclass(slots=True)
 class _Cached:
-    answer: RouteAnswer
+    answer: CachedRoute
     fetched_at_ms: int
     invalid: bool = False
 
@@ -58,12 +58,12 @@ class RouteCache:
         self._changes = 0
         self._invalidations = 0
 
-    def get(self, kind: str, *, subject: str = "") -> RouteAnswer | None:
+    def get(self, kind: str, *, subject: str = "") -> CachedRoute | None:
         """The last answer for the route (stale or not); None if never fetched."""
         cached = self._routes.get(RouteKey(kind, subject))
         return cached.answer if cached is not None else None
 
-    def update(self, kind: str, answer: RouteAnswer, now_ms: int, *, subject: str = "") -> bool:
+    def update(self, kind: str, answer: CachedRoute, now_ms: int, *, subject: str = "") -> bool:
         """Store a fresh answer; True when it differs from the one held (new version or groups).
 
         Any different version replaces the held one, older too: a restarted metaserver
@@ -127,4 +127,4 @@ class RouteCache:
         )
 
 
-__all__ = ["RouteAnswer", "RouteCache", "RouteCacheStatistics", "RouteKey"]
+__all__ = ["CachedRoute", "RouteCache", "RouteCacheStatistics", "RouteKey"]

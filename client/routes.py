@@ -5,8 +5,8 @@ for staleness, the groups with their addresses beside it), a ``GroupSelector``
 per route, one ``LatencyFaultTable`` shared by all routes (a broken group is
 broken for every route), and every decision: when to ask the metaserver, which
 metaserver, which group next, whether an error means "try another group" or
-"give up". ``RouteClient`` (trio) and ``BlockingRouteClient`` (plain code) only
-do the I/O around it, so both decide alike.
+"give up". ``RouteClient`` only does the I/O around it (trio; the blocking
+clients run it on their loop thread).
 
 A request is retried on another group when it got no answer (``PeerUnavailable``,
 ``RequestTimeout``) or was refused with a code in ``RETRY_CODES`` (the group is
@@ -32,26 +32,22 @@ raised at once (``NoRouteError``), as are refusals about the request itself.
 from __future__ import annotations
 
 import math
-import threading
-import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import trio
 
 from delaymq.client.faults import AvoidancePolicy, FaultTableStatistics, LatencyFaultTable
-from delaymq.client.routecache import RouteAnswer as CachedNames
-from delaymq.client.routecache import RouteCache, RouteCacheStatistics, RouteKey
+from delaymq.client.routecache import CachedRoute, RouteCache, RouteCacheStatistics, RouteKey
 from delaymq.client.selector import GroupSelector
-from delaymq.metaserver.routes import GroupState, RouteAnswer, RouteKind, RoutedGroup, ServerKind
 from delaymq.protocol.backoff import Backoff, BackoffRun, RandomSource
-from delaymq.protocol.blocking import BlockingCaller
 from delaymq.protocol.commands import Command, command_name
 from delaymq.protocol.errors import PeerError, ProtocolError, RemoteProtocolError
 from delaymq.protocol.frames import Frame
+from delaymq.protocol.routes import GroupState, RouteAnswer, RouteKind, RoutedGroup, ServerKind
 from delaymq.protocol.transport import AsyncCaller, TransportError
-from delaymq.wheel.clock import Clock, SystemClock
+from delaymq.wheel.clock import Clock
 
 #: Error codes that mean "this group will not take it now; another may".
 RETRY_CODES = frozenset({"read_only", "not_master", "unavailable", "overloaded", "shutting_down", "internal"})
@@ -259,7 +255,7 @@ class RouteTable:
             answer = parsed
         self._held[key] = _Held(answer, address)
         names = tuple(group.group for group in answer.groups)
-        self.cache.update(key.kind, CachedNames(answer.version, names), now_ms, subject=key.subject)
+        self.cache.update(key.kind, CachedRoute(answer.version, names), now_ms, subject=key.subject)
         selector = self._selectors.get(key)
         if selector is None:
             self._selectors[key] = GroupSelector(names, faults=self.faults)
@@ -638,115 +634,10 @@ class RouteClient:
         return self.table.statistics()
 
 
-class BlockingRouteClient:
-    """The blocking twin of ``RouteClient``; safe to share between threads."""
-
-    def __init__(
-        self,
-        peers: BlockingCaller,
-        meta_addresses: Sequence[str],
-        *,
-        clock: Clock | None = None,
-        refresh_interval_ms: int = 30_000,
-        policy: AvoidancePolicy | None = None,
-        meta_retry_ms: int = 1_000,
-        meta_timeout: float = 5.0,
-        random: RandomSource | None = None,
-        sleep: Callable[[float], None] = time.sleep,
-    ) -> None:
-        self.table = RouteTable(
-            meta_addresses, refresh_interval_ms=refresh_interval_ms, policy=policy, meta_retry_ms=meta_retry_ms,
-            random=random,
-        )  # fmt: skip
-        self._peers = peers
-        self._clock = clock if clock is not None else SystemClock()
-        self._sleep = sleep  # seconds; tests pass one that moves their clock
-        self._meta_timeout = meta_timeout
-        self._lock = threading.Lock()  # guards the table
-        self._refresh_lock = threading.Lock()  # one refresh at a time
-
-    def groups(self, route: str, subject: str | None = None) -> RouteAnswer:
-        key = self.table.key(route, subject)
-        self._refresh_if_due(key)
-        with self._lock:
-            answer = self.table.answer(key)
-            if answer is None:
-                raise self.table.no_route(key)
-            return answer
-
-    def call(
-        self,
-        route: str,
-        command: int,
-        metadata: dict[str, Any] | None = None,
-        body: bytes = b"",
-        *,
-        subject: str | None = None,
-        attempts: int = 3,
-        timeout: float | None = None,
-        retry_for: float | None = None,
-        retry_for_name: str = "retry_for",
-        backoff: Backoff = CALL_BACKOFF,
-    ) -> Frame:
-        """See ``RouteClient.call``; the backoff between rounds blocks the calling thread."""
-        key = self.table.key(route, subject)
-        with self._lock:
-            plan = self.table.start_call(
-                key, command, attempts, now_ms=self._clock.monotonic_ms(), retry_for=retry_for,
-                retry_for_name=retry_for_name, backoff=backoff,
-            )  # fmt: skip
-        while True:
-            while (wait_ms := plan.ready_at_ms - self._clock.monotonic_ms()) > 0:
-                self._sleep(wait_ms / 1000)
-            self._refresh_if_due(key)
-            now = self._clock.monotonic_ms()
-            with self._lock:
-                group = plan.next_group(now)
-            if group is None:
-                continue
-            try:
-                frame = self._peers.call(group.address, command, metadata, body, timeout=plan.timeout_for(timeout, now))
-            except (PeerError, TransportError) as error:
-                with self._lock:
-                    plan.failed(group, error, self._clock.monotonic_ms())
-            else:
-                with self._lock:
-                    plan.succeeded(group, self._clock.monotonic_ms())
-                return frame
-
-    def _refresh_if_due(self, key: RouteKey) -> None:
-        with self._lock:
-            if not self.table.needs_fetch(key, self._clock.monotonic_ms()):
-                return
-        with self._refresh_lock:
-            with self._lock:
-                if not self.table.needs_fetch(key, self._clock.monotonic_ms()):
-                    return  # another thread fetched it while this one waited
-                plan = self.table.fetch_plan(key)
-            failures: list[tuple[str, Exception]] = []
-            for address, metadata in plan:
-                try:
-                    frame = self._peers.call(address, Command.ROUTE, metadata, timeout=self._meta_timeout)
-                    with self._lock:
-                        self.table.accept(key, address, frame.metadata, self._clock.monotonic_ms())
-                    return
-                except _REFRESH_ERRORS as error:
-                    if self.table.question_refused(error):
-                        raise
-                    failures.append((address, error))
-            with self._lock:
-                self.table.fetch_failed(key, failures, self._clock.monotonic_ms())
-
-    def statistics(self) -> RouteClientStatistics:
-        with self._lock:
-            return self.table.statistics()
-
-
 __all__ = [
     "CALL_BACKOFF",
     "RETRY_CODES",
     "Attempt",
-    "BlockingRouteClient",
     "CallFailed",
     "CallPlan",
     "CallTimedOut",

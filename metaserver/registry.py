@@ -41,15 +41,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from delaymq.metaserver.routes import (
-    GroupState,
-    RouteAnswer,
-    RouteKind,
-    RoutedGroup,
-    ServerKind,
-    routable,
-    select,
-)
+from delaymq.metaserver.routes import routable, select
+from delaymq.protocol.routes import GroupState, RouteAnswer, RouteKind, RoutedGroup, ServerKind
 
 GROUP_NAME_MAX = 128
 HOST_MAX = 255
@@ -679,17 +672,12 @@ __all__ = [
     "DEFAULT_EVICT_AFTER_MS",
     "DEFAULT_HEARTBEAT_INTERVAL_MS",
     "GROUP_NAME_MAX",
-    "GroupState",
     "HeartbeatReply",
     "Registry",
     "RegistryError",
     "RegistryStatistics",
     "Role",
-    "RouteAnswer",
-    "RouteKind",
-    "RoutedGroup",
     "ServerInfo",
-    "ServerKind",
     "StatusRow",
     "Superseded",
     "check_address",

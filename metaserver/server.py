@@ -35,12 +35,12 @@ Refusals are ``bad_request`` errors naming the field (``register_first`` and
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import trio
 
@@ -60,8 +60,11 @@ from delaymq.metaserver.registry import (
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import RemoteProtocolError
 from delaymq.protocol.limits import DEFAULT_LIMITS, Limits
+from delaymq.protocol.routes import REGISTER_FIRST, SUPERSEDED
 from delaymq.protocol.transport import FrameServer, Handler, Request, ServerStatistics, split_listen
 from delaymq.storage.state import StateStore, pack, unpack
+# ``run_inline`` too: tests pass it to ``open_metaserver`` from here.
+from delaymq.storage.threads import RunBlocking, run_in_thread, run_inline  # noqa: F401
 from delaymq.wheel.clock import Clock
 
 log = logging.getLogger(__name__)
@@ -69,31 +72,6 @@ log = logging.getLogger(__name__)
 #: Where the registry snapshot lives in the data folder's state store.
 SNAPSHOT_DB = "metaserver"
 SNAPSHOT_KEY = b"registry"
-#: The error code of a heartbeat from a server the metaserver does not know.
-REGISTER_FIRST = "register_first"
-#: The error code of a heartbeat or registration from a master another server superseded.
-SUPERSEDED = "superseded"
-
-T = TypeVar("T")
-#: How blocking store calls are run: in a worker thread, or inline (see ``open_metaserver``).
-RunBlocking = Callable[[Callable[[], T]], Awaitable[T]]
-
-
-async def run_in_thread(function: Callable[[], T]) -> T:
-    """The default ``RunBlocking``: a worker thread, so the event loop never waits on the disk."""
-    return await trio.to_thread.run_sync(function)
-
-
-async def run_inline(function: Callable[[], T]) -> T:
-    """Run a blocking call on the event loop itself.
-
-    For tests under ``autojump_clock``: the mock clock jumps ahead whenever every
-    task waits, a task waiting on a worker thread included, so a thread would let
-    time race past heartbeats while lmdb writes.
-    """
-    await trio.lowlevel.checkpoint()
-    return function()
-
 
 # The wire names of the fields whose registry names differ.
 _WIRE_FIELDS = {"software_version": "version"}
@@ -478,10 +456,7 @@ async def open_metaserver(
 
 
 __all__ = [
-    "REGISTER_FIRST",
     "Metaserver",
     "MetaserverStatistics",
     "open_metaserver",
-    "run_in_thread",
-    "run_inline",
 ]

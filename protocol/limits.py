@@ -28,6 +28,10 @@ DEFAULT_POLL_MS = 30_000
 #: Room kept in a frame for its header and metadata (a SEND's, a PULL answer's).
 FRAME_RESERVE = 64 * KiB
 
+#: Bytes of the fixed message header in a record's payload (offsets 12..46), which
+#: ``max_record`` counts; ``delaymq.protocol.records`` lays it out and checks its size.
+MESSAGE_HEADER_SIZE = 34
+
 # Caps set by the widths of the record and frame header fields.
 _U8 = 0xFF
 _U16 = 0xFFFF
@@ -121,8 +125,6 @@ class Limits:
     @property
     def max_record(self) -> int:
         """The largest record payload these limits allow (header and all fields)."""
-        from delaymq.protocol.records import MESSAGE_HEADER_SIZE
-
         return (
             MESSAGE_HEADER_SIZE
             + self.max_id
@@ -144,6 +146,7 @@ __all__ = [
     "MAX_NAME",
     "MAX_POLL_MS",
     "MAX_PULL",
+    "MESSAGE_HEADER_SIZE",
     "KiB",
     "Limits",
     "MiB",

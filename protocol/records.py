@@ -61,11 +61,13 @@ from delaymq.protocol.envelope import (
 )
 from delaymq.protocol.errors import LocalProtocolError, RemoteProtocolError
 from delaymq.protocol.fields import CONTROL, encode_name
-from delaymq.protocol.limits import DEFAULT_LIMITS, Limits
+from delaymq.protocol.limits import DEFAULT_LIMITS, MESSAGE_HEADER_SIZE, Limits
 
-#: The fixed message header inside the payload (offsets 12..46 of the record).
+#: The fixed message header inside the payload (offsets 12..46 of the record);
+#: ``Limits.max_record`` counts its ``MESSAGE_HEADER_SIZE`` bytes.
 MESSAGE_HEADER = struct.Struct(">qqHHHBBHII")
-MESSAGE_HEADER_SIZE = MESSAGE_HEADER.size  # 34
+if MESSAGE_HEADER.size != MESSAGE_HEADER_SIZE:  # the limits would size records wrongly
+    raise ImportError(f"message header is {MESSAGE_HEADER.size} bytes, limits count {MESSAGE_HEADER_SIZE}")
 #: Envelope header and message header in one, so a scan unpacks once per record.
 RECORD_HEADER = struct.Struct(HEADER.format + MESSAGE_HEADER.format[1:])
 RECORD_HEADER_SIZE = RECORD_HEADER.size  # 46
@@ -386,10 +388,12 @@ def _scan(
     properties_out: list[dict[str, Any]] | None,
     count: int | None,
 ) -> _Columns:
-    """The hot loop: one unpack, one CRC and a few comparisons per record.
+    """The one validator of message records: every rule, each named when it fails.
 
-    Every test is folded into a few combined conditions; when one fails,
-    ``_refuse`` re-checks the record step by step to say exactly what is wrong.
+    The hot loop of every server: one unpack, one CRC and one comparison per
+    rule for each record, in a fixed order (envelope, kind, layout, limits,
+    contents) so a refusal names the first thing wrong. Only a broken envelope
+    is named elsewhere, by the envelope's own checks (``_envelope_refusal``).
     With ``properties_out`` the properties are checked too, and appended to it.
     """
     starts: list[int] = []
@@ -411,250 +415,200 @@ def _scan(
     fixed = MESSAGE_HEADER_SIZE
     pos = start
     index = 0
-    try:
-        while pos < stop and index != count:
-            if stop - pos < record_header_size:
-                _refuse(data, pos, stop, index, limits, max_deliver_at)
-            (
-                size,
-                magic,
-                version,
-                kind,
-                crc,
-                deliver_at,
-                created_at,
-                attempts,
-                id_len,
-                subject_len,
-                tag_count,
-                flags,
-                tags_len,
-                props_len,
-                body_len,
-            ) = unpack(data, pos)
-            end = pos + 12 + size
-            if (
-                magic != MAGIC
-                or version != VERSION
-                or size > max_payload
-                or end > stop
-                # Slicing bytes copies; a memoryview slice costs more to make
-                # but nothing per byte, so big records are checked through one.
-                or crc32(
-                    (data if size < 4096 else view)[pos + 12 : end], crc32(data[pos : pos + 8])
-                )
-                != crc
-                or kind != _MESSAGE
-                or flags
-                or size != fixed + id_len + subject_len + tags_len + props_len + body_len
-                or not 0 < id_len <= max_id
-                or not 0 < subject_len <= max_subject
-                or tag_count > max_tags
-                or props_len > max_props
-                or body_len > max_body
-                or deliver_at > max_deliver_at
-            ):
-                _refuse(data, pos, stop, index, limits, max_deliver_at)
-            p = pos + record_header_size
-            q = p + id_len
+    while pos < stop and index != count:
+        (
+            size,
+            magic,
+            version,
+            kind,
+            crc,
+            deliver_at,
+            created_at,
+            attempts,
+            id_len,
+            subject_len,
+            tag_count,
+            flags,
+            tags_len,
+            props_len,
+            body_len,
+        ) = unpack(data, pos) if stop - pos >= record_header_size else _short_header(data, pos, stop)
+        end = pos + 12 + size
+        if (
+            magic != MAGIC
+            or version != VERSION
+            or size > max_payload
+            or end > stop
+            # Slicing bytes copies; a memoryview slice costs more to make
+            # but nothing per byte, so big records are checked through one.
+            or crc32((data if size < 4096 else view)[pos + 12 : end], crc32(data[pos : pos + 8])) != crc
+        ):
+            raise _envelope_refusal(data, pos, stop, index, max_payload)
+        if kind != _MESSAGE:
+            raise _refusal(index, pos, f"record kind {kind} is not MESSAGE ({_MESSAGE})", "bad_record", "kind")
+        if size < fixed:
+            raise _refusal(
+                index,
+                pos,
+                f"payload of {size} bytes is shorter than the {fixed}-byte message header",
+                "bad_record",
+                "header",
+            )
+        if flags:
+            raise _refusal(index, pos, f"flags 0x{flags:02x} set, none are defined", "bad_record", "flags")
+        if not 0 < id_len <= max_id:
+            raise _refusal(index, pos, f"id is {id_len} UTF-8 bytes, must be 1 to {max_id}", "limit", "id", max_id)
+        if not 0 < subject_len <= max_subject:
+            raise _refusal(
+                index,
+                pos,
+                f"subject is {subject_len} UTF-8 bytes, must be 1 to {max_subject}",
+                "limit",
+                "subject",
+                max_subject,
+            )
+        if tag_count > max_tags:
+            raise _refusal(index, pos, f"{tag_count} tags, limit {max_tags}", "limit", "tags", max_tags)
+        if props_len > max_props:
+            raise _refusal(
+                index, pos, f"properties are {props_len} bytes, limit {max_props}", "limit", "properties", max_props
+            )
+        if body_len > max_body:
+            raise _refusal(index, pos, f"body is {body_len} bytes, limit {max_body}", "limit", "body", max_body)
+        if size != fixed + id_len + subject_len + tags_len + props_len + body_len:
+            raise _refusal(
+                index,
+                pos,
+                f"payload is {size} bytes but its fields add up to "
+                f"{fixed + id_len + subject_len + tags_len + props_len + body_len}",
+                "bad_record",
+                "lengths",
+            )
+        if deliver_at > max_deliver_at:
+            raise _refusal(
+                index,
+                pos,
+                f"deliver_at {deliver_at} is beyond the horizon of {limits.horizon_ms} ms (latest {max_deliver_at})",
+                "limit",
+                "deliver_at",
+                limits.horizon_ms,
+            )
+        p = pos + record_header_size
+        q = p + id_len
+        try:
             message_id = data[p:q].decode()
-            p = q + subject_len
+        except UnicodeDecodeError as error:
+            raise _refusal(index, pos, f"id {_not_utf8(error)}", "bad_value", "id") from None
+        if not message_id.isprintable() and control(message_id):
+            raise _refusal(index, pos, f"id {message_id!r} holds a control character", "bad_value", "id")
+        p = q + subject_len
+        try:
             subject = data[q:p].decode()
-            if not (message_id.isprintable() or control(message_id) is None) or not (
-                subject.isprintable() or control(subject) is None
-            ):
-                _refuse(data, pos, stop, index, limits, max_deliver_at)
-            if tag_count or tags_len:
-                tags = _scan_tags(data, p, p + tags_len, tag_count, limits.max_tag)
-                if tags is None:
-                    _refuse(data, pos, stop, index, limits, max_deliver_at)
-            else:
-                tags = ()
-            if properties_out is not None:
-                if props_len:
-                    p += tags_len
+        except UnicodeDecodeError as error:
+            raise _refusal(index, pos, f"subject {_not_utf8(error)}", "bad_value", "subject") from None
+        if not subject.isprintable() and control(subject):
+            raise _refusal(index, pos, f"subject {subject!r} holds a control character", "bad_value", "subject")
+        if tag_count or tags_len:
+            tags = _scan_tags(data, p, p + tags_len, tag_count, limits.max_tag, index, pos)
+        else:
+            tags = ()
+        if properties_out is not None:
+            if props_len:
+                p += tags_len
+                try:
                     properties = _decode_properties(data[p : p + props_len])
-                    if properties is None:
-                        _refuse(
-                            data, pos, stop, index, limits, max_deliver_at, check_properties=True
-                        )
-                else:
-                    properties = {}
-                properties_out.append(properties)
-            starts.append(pos)
-            ends.append(end)
-            ids.append(message_id)
-            subjects.append(subject)
-            tag_lists.append(tags)
-            deliver_ats.append(deliver_at)
-            created_ats.append(created_at)
-            attempt_counts.append(attempts)
-            pos = end
-            index += 1
-    except UnicodeDecodeError:
-        _refuse(data, pos, stop, index, limits, max_deliver_at)
+                except ValueError as error:
+                    raise _refusal(index, pos, str(error), "bad_value", "properties") from None
+            else:
+                properties = {}
+            properties_out.append(properties)
+        starts.append(pos)
+        ends.append(end)
+        ids.append(message_id)
+        subjects.append(subject)
+        tag_lists.append(tags)
+        deliver_ats.append(deliver_at)
+        created_ats.append(created_at)
+        attempt_counts.append(attempts)
+        pos = end
+        index += 1
     return starts, ends, ids, subjects, tag_lists, deliver_ats, created_ats, attempt_counts
 
 
 def _scan_tags(
-    data: bytes, pos: int, stop: int, count: int, max_tag: int
-) -> tuple[str, ...] | None:
-    """The tags of one record, or None when the section does not check."""
+    data: bytes, pos: int, stop: int, count: int, max_tag: int, index: int, record_pos: int
+) -> tuple[str, ...]:
+    """The tags of record ``index`` (at ``record_pos``), from its tag section ``data[pos:stop]``."""
+    start = pos
     tags = []
     control = CONTROL.search
-    for _ in range(count):
+    for number in range(count):
         if pos >= stop:
-            return None
+            raise _refusal(
+                index, record_pos, f"tag section ends before tag {number} of {count}", "bad_record", "tags"
+            )
         length = data[pos]
         pos += 1
-        if not 0 < length <= max_tag or pos + length > stop:
-            return None
-        tag = data[pos : pos + length].decode()  # UnicodeDecodeError: the caller refuses
+        if pos + length > stop:
+            raise _refusal(index, record_pos, f"tag {number} runs past the tag section", "bad_record", "tags")
+        if not 0 < length <= max_tag:
+            raise _refusal(
+                index,
+                record_pos,
+                f"tag {number} is {length} UTF-8 bytes, must be 1 to {max_tag}",
+                "limit",
+                "tag",
+                max_tag,
+            )
+        try:
+            tag = data[pos : pos + length].decode()
+        except UnicodeDecodeError as error:
+            raise _refusal(index, record_pos, f"tag {number} {_not_utf8(error)}", "bad_value", "tag") from None
         if not tag.isprintable() and control(tag):
-            return None
+            raise _refusal(index, record_pos, f"tag {number} {tag!r} holds a control character", "bad_value", "tag")
         tags.append(tag)
         pos += length
     if pos != stop:
-        return None
-    return tuple(tags)
-
-
-def _refuse(
-    data: bytes,
-    pos: int,
-    stop: int,
-    index: int,
-    limits: Limits,
-    max_deliver_at: int,
-    *,
-    check_properties: bool = False,
-) -> None:
-    """Raise the ``RemoteProtocolError`` that says why the record at ``pos`` fails.
-
-    Slow and thorough: it runs only for a record the fast loop found wanting,
-    and checks in a fixed order (envelope, kind, layout, limits, contents) so
-    the error names the first thing wrong.
-    """
-
-    def fail(message: str, code: str, field: str | None = None, limit: int | None = None) -> None:
-        raise RemoteProtocolError(
-            f"record {index} (byte {pos}): {message}",
-            code=code,
-            field=field,
-            limit=limit,
-            index=index,
-        )
-
-    max_payload = limits.max_record
-    try:
-        span = next(iter_spans(data, pos, stop, max_payload=max_payload))
-    except EnvelopeError as error:
-        code, field, limit = _envelope_code(error, max_payload)
-        fail(error.reason, code, field, limit)
-        raise AssertionError("unreachable") from None
-    if span.kind != _MESSAGE:
-        fail(f"record kind {span.kind} is not MESSAGE ({_MESSAGE})", "bad_record", "kind")
-    size = span.end - pos - HEADER_SIZE
-    if size < MESSAGE_HEADER_SIZE:
-        fail(
-            f"payload of {size} bytes is shorter than the "
-            f"{MESSAGE_HEADER_SIZE}-byte message header",
-            "bad_record",
-            "header",
-        )
-    (
-        deliver_at,
-        _created_at,
-        _attempts,
-        id_len,
-        subject_len,
-        tag_count,
-        flags,
-        tags_len,
-        props_len,
-        body_len,
-    ) = MESSAGE_HEADER.unpack_from(data, pos + HEADER_SIZE)
-    if flags:
-        fail(f"flags 0x{flags:02x} set, none are defined", "bad_record", "flags")
-    for name, length, limit in (
-        ("id", id_len, limits.max_id),
-        ("subject", subject_len, limits.max_subject),
-    ):
-        if not 0 < length <= limit:
-            fail(f"{name} is {length} UTF-8 bytes, must be 1 to {limit}", "limit", name, limit)
-    if tag_count > limits.max_tags:
-        fail(f"{tag_count} tags, limit {limits.max_tags}", "limit", "tags", limits.max_tags)
-    if props_len > limits.max_properties:
-        fail(
-            f"properties are {props_len} bytes, limit {limits.max_properties}",
-            "limit",
-            "properties",
-            limits.max_properties,
-        )
-    if body_len > limits.max_body:
-        fail(f"body is {body_len} bytes, limit {limits.max_body}", "limit", "body", limits.max_body)
-    expected = MESSAGE_HEADER_SIZE + id_len + subject_len + tags_len + props_len + body_len
-    if size != expected:
-        fail(
-            f"payload is {size} bytes but its fields add up to {expected}",
-            "bad_record",
-            "lengths",
-        )
-    if deliver_at > max_deliver_at:
-        fail(
-            f"deliver_at {deliver_at} is beyond the horizon of {limits.horizon_ms} ms "
-            f"(latest {max_deliver_at})",
-            "limit",
-            "deliver_at",
-            limits.horizon_ms,
-        )
-    p = pos + RECORD_HEADER_SIZE
-    for name, length in (("id", id_len), ("subject", subject_len)):
-        problem = _text_problem(data[p : p + length])
-        if problem:
-            fail(f"{name} {problem}", "bad_value", name)
-        p += length
-    tags_end = p + tags_len
-    for number in range(tag_count):
-        if p >= tags_end:
-            fail(f"tag section ends before tag {number} of {tag_count}", "bad_record", "tags")
-        length = data[p]
-        p += 1
-        if p + length > tags_end:
-            fail(f"tag {number} runs past the tag section", "bad_record", "tags")
-        if not 0 < length <= limits.max_tag:
-            fail(
-                f"tag {number} is {length} UTF-8 bytes, must be 1 to {limits.max_tag}",
-                "limit",
-                "tag",
-                limits.max_tag,
-            )
-        problem = _text_problem(data[p : p + length])
-        if problem:
-            fail(f"tag {number} {problem}", "bad_value", "tag")
-        p += length
-    if p != tags_end:
-        fail(
-            f"tag section is {tags_len} bytes but its {tag_count} tags "
-            f"use {tags_len - (tags_end - p)}",
+        raise _refusal(
+            index,
+            record_pos,
+            f"tag section is {stop - start} bytes but its {count} tags use {pos - start}",
             "bad_record",
             "tags",
         )
-    if check_properties:
-        problem = _properties_problem(data[p : p + props_len])
-        if problem:
-            fail(problem, "bad_value", "properties")
-    raise AssertionError(f"record {index} at byte {pos} was refused but checks")  # pragma: no cover
+    return tuple(tags)
 
 
-def _text_problem(data: bytes) -> str | None:
+def _short_header(data: bytes, pos: int, stop: int) -> tuple[int, ...]:
+    """The header fields of a record whose bytes end before its 46-byte header does.
+
+    Zero-padded so the checks run in their usual order: the envelope's checks say
+    where it is cut short, or a whole record is refused as too short a message.
+    """
+    return RECORD_HEADER.unpack(data[pos:stop].ljust(RECORD_HEADER_SIZE, b"\0"))
+
+
+def _refusal(
+    index: int, pos: int, message: str, code: str, field: str | None = None, limit: int | None = None
+) -> RemoteProtocolError:
+    """The error refusing record ``index`` of a batch, which starts at byte ``pos``."""
+    return RemoteProtocolError(
+        f"record {index} (byte {pos}): {message}", code=code, field=field, limit=limit, index=index
+    )
+
+
+def _envelope_refusal(data: bytes, pos: int, stop: int, index: int, max_payload: int) -> RemoteProtocolError:
+    """The refusal of a record whose envelope does not check, named by the envelope's own checks."""
     try:
-        text = data.decode()
-    except UnicodeDecodeError as error:
-        return f"is not valid UTF-8 ({error.reason} at byte {error.start})"
-    if not text.isprintable() and CONTROL.search(text):
-        return f"{text!r} holds a control character"
-    return None
+        next(iter_spans(data, pos, stop, max_payload=max_payload))
+    except EnvelopeError as error:
+        code, field, limit = _envelope_code(error, max_payload)
+        return _refusal(index, pos, error.reason, code, field, limit)
+    raise AssertionError(f"record {index} at byte {pos}: envelope refused but checks")  # pragma: no cover
+
+
+def _not_utf8(error: UnicodeDecodeError) -> str:
+    return f"is not valid UTF-8 ({error.reason} at byte {error.start})"
 
 
 def _envelope_code(error: EnvelopeError, max_payload: int) -> tuple[str, str | None, int | None]:
@@ -768,25 +722,18 @@ def _to_message(
     return message
 
 
-def _decode_properties(data: bytes) -> dict[str, Any] | None:
-    """Checked properties, or None when they are not a valid properties map."""
-    try:
-        properties = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except Exception:  # msgpack raises many kinds for bad input
-        return None
-    if type(properties) is not dict or _property_problem(properties):
-        return None
-    return properties
-
-
-def _properties_problem(data: bytes) -> str | None:
+def _decode_properties(data: bytes) -> dict[str, Any]:
+    """Checked properties; ``ValueError`` says why they are not a valid properties map."""
     try:
         properties = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except Exception as error:  # msgpack raises many kinds for bad input
-        return f"properties are not valid msgpack ({type(error).__name__}: {error})"
-    if not isinstance(properties, dict):
-        return f"properties are msgpack type {type(properties).__name__}, not a map"
-    return _property_problem(properties)
+        raise ValueError(f"properties are not valid msgpack ({type(error).__name__}: {error})") from None
+    if type(properties) is not dict:
+        raise ValueError(f"properties are msgpack type {type(properties).__name__}, not a map")
+    problem = _property_problem(properties)
+    if problem:
+        raise ValueError(problem)
+    return properties
 
 
 # -------------------------------------------------------------------- retries

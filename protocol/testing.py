@@ -8,9 +8,10 @@ by address with their ``serve_stream``; each call goes over a
 ``trio.testing.memory_stream_pair`` and a real ``Connection``, one reused
 connection per address, just as ``Peers`` keeps one per peer.
 
-Code that dials with ``trio.open_tcp_stream`` itself (``Peers``, the blocking
-clients' async twins) can be pointed at the same servers by patching
-``trio.open_tcp_stream`` with ``MemoryNetwork.open_tcp_stream``.
+Code that dials with ``trio.open_tcp_stream`` itself (``Peers``, and the
+clients over it) can be pointed at the same servers by patching
+``trio.open_tcp_stream`` with ``MemoryNetwork.open_tcp_stream``. The blocking
+clients run their trio loop in a thread of their own, so they need real sockets.
 
 This module is a public helper for tests; the servers and clients never use it.
 """

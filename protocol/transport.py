@@ -692,8 +692,7 @@ class ConnectBackoff:
     """After a failed connect, how long a peer is left alone, per address.
 
     The delay doubles from ``initial`` up to ``maximum`` seconds and is forgotten
-    on a connect. Sans-IO (fed the time in seconds), so ``Peers`` and
-    ``BlockingPeers`` back off alike.
+    on a connect. Sans-IO (fed the time in seconds).
     """
 
     __slots__ = ("initial", "maximum", "_waits")

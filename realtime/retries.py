@@ -18,10 +18,10 @@ import logging
 import trio
 
 from delaymq.client.routes import RouteClient, RouteError
-from delaymq.metaserver.routes import RouteKind
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import ProtocolError
 from delaymq.protocol.records import MAX_ATTEMPTS, decode_batch, encode_message, scan_batch
+from delaymq.protocol.routes import RouteKind
 from delaymq.protocol.subjects import dead_subject, retry_subject
 from delaymq.protocol.transport import TransportError
 from delaymq.realtime.delivery import Picked, read_records

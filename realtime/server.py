@@ -27,11 +27,11 @@ from pathlib import Path
 
 import trio
 
+from delaymq.client.registration import Registration, start_registration
 from delaymq.client.routes import RouteClient, meta_addresses
-from delaymq.metaserver.agent import Registration, start_registration
-from delaymq.metaserver.routes import ServerKind
 from delaymq.protocol.commands import Command
 from delaymq.protocol.limits import DEFAULT_LIMITS, Limits
+from delaymq.protocol.routes import ServerKind
 from delaymq.protocol.transport import FrameServer, Peers, split_listen
 from delaymq.realtime.acks import AckHandler
 from delaymq.realtime.checkpoint import Committer, Snapshot, encode_consumer, encode_share, write_snapshot

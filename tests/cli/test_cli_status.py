@@ -22,7 +22,7 @@ import pytest
 
 from delaymq.cli import options
 from delaymq.cli.main import main
-from delaymq.protocol.blocking import BlockingPeers
+from delaymq.client.blocking import BlockingPeers
 from delaymq.protocol.commands import Command
 
 STARTUP_TIMEOUT = 30.0

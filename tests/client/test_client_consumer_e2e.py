@@ -28,7 +28,7 @@ from delaymq.client import (
     open_consumer,
     open_producer,
 )
-from delaymq.metaserver.agent import run_registration
+from delaymq.client.registration import run_registration
 from delaymq.metaserver.server import open_metaserver
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import RemoteProtocolError

@@ -1,7 +1,7 @@
 """The clients' route layer: routed sends, retries on other groups, avoidance, stale routes.
 
 Driven with ``autojump_clock`` against a real metaserver and fake server groups
-over in-memory streams; the blocking twin runs once on loopback.
+over in-memory streams (the blocking clients run this same code: test_client_blocking.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import trio.testing
 from delaymq.client.faults import AvoidancePolicy
 from delaymq.client.routes import (
     CALL_BACKOFF,
-    BlockingRouteClient,
     CallFailed,
     CallTimedOut,
     NoRouteError,
@@ -28,13 +27,11 @@ from delaymq.client.routes import (
     RouteTable,
 )
 from delaymq.metaserver.server import open_metaserver, run_inline
-from delaymq.protocol.blocking import BlockingPeers
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError, RemoteProtocolError
-from delaymq.protocol.frames import Frame, FrameKind
 from delaymq.protocol.testing import MemoryNetwork, ServeStream
-from delaymq.protocol.transport import FrameServer, PeerUnavailable, Request, open_peers
-from delaymq.wheel.clock import SystemClock, TrioClock
+from delaymq.protocol.transport import FrameServer, Request
+from delaymq.wheel.clock import TrioClock
 
 T0 = 1_700_000_000_000
 META = "meta:20880"
@@ -274,31 +271,6 @@ def test_route_table_refuses_bad_routes_by_name() -> None:
     assert malformed.value.field == "groups[0]"
 
 
-async def test_blocking_twin_retries_on_another_group_over_loopback(tmp_path: Path) -> None:
-    refusing, taking = FakeGroup("rt1", refuse="read_only"), FakeGroup("rt2")
-    async with open_metaserver(data_dir=tmp_path, clock=SystemClock()) as meta, trio.open_nursery() as nursery:
-        assert meta.address is not None
-        addresses = {}
-        for group in (refusing, taking):
-            addresses[group.name] = await nursery.start(group.server().serve)
-        async with open_peers() as peers:
-            for name, address in addresses.items():
-                info = {"group": name, "kind": "realtime", "role": "master", "address": address, "version": "0"}
-                await peers.call(meta.address, Command.REGISTER, info)
-
-        def produce() -> list[str]:
-            with BlockingPeers(request_timeout=5) as blocking:
-                client = BlockingRouteClient(blocking, [meta.address])
-                sent = [client.call(PRODUCE, Command.SEND, {"n": i}).metadata["group"] for i in range(4)]
-                assert [g.group for g in client.groups("consumer").groups] == ["rt1", "rt2"]
-                assert client.statistics().refused == 1
-                return sent
-
-        assert await trio.to_thread.run_sync(produce) == ["rt2"] * 4
-        assert refusing.received == 1
-        nursery.cancel_scope.cancel()
-
-
 # -- calls that ride out an outage (retry_for) ------------------------------------
 
 
@@ -429,60 +401,3 @@ async def test_retry_for_must_be_a_positive_number_of_seconds(
         for bad in (0, -1, float("nan"), "30"):
             with pytest.raises(ValueError, match=f"retry_for is {bad!r}; it must be a number of seconds more than 0"):
                 await send(client, retry_for=bad)
-
-
-class ScriptedCaller:
-    """A blocking caller: the metaserver's route answer, and a group that is down until ``up_at_ms``."""
-
-    def __init__(self, clock: StepClock, up_at_ms: int) -> None:
-        self.clock = clock
-        self.up_at_ms = up_at_ms
-        self.sends: list[int] = []
-
-    def call(
-        self, address: str, command: int, metadata: dict[str, Any] | None = None, body: bytes = b"", *,
-        timeout: float | None = None,
-    ) -> Frame:  # fmt: skip
-        if command == Command.ROUTE:
-            group = {"group": "rt1", "kind": "realtime", "state": "RW", "address": "rt1:1", "slaves": []}
-            return Frame(FrameKind.RESPONSE, command, 1, {"version": 1, "groups": [group]}, b"")
-        self.sends.append(self.clock.now_ms())
-        if self.clock.now_ms() < self.up_at_ms:
-            raise PeerUnavailable("cannot connect to rt1:1: connection refused", address=address)
-        return Frame(FrameKind.RESPONSE, command, 1, {"group": "rt1"}, b"")
-
-
-class StepClock:
-    """A clock for blocking code that moves only when slept on."""
-
-    def __init__(self) -> None:
-        self.now = T0
-        self.slept: list[float] = []
-
-    def now_ms(self) -> int:
-        return self.now
-
-    def monotonic_ms(self) -> int:
-        return self.now
-
-    async def sleep_until_ms(self, epoch_ms: int) -> None:  # pragma: no cover - blocking code sleeps by sleep()
-        raise AssertionError("blocking code must not sleep on trio")
-
-    def sleep(self, seconds: float) -> None:
-        self.slept.append(seconds)
-        self.now += round(seconds * 1000)
-
-
-def test_the_blocking_twin_backs_off_and_times_out_alike() -> None:
-    clock = StepClock()
-    caller = ScriptedCaller(clock, up_at_ms=T0 + 800)
-    client = BlockingRouteClient(caller, ["meta:1"], clock=clock, random=lambda: 0.0, sleep=clock.sleep)
-    frame = client.call(PRODUCE, Command.SEND, {}, b"x", retry_for=30)
-    assert frame.metadata == {"group": "rt1"}
-    assert gaps(caller.sends) == [CALL_BACKOFF.delay_ms(n, 0.0) for n in range(1, len(caller.sends))]
-    assert caller.sends[-2] < T0 + 800 <= caller.sends[-1]
-    assert [round(s * 1000) for s in clock.slept] == gaps(caller.sends)  # it slept, it did not spin
-
-    caller.up_at_ms = clock.now + 60_000
-    with pytest.raises(CallTimedOut, match=r"gave up after 2\.\d s \(send_timeout is 3 s\)"):
-        client.call(PRODUCE, Command.SEND, {}, b"x", retry_for=3, retry_for_name="send_timeout")

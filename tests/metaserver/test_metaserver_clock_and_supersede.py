@@ -20,11 +20,12 @@ import pytest
 import trio
 import trio.testing
 
-from delaymq.metaserver.agent import Registration, run_registration
-from delaymq.metaserver.server import Metaserver, open_metaserver, run_inline
+from delaymq.client.registration import Registration, run_registration
+from delaymq.metaserver.server import Metaserver, open_metaserver
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError
 from delaymq.protocol.testing import MemoryNetwork
+from delaymq.storage.threads import run_inline
 from delaymq.wheel.clock import TrioClock
 
 T0 = 1_700_000_000_000
@@ -138,7 +139,7 @@ async def test_a_deposed_master_still_running_is_refused_and_never_takes_the_gro
             assert await masters(network) == ["10.0.0.2:1"]
         assert first.superseded and not first.is_master and not first.registered
         assert second.is_master and second.statistics().failures == 0
-        refusals = [r.getMessage() for r in caplog.records if r.name == "delaymq.metaserver.agent"]
+        refusals = [r.getMessage() for r in caplog.records if r.name == "delaymq.client.registration"]
         assert len(refusals) == 1  # said once, not at every heartbeat
         assert "10.0.0.1:1 was superseded as master of group 'rt1' by 10.0.0.2:1" in refusals[0]
         with pytest.raises(PeerError) as refused:

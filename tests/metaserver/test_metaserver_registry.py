@@ -12,13 +12,12 @@ from hypothesis import strategies as st
 
 from delaymq.metaserver.registry import (
     DEPOSED_KEPT,
-    GroupState,
     Registry,
     RegistryError,
-    RouteKind,
     ServerInfo,
     Superseded,
 )
+from delaymq.protocol.routes import GroupState, RouteKind
 
 T0 = 1_700_000_000_000
 EVICT = 30_000

@@ -19,21 +19,22 @@ import pytest
 import trio
 import trio.testing
 
-from delaymq.metaserver.agent import (
+from delaymq.client.registration import (
     Registration,
     RegistrationRefused,
     run_registration,
     software_version,
     start_registration,
 )
-from delaymq.metaserver.routes import ServerKind
-from delaymq.metaserver.server import Metaserver, open_metaserver, run_inline
+from delaymq.metaserver.server import Metaserver, open_metaserver
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError
 from delaymq.protocol.frames import Frame, FrameDecoder, encode_frame, request
 from delaymq.protocol.limits import Limits
+from delaymq.protocol.routes import ServerKind
 from delaymq.protocol.testing import MemoryNetwork
 from delaymq.protocol.transport import open_peers
+from delaymq.storage.threads import run_inline
 from delaymq.wheel.clock import SystemClock, TrioClock
 
 T0 = 1_700_000_000_000
@@ -247,7 +248,7 @@ async def test_restarted_metaserver_answers_routes_at_once_from_its_data_folder(
 async def test_agent_rides_out_an_outage_logging_once_and_registers_again(
     autojump_clock: trio.testing.MockClock, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="delaymq.metaserver")
+    caplog.set_level(logging.INFO, logger="delaymq.client.registration")
     clock = TrioClock(T0)
     async with trio.open_nursery() as nursery:
         network = MemoryNetwork(nursery)

@@ -194,6 +194,17 @@ def test_a_raised_body_limit_carries_big_bodies() -> None:
     assert (info.value.code, info.value.field, info.value.limit) == ("limit", "body", 4 * MiB)
 
 
+def test_a_record_at_every_limit_is_exactly_max_record_and_one_more_byte_is_oversize() -> None:
+    limits = Limits(max_id=3, max_subject=4, max_tags=2, max_tag=3, max_properties=5, max_body=6)
+    tags = [b"abc", b"def"]
+    record = raw_record(id=b"abc", subject=b"abcd", tags=tags, props=b"p" * 5, body=b"b" * 6)
+    (payload_size,) = struct.unpack_from(">I", record)
+    assert payload_size == limits.max_record
+    assert scan_batch(record, limits).ids == ["abc"]
+    error = refusal(raw_record(id=b"abc", subject=b"abcd", tags=tags, props=b"p" * 5, body=b"b" * 7), limits)
+    assert (error.code, error.field, error.limit) == ("oversize", "record", limits.max_record)
+
+
 def test_tags_given_as_a_list_become_a_tuple() -> None:
     assert Message("a", "s", tags=["x", "y"]).tags == ("x", "y")  # type: ignore[arg-type]
     with pytest.raises(TypeError):
@@ -417,9 +428,9 @@ def test_records_with_a_good_crc_are_judged_consistently(
     tag_count: int | None,
     length_overrides: dict[str, int],
 ) -> None:
-    """Past the CRC, the fast scan and the slow explanation agree on every record:
-    a refusal is a named RemoteProtocolError, an acceptance decodes and re-encodes
-    to the same message."""
+    """Past the CRC, scanning and decoding judge every record alike: a refusal is
+    a named RemoteProtocolError, an acceptance decodes and re-encodes to the same
+    message."""
     tags = [t[:255] for t in tags]
     record = raw_record(
         kind=kind, id=id, subject=subject, tags=tags, props=props, body=body,

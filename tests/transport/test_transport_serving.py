@@ -10,7 +10,6 @@ import pytest
 import trio
 import trio.testing
 
-from delaymq.protocol.blocking import BlockingPeers
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError
 from delaymq.protocol.frames import FrameDecoder, FrameKind, encode_frame, request
@@ -213,30 +212,6 @@ async def test_connection_reused_and_redialled_after_server_restart() -> None:
             assert frame.metadata == {"echo": 2}
             assert peers.statistics().connects == 2
             nursery.cancel_scope.cancel()
-
-
-async def test_blocking_twin_speaks_the_same_protocol() -> None:
-    async with trio.open_nursery() as nursery:
-        address = await nursery.start(make_server().serve)
-
-        def blocking_client() -> list:
-            with BlockingPeers(request_timeout=5) as peers:
-                first = peers.call(address, Command.PING, {"value": 1}, b"abc")
-                try:
-                    peers.call(address, 999)
-                except PeerError as error:
-                    refused = error.code
-                second = peers.call(address, Command.PING, {"value": 2})
-                try:
-                    peers.call(address, Command.PING, {"sleep": 5}, timeout=0.05)
-                except RequestTimeout:
-                    timed_out = True
-                third = peers.call(address, Command.PING, {"value": 3})
-                return [first.metadata, first.body, refused, second.metadata, timed_out, third.metadata]
-
-        result = await trio.to_thread.run_sync(blocking_client)
-        assert result == [{"echo": 1}, b"abc", "bad_request", {"echo": 2}, True, {"echo": 3}]
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_closed_connection_cancels_its_waiting_handlers() -> None:

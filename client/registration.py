@@ -1,5 +1,8 @@
 """What every server runs to stay known to the metaserver: register, then heartbeat.
 
+A client of the metaserver like the route client, so it lives with the clients:
+the scheduler and the realtime server reach the metaserver only through it.
+
 ``run_registration`` registers the server, heartbeats at the interval the
 metaserver's answer names, registers again when the metaserver says it does not
 know the server (``register_first``: it restarted without its data) or after an
@@ -29,10 +32,9 @@ from typing import Any
 
 import trio
 
-from delaymq.metaserver.routes import ServerKind
-from delaymq.metaserver.server import REGISTER_FIRST, SUPERSEDED
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError, RemoteProtocolError
+from delaymq.protocol.routes import REGISTER_FIRST, SUPERSEDED, ServerKind
 from delaymq.protocol.transport import AsyncCaller, TransportError
 from delaymq.wheel.clock import Clock
 
