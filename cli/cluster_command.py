@@ -27,11 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import trio
-
 from delaymq.cli import options
-from delaymq.cli.serving import run_server, sole, wait_for_stop_signal
+from delaymq.cli.serving import run_server, wait_for_stop_signal
 from delaymq.client.producer import DEFAULT_META
 from delaymq.metaserver.server import open_metaserver
+from delaymq.protocol.errors import sole
 from delaymq.protocol.transport import format_address, split_listen
 from delaymq.realtime.server import open_realtime_server
 from delaymq.scheduler.server import open_scheduler

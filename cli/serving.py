@@ -14,21 +14,14 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
-
 from delaymq.metaserver.registry import RegistryError
+from delaymq.protocol.errors import sole
 from delaymq.storage.errors import StorageError
 
 log = logging.getLogger("delaymq")
 
 #: Errors that mean "this server cannot start here", reported in one line.
 STARTUP_ERRORS: tuple[type[BaseException], ...] = (OSError, StorageError, RegistryError, ValueError)
-
-
-def sole(error: BaseException) -> BaseException:
-    """The one exception inside nested single-member exception groups (trio wraps them)."""
-    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
-        error = error.exceptions[0]
-    return error
 
 
 async def wait_for_stop_signal() -> None:

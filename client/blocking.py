@@ -42,10 +42,10 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Generic, Self, TypeVar
 
 import trio
-
 from delaymq.client.consumer import Consumer, ConsumerFailed, open_consumer
 from delaymq.client.delivery import ConsumerStatistics, ReceivedMessage
 from delaymq.client.producer import Producer, ProducerStatistics, open_producer
+from delaymq.protocol.errors import sole
 from delaymq.protocol.frames import Frame
 from delaymq.protocol.records import Message
 from delaymq.protocol.transport import Peers, open_peers
@@ -102,7 +102,7 @@ class LoopThread(Generic[T]):
                 for scope in self._calls:
                     scope.cancel()
         except BaseException as error:  # raised in the caller's thread, by __init__ or close
-            self._error = single(error)
+            self._error = sole(error)
 
     def run(self, afn: Callable[..., Awaitable[R]], *args: Any) -> R:
         """``await afn(*args)`` in the loop; ``LoopClosed`` if the loop closes first."""
@@ -117,7 +117,7 @@ class LoopThread(Generic[T]):
             try:
                 return await afn(*args)
             except BaseExceptionGroup as group:
-                raise single(group) from None
+                raise sole(group) from None
             finally:
                 self._calls.discard(scope)
         raise LoopClosed("the client was closed while this call waited")
@@ -156,13 +156,6 @@ class LoopThread(Generic[T]):
     @property
     def running(self) -> bool:
         return self._thread.is_alive()
-
-
-def single(error: BaseException) -> BaseException:
-    """The one exception inside nested one-member groups (a nursery wraps what crosses it), else ``error``."""
-    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
-        error = error.exceptions[0]
-    return error
 
 
 def same_signature(trio_twin: Callable[..., Any], *, without: Iterable[str] = ()) -> Callable[[F], F]:

@@ -149,4 +149,12 @@ def _rebuild(cls: type[ProtocolError], message: str, attributes: dict[str, Any])
     return cls(message, **attributes)
 
 
-__all__ = ["CODES", "LocalProtocolError", "PeerError", "ProtocolError", "RemoteProtocolError"]
+def sole(error: BaseException) -> BaseException:
+    """The one exception inside nested one-member groups (a trio nursery wraps what crosses it), else ``error``."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error
+
+
+__all__ = [
+    "sole","CODES", "LocalProtocolError", "PeerError", "ProtocolError", "RemoteProtocolError"]

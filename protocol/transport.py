@@ -30,10 +30,21 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import trio
-
 from delaymq.protocol.commands import command_name
-from delaymq.protocol.connections import Admitted, ConnectionAdmission, Refusal, RefusalLog, open_file_limit
-from delaymq.protocol.errors import LocalProtocolError, PeerError, ProtocolError, RemoteProtocolError
+from delaymq.protocol.connections import (
+    Admitted,
+    ConnectionAdmission,
+    Refusal,
+    RefusalLog,
+    open_file_limit,
+)
+from delaymq.protocol.errors import (
+    LocalProtocolError,
+    PeerError,
+    ProtocolError,
+    RemoteProtocolError,
+    sole,
+)
 from delaymq.protocol.frames import (
     Frame,
     FrameDecoder,
@@ -804,14 +815,24 @@ class Peers:
 
 @asynccontextmanager
 async def open_peers(**options: Any) -> AsyncIterator[Peers]:
-    """A ``Peers`` whose connections close when the block ends."""
-    async with trio.open_nursery() as nursery:
-        peers = Peers(nursery, **options)
-        try:
-            yield peers
-        finally:
-            await peers.aclose()
-            nursery.cancel_scope.cancel()
+    """A ``Peers`` whose connections close when the block ends.
+
+    An exception from the block comes out as itself, not wrapped in the
+    exception group of the nursery the connections' readers run in.
+    """
+    try:
+        async with trio.open_nursery() as nursery:
+            peers = Peers(nursery, **options)
+            try:
+                yield peers
+            finally:
+                await peers.aclose()
+                nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        error = sole(group)
+        if error is group:
+            raise
+        raise error from None
 
 
 __all__ = [

@@ -314,3 +314,15 @@ async def test_send_timeout_must_be_more_than_zero_seconds(bad: Any) -> None:
     with pytest.raises(ValueError, match="send_timeout is"):
         BlockingProducer("127.0.0.1:1", send_timeout=bad)
     assert BlockingProducer("127.0.0.1:1").send_timeout == 30.0
+
+
+async def test_no_metaserver_is_a_plain_no_route_error_not_an_exception_group() -> None:
+    from delaymq.client import open_consumer, open_producer
+    from delaymq.client.routes import CallFailed, NoRouteError
+
+    with pytest.raises(NoRouteError):
+        async with open_consumer("127.0.0.1:1", "orders", group="g", connect_timeout=0.5):
+            pass  # pragma: no cover - the route lookup fails first
+    with pytest.raises(CallFailed):  # the producer waits for a route until its send_timeout
+        async with open_producer("127.0.0.1:1", send_timeout=0.5) as producer:
+            await producer.send("orders", b"x")
