@@ -4,7 +4,10 @@
 - ``dispatcher``: ``Dispatcher``: loads hours and seconds, fires due messages, sends
   them to realtime servers, records them in the dispatch logs.
 - ``wheelset``: ``WheelSet``: the pure rules of what to open, load and fire next.
-- ``schedulelog``, ``delayindex``, ``dispatchlog``, ``replay``, ``hours``: the storage
+- ``schedulelog``: ``ScheduleStore``, the storage's one entry point, over ``staging``
+  (filing a replay step in memory), ``schedulefiles`` (the commit's writes),
+  ``recovery`` (on open), ``hourlog`` (reading an hour), ``dispatchlog``, and the formats
+  ``delayindex``, ``headstable``, ``hours``; ``replay`` drives the filing
   (docs/scheduler-storage.md).
 
 Nothing is imported here, so the storage modules load without the server's imports.

@@ -39,7 +39,8 @@ import trio
 from delaymq.protocol.records import record_subject
 from delaymq.scheduler.alarm import Alarm
 from delaymq.scheduler.delayindex import Heads
-from delaymq.scheduler.schedulelog import HourLog, ScheduleStore
+from delaymq.scheduler.hourlog import HourLog
+from delaymq.scheduler.schedulelog import ScheduleStore
 from delaymq.scheduler.wheelset import Due, Load, WheelSet
 from delaymq.wheel.clock import Clock
 

@@ -13,7 +13,9 @@ tail (a record cut short or failing its CRC) is cut off; a record that checks bu
 whose payload is not a list of u32 is corruption and is refused.
 
 In memory the log is a bitmap of the delivered entries and their count, so
-``is_complete`` is a comparison and ``delivered`` builds a set only when asked.
+``is_complete`` is a comparison and ``delivered`` builds a set only when asked. A store
+keeps the logs it uses open in a ``DispatchLogCache`` (bounded, least recently used
+closed first).
 """
 
 from __future__ import annotations
@@ -23,11 +25,14 @@ import os
 import sys
 import threading
 from array import array
+from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
 
 from delaymq.protocol.envelope import HEADER_SIZE, RecordKind, encode, iter_spans, valid_prefix
-from delaymq.scheduler.hours import CorruptSchedule, ScheduleError
+from delaymq.scheduler.hours import DISPATCH_SUFFIX, CorruptSchedule, ScheduleError, hour_name
+from delaymq.storage.files import pwrite_all
+from delaymq.storage.folder import DataFolder
 
 #: Entry numbers per record: a big batch becomes several records of at most 4 MiB.
 MAX_ENTRIES_PER_RECORD = 1 << 20
@@ -128,7 +133,7 @@ class DispatchLog:
         with self._lock:
             if self._fd < 0:
                 raise ScheduleError(f"dispatch log {self._path} is closed")
-            _pwrite_all(self._fd, data, self._size, self._path)
+            _append_or_cut_back(self._fd, data, self._size, self._path)
             self._size += len(data)
             self._dirty = True
             new = _mark(self._bitmap, numbers)
@@ -162,6 +167,80 @@ class DispatchLog:
 
     def __repr__(self) -> str:
         return f"<DispatchLog {self._path} delivered={self._count}>"
+
+
+class DispatchLogCache:
+    """The dispatch logs of one schedule folder, opened when first needed; beyond
+    ``max_open`` the least recently used is closed (and loaded again when next needed),
+    so the open files stay bounded however many hours are pending.
+
+    Thread use: every call holds ``lock`` (an ``RLock``); the store holds it too around
+    a deletion, so no log of the hour is opened again midway.
+    """
+
+    def __init__(self, folder: DataFolder, *, max_open: int, fsync: bool) -> None:
+        self._folder = folder
+        self._max_open = max_open
+        self._fsync = fsync  # fsync the folder after creating a log
+        self._logs: OrderedDict[int, DispatchLog] = OrderedDict()
+        self.lock = threading.RLock()
+
+    def append(self, hour: int, entry_nos: Iterable[int]) -> int:
+        """``DispatchLog.append`` to ``hour``'s log, created if missing."""
+        with self.lock:
+            log = self._open(hour, create=True)
+            assert log is not None
+            return log.append(entry_nos)
+
+    def flush(self) -> None:
+        """fsync every log appended to since the last flush."""
+        with self.lock:
+            for log in self._logs.values():
+                log.flush()
+
+    def delivered(self, hour: int) -> set[int]:
+        """The entries of ``hour`` recorded as delivered (none for an hour without a log)."""
+        with self.lock:
+            log = self._open(hour, create=False)
+            return set() if log is None else log.delivered()
+
+    def count(self, hour: int) -> int:
+        """How many distinct entries of ``hour`` are recorded as delivered."""
+        with self.lock:
+            log = self._open(hour, create=False)
+            return 0 if log is None else log.count
+
+    def forget(self, hour: int) -> None:
+        """Close ``hour``'s log if it is open (its file is about to be deleted)."""
+        with self.lock:
+            log = self._logs.pop(hour, None)
+            if log is not None:
+                log.close()
+
+    def close(self) -> None:
+        """Flush and close every open log."""
+        with self.lock:
+            for log in self._logs.values():
+                log.close()
+            self._logs.clear()
+
+    def _open(self, hour: int, *, create: bool) -> DispatchLog | None:
+        log = self._logs.get(hour)
+        if log is not None:
+            self._logs.move_to_end(hour)
+            return log
+        path = self._folder.path / (hour_name(hour) + DISPATCH_SUFFIX)
+        exists = path.exists()
+        if not exists and not create:
+            return None
+        log = DispatchLog.open(path)
+        if not exists and self._fsync:
+            self._folder.fsync()
+        self._logs[hour] = log
+        while len(self._logs) > self._max_open:
+            _old, evicted = self._logs.popitem(last=False)
+            evicted.close()
+        return log
 
 
 def read_delivered(path: str | os.PathLike[str]) -> set[int]:
@@ -235,17 +314,14 @@ def _read_all(fd: int) -> bytes:
     return b"".join(parts)
 
 
-def _pwrite_all(fd: int, data: bytes | memoryview, position: int, path: Path) -> None:
-    view = memoryview(data)
-    start = position
+def _append_or_cut_back(fd: int, data: bytes, position: int, path: Path) -> None:
+    """All of ``data`` at ``position``; on failure the file is cut back there (no torn
+    record stays behind for the next append to follow) and ``ScheduleError`` says why."""
     try:
-        while view:
-            written = os.pwrite(fd, view, position)
-            view = view[written:]
-            position += written
+        pwrite_all(fd, data, position, path=path)
     except OSError as error:
         try:
-            os.ftruncate(fd, start)
+            os.ftruncate(fd, position)
         except OSError:
             pass
         raise ScheduleError(
@@ -253,4 +329,4 @@ def _pwrite_all(fd: int, data: bytes | memoryview, position: int, path: Path) ->
         ) from error
 
 
-__all__ = ["MAX_ENTRIES_PER_RECORD", "DispatchLog", "read_delivered"]
+__all__ = ["MAX_ENTRIES_PER_RECORD", "DispatchLog", "DispatchLogCache", "read_delivered"]

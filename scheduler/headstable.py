@@ -23,7 +23,7 @@ previous one wrote are made durable (``HeadsTables.sync``, or one ``syncfs``). S
 a crash every slot holds its value of the last commit, except perhaps the slots that
 commit's journal names, and writing that journal again (``redo``) repairs them: the
 tables and the lmdb state agree exactly, as when the heads lived in lmdb. Recovery
-(``delayindex.recover_hours``) does that redo first; an hour whose table is missing or
+(``recovery.recover_hours``) does that redo first; an hour whose table is missing or
 cut short has it rebuilt from its delay index.
 """
 
@@ -37,6 +37,7 @@ from pathlib import Path
 
 from delaymq.scheduler.delayindex import HEAD, Heads, Slots
 from delaymq.scheduler.hours import HEADS_SUFFIX, SECONDS_PER_HOUR, CorruptSchedule, hour_name
+from delaymq.storage.files import pwrite_all
 
 #: The bytes of one hour's table.
 TABLE_BYTES = SECONDS_PER_HOUR * HEAD.size
@@ -108,7 +109,7 @@ class HeadsTables:
         """``{second: (newest + 1) << 32 | count}`` of the non-empty ones among ``seconds``."""
         found: dict[int, int] = {}
         unpack = HEAD.unpack
-        fd = self._open_existing(hour, os.O_RDONLY)
+        fd = self._open_existing(self.path(hour), hour, os.O_RDONLY)
         try:
             with self._lock:
                 for second in seconds:
@@ -124,7 +125,7 @@ class HeadsTables:
 
     def newest(self, hour: int, second: int) -> int:
         """The newest entry of ``second`` as the table says, -1 for none."""
-        fd = self._open_existing(hour, os.O_RDONLY)
+        fd = self._open_existing(self.path(hour), hour, os.O_RDONLY)
         try:
             with self._lock:
                 data = os.pread(fd, 8, second * 8)
@@ -144,7 +145,8 @@ class HeadsTables:
         pack = HEAD.pack
         for hour, keys in by_hour.items():
             keys.sort()
-            fd = self._open_existing(hour, os.O_WRONLY)
+            path = self.path(hour)
+            fd = self._open_existing(path, hour, os.O_WRONLY)
             try:
                 with self._lock:
                     i = 0
@@ -156,7 +158,7 @@ class HeadsTables:
                             pack((value >> 32) - 1, value & 0xFFFF_FFFF) if value else _EMPTY
                             for value in map(slots.__getitem__, keys[i:j])
                         )
-                        _pwrite_all(fd, data, (keys[i] & 0xFFF) * 8)
+                        pwrite_all(fd, data, (keys[i] & 0xFFF) * 8, path=path)
                         i = j
             finally:
                 os.close(fd)
@@ -196,24 +198,14 @@ class HeadsTables:
         except FileNotFoundError:
             pass
 
-    def _open_existing(self, hour: int, flags: int) -> int:
+    def _open_existing(self, path: str, hour: int, flags: int) -> int:
         try:
-            return os.open(self.path(hour), flags | os.O_CLOEXEC)
+            return os.open(path, flags | os.O_CLOEXEC)
         except FileNotFoundError:
             raise CorruptSchedule(
-                f"{self.path(hour)} is missing: the heads table of an hour with entries; "
+                f"{path} is missing: the heads table of an hour with entries; "
                 f"run rebuild_heads({hour})"
             ) from None
-
-
-def _pwrite_all(fd: int, data: bytes, position: int) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.pwrite(fd, view, position)
-        if written <= 0:
-            raise OSError(28, "write to a heads table made no progress")
-        view = view[written:]
-        position += written
 
 
 __all__ = ["TABLE_BYTES", "HeadsTables", "heads_from_table"]

@@ -18,7 +18,8 @@ from __future__ import annotations
 from array import array
 
 from delaymq.scheduler.hours import ReplayGap
-from delaymq.scheduler.schedulelog import HourArrivals, ReplayStep, ScheduleStore
+from delaymq.scheduler.schedulelog import ScheduleStore
+from delaymq.scheduler.staging import HourArrivals, ReplayStep
 from delaymq.storage.errors import OffsetDeleted
 from delaymq.storage.log import SegmentedLog
 

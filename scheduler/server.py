@@ -33,14 +33,13 @@ from typing import Any
 
 import trio
 
+from delaymq.client.registration import Registration, start_registration
 from delaymq.client.routes import NoRouteError, RouteClient
-from delaymq.metaserver.agent import Registration, start_registration
-from delaymq.metaserver.routes import ServerKind
-from delaymq.metaserver.server import run_in_thread
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import RemoteProtocolError
 from delaymq.protocol.limits import DEFAULT_LIMITS, Limits
 from delaymq.protocol.records import rewrite_delivery, scan_batch
+from delaymq.protocol.routes import ServerKind
 from delaymq.protocol.transport import AsyncCaller, FrameServer, Request, open_peers, split_listen
 from delaymq.scheduler.alarm import Alarm
 from delaymq.scheduler.dispatcher import DEFAULT_DISPATCH_BATCH, Deliver, Dispatcher, RunBlocking
@@ -52,6 +51,7 @@ from delaymq.scheduler.wheelset import DEFAULT_HOUR_PRELOAD_MS, DEFAULT_LOAD_AHE
 from delaymq.storage.errors import StorageError, storage_refusal
 from delaymq.storage.log import DEFAULT_SEGMENT_SIZE, SegmentedLog, check_max_record
 from delaymq.storage.state import StateStore
+from delaymq.storage.threads import run_in_thread
 from delaymq.storage.writer import FlushPolicy, LogWriter, open_log_writer
 from delaymq.wheel.clock import Clock
 

@@ -21,8 +21,8 @@ import trio
 import trio.testing
 
 from delaymq.client.producer import Producer
+from delaymq.client.registration import run_registration
 from delaymq.client.routes import RouteClient
-from delaymq.metaserver.agent import run_registration
 from delaymq.metaserver.server import open_metaserver, run_inline
 from delaymq.protocol import testing
 from delaymq.protocol.commands import Command

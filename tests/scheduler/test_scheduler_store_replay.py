@@ -15,7 +15,8 @@ from delaymq.protocol.records import decode_message, encode_message
 from delaymq.scheduler.delayindex import ENTRY_SIZE, heads_from_index
 from delaymq.scheduler.hours import HOUR_MS, HourOutOfRange, ReplayGap, ScheduleError, hour_name
 from delaymq.scheduler.replay import replay_step, replay_until_caught_up
-from delaymq.scheduler.schedulelog import INDEX_SUFFIX, LOG_SUFFIX, ScheduleStore, _syncfs
+from delaymq.scheduler.schedulefiles import syncfs as _syncfs
+from delaymq.scheduler.schedulelog import INDEX_SUFFIX, LOG_SUFFIX, ScheduleStore
 from delaymq.storage.errors import FormatMismatch
 from delaymq.storage.format import read_format, write_format
 from delaymq.storage.log import SegmentedLog

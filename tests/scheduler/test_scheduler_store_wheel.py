@@ -8,9 +8,10 @@ import threading
 from pathlib import Path
 
 from delaymq.protocol.records import decode_message, encode_message
+from delaymq.scheduler.hourlog import HourLog
 from delaymq.scheduler.hours import HOUR_MS
 from delaymq.scheduler.replay import replay_step, replay_until_caught_up
-from delaymq.scheduler.schedulelog import HourLog, ScheduleStore
+from delaymq.scheduler.schedulelog import ScheduleStore
 from delaymq.storage.log import SegmentedLog
 from delaymq.storage.state import StateStore
 from delaymq.wheel import HourWheel, SecondWheel

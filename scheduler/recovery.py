@@ -1,0 +1,302 @@
+"""Recovery of a schedule folder when it opens: every hour's files brought back to a
+consistent state with the lmdb summaries, checkpoint and heads journal.
+
+``recover_hours`` runs when the store opens (``ScheduleStore.open``). It writes the last
+commit's heads journal into the tables again first (its slots may not have reached
+them), then checks each hour: it keeps the hour's longest valid prefix of entries (the
+invariants ``delayindex.EntryChecker`` checks, and records that check), rolls the heads
+forward over valid entries a crash left uncommitted, and, should committed entries or a
+table be gone, rebuilds the heads from the index and (for lost entries) moves the
+checkpoint back so replay files them again with the same numbers.
+
+The one module that needs both the index format (``delayindex``) and the heads files
+(``headstable``); neither of them imports it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import zlib
+from array import array
+from pathlib import Path
+
+from delaymq.scheduler.delayindex import (
+    CHECKPOINT_KEY,
+    ENTRY,
+    ENTRY_SIZE,
+    HOURS_DB,
+    JOURNAL_KEY,
+    REPLAY_DB,
+    EntryChecker,
+    Heads,
+    HourSummary,
+    empty_heads,
+    hour_key,
+    pack_journal,
+    pread_all,
+    read_entry,
+    record_problem,
+    table_slots,
+    unpack_journal,
+)
+from delaymq.scheduler.headstable import HeadsTables
+from delaymq.scheduler.hours import (
+    DISPATCH_SUFFIX,
+    HEADS_SUFFIX,
+    INDEX_SUFFIX,
+    LOG_SUFFIX,
+    SECOND_MS,
+    hour_name,
+    parse_hour_name,
+)
+from delaymq.storage.folder import DataFolder
+from delaymq.storage.state import StateStore, WriteBatch
+
+_CHECK_WINDOW = 8 << 20  # recovery reads the schedule log this much at a time
+
+_logger = logging.getLogger(__name__)
+
+
+def recover_hours(
+    folder: DataFolder, state: StateStore, names: list[str], tables: HeadsTables
+) -> tuple[dict[int, HourSummary], int, int]:
+    """Bring every hour's files back to a consistent state; returns summaries, checkpoint
+    (lowered if an hour lost committed entries) and how many hours were repaired.
+
+    First the last commit's heads journal is written into the tables again (its slots
+    may not have reached them), then each hour is checked. The heads changes recovery
+    makes are committed as a journal with its lmdb changes and written after, like a
+    replay step's.
+    """
+    files: dict[int, set[str]] = {}
+    for name in names:
+        stem, dot, suffix = name.partition(".")
+        if not dot or "." + suffix not in (LOG_SUFFIX, INDEX_SUFFIX, DISPATCH_SUFFIX, HEADS_SUFFIX):
+            continue
+        try:
+            hour = parse_hour_name(stem)
+        except ValueError:
+            continue
+        files.setdefault(hour, set()).add("." + suffix)
+    committed = {int.from_bytes(k, "big"): HourSummary.unpack(v) for k, v in state.items(HOURS_DB)}
+    stored = state.get(REPLAY_DB, CHECKPOINT_KEY)
+    checkpoint = int.from_bytes(stored, "big") if stored is not None else 0
+    journal = state.get(REPLAY_DB, JOURNAL_KEY)
+    if journal:
+        redo = unpack_journal(journal)
+        usable = {hour for hour in {key >> 12 for key in redo} if hour in committed and tables.exists(hour)}
+        tables.write({key: value for key, value in redo.items() if key >> 12 in usable})
+        tables.sync()
+    summaries: dict[int, HourSummary] = {}
+    restart = checkpoint
+    repaired = 0
+    unlinked = False
+    slots: dict[int, int] = {}
+    with state.write() as batch:
+        for hour in sorted(files.keys() | committed.keys()):
+            outcome = _recover_hour(folder, batch, tables, slots, hour, files.get(hour, set()), committed.get(hour))
+            summary, hour_restart, changed, removed = outcome
+            if summary is not None:
+                summaries[hour] = summary
+            if hour_restart is not None:
+                restart = min(restart, hour_restart)
+            repaired += changed
+            unlinked |= removed
+        if restart < checkpoint:
+            _logger.warning(
+                "schedule %s: replay goes back from checkpoint %d to %d to re-file lost entries",
+                folder.path,
+                checkpoint,
+                restart,
+            )
+            batch.put(REPLAY_DB, CHECKPOINT_KEY, restart.to_bytes(8, "big"))
+            checkpoint = restart
+        if slots:
+            batch.put(REPLAY_DB, JOURNAL_KEY, pack_journal(slots))
+        elif journal:
+            batch.delete(REPLAY_DB, JOURNAL_KEY)  # written again above and synced
+        if tables.unsynced():  # tables created for repairs: durable before the journal
+            tables.sync()
+            folder.fsync()
+    if slots:
+        tables.write(slots)
+        tables.sync()
+    if unlinked or repaired:
+        folder.fsync()
+    return summaries, checkpoint, repaired
+
+
+def _recover_hour(
+    folder: DataFolder,
+    batch: WriteBatch,
+    tables: HeadsTables,
+    slots: dict[int, int],
+    hour: int,
+    present: set[str],
+    summary: HourSummary | None,
+) -> tuple[HourSummary | None, int | None, bool, bool]:
+    """One hour: ``(summary or None, replay restart or None, repaired?, files removed?)``.
+    The heads changes it needs go into ``slots``."""
+    name = hour_name(hour)
+    base = folder.path / name
+    committed = summary.entries if summary is not None else 0
+    if INDEX_SUFFIX not in present and committed == 0:
+        removed = False
+        if LOG_SUFFIX in present:  # a log without an index holds nothing filed
+            Path(str(base) + LOG_SUFFIX).unlink()
+            removed = True
+        if HEADS_SUFFIX in present:  # a table without an index counts nothing
+            tables.remove(hour)
+            removed = True
+        return None, None, False, removed
+    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+    index_fd = os.open(str(base) + INDEX_SUFFIX, flags, 0o644)
+    log_fd = -1
+    try:
+        log_fd = os.open(str(base) + LOG_SUFFIX, flags, 0o644)
+        index_size = os.fstat(index_fd).st_size
+        log_size = os.fstat(log_fd).st_size
+        stop = index_size // ENTRY_SIZE
+        heads: Heads | None = None
+        if committed and stop > committed:  # entries to roll forward over: from the committed heads
+            heads = tables.read(hour)
+            if heads is not None and heads.entries != committed:
+                heads = None
+            table_lost = heads is None
+        else:
+            table_lost = committed > 0 and not tables.exists(hour)
+        if table_lost:
+            _logger.warning(
+                "schedule %s: hour %s: its heads table is missing or does not count its %d entries; "
+                "rebuilding it from the index",
+                folder.path,
+                name,
+                committed,
+            )
+        trusted = (
+            not table_lost
+            and summary is not None
+            and _committed_end_checks(index_fd, log_fd, stop, log_size, summary)
+        )
+        if trusted or committed == 0:
+            assert summary is not None or committed == 0
+            start = committed
+            if heads is not None:
+                newest, counts = array("i", heads.newest), array("I", heads.counts)
+            else:
+                newest, counts = empty_heads()
+            s = summary or HourSummary(0, 0, -1, -1)
+            last_size = 0
+            if committed:
+                raw = pread_all(index_fd, ENTRY_SIZE, (committed - 1) * ENTRY_SIZE)
+                last_size = read_entry(raw, 0, committed - 1, name).size
+            checker = EntryChecker(
+                newest,
+                counts,
+                entries=committed,
+                log_end=s.log_end,
+                first_source=s.first_source,
+                last_source=s.last_source,
+                next_source=s.last_source + last_size if committed else 0,
+            )
+        else:
+            start = 0
+            newest, counts = empty_heads()
+            checker = EntryChecker(newest, counts)
+        touched = _check_entries(checker, index_fd, log_fd, start, stop, log_size, name)
+        kept = checker.entries
+        changed = index_size != kept * ENTRY_SIZE or log_size != checker.log_end
+        if changed:
+            _logger.warning(
+                "schedule %s: hour %s: kept %d entries of %d (%d committed): %s",
+                folder.path,
+                name,
+                kept,
+                stop,
+                committed,
+                checker.problem or "torn tail",
+            )
+            os.ftruncate(index_fd, kept * ENTRY_SIZE)
+            os.ftruncate(log_fd, checker.log_end)
+            os.fsync(index_fd)
+            os.fsync(log_fd)
+    finally:
+        os.close(index_fd)
+        if log_fd >= 0:
+            os.close(log_fd)
+    restart: int | None = None
+    if kept < committed:
+        # Committed entries are gone (the files were damaged): rebuild the heads and
+        # replay again from just after the last entry kept.
+        assert summary is not None
+        restart = checker.next_source if kept else summary.first_source
+    if kept == 0:
+        if summary is not None:
+            batch.delete(HOURS_DB, hour_key(hour))
+        for suffix in (INDEX_SUFFIX, LOG_SUFFIX):
+            Path(str(base) + suffix).unlink(missing_ok=True)
+        tables.remove(hour)
+        return None, restart, changed or kept != committed, True
+    if kept < committed or table_lost or committed == 0:
+        tables.create(hour)  # a whole table, every slot written by the journal
+        slots.update(table_slots(hour, checker.newest, checker.counts))
+    elif kept > committed:
+        base_key = hour << 12
+        for second in touched:
+            slots[base_key | second] = (checker.newest[second] + 1) << 32 | checker.counts[second]
+    result = HourSummary(kept, checker.log_end, checker.first_source, checker.last_source)
+    if kept != committed:
+        batch.put(HOURS_DB, hour_key(hour), result.pack())
+    return result, restart, changed or kept != committed or table_lost, False
+
+
+def _committed_end_checks(
+    index_fd: int, log_fd: int, stop: int, log_size: int, summary: HourSummary
+) -> bool:
+    """Whether the hour's last committed entry and its record are intact where the summary says."""
+    n = summary.entries
+    if n == 0:
+        return True
+    if stop < n or log_size < summary.log_end:
+        return False
+    buf = pread_all(index_fd, ENTRY_SIZE, (n - 1) * ENTRY_SIZE)
+    offset, size, _ms, _prev, source, crc = ENTRY.unpack(buf)
+    if zlib.crc32(buf[:28]) != crc or offset + size != summary.log_end or source != summary.last_source:
+        return False
+    return not record_problem(pread_all(log_fd, size, offset), 0, size)
+
+
+def _check_entries(
+    checker: EntryChecker, index_fd: int, log_fd: int, start: int, stop: int, log_size: int, name: str
+) -> set[int]:
+    """Feed entries ``start .. stop - 1`` and their records to ``checker`` until one fails;
+    returns the seconds the accepted ones fall in."""
+    touched: set[int] = set()
+    window = b""
+    window_start = 0
+    n = start
+    while n < stop:
+        count = min(stop - n, 1 << 16)
+        buf = pread_all(index_fd, count * ENTRY_SIZE, n * ENTRY_SIZE)
+        for i in range(count):
+            entry = checker.check(buf, i * ENTRY_SIZE, log_size)
+            if entry is None:
+                return touched
+            position = entry.offset - window_start
+            if position < 0 or position + entry.size > len(window):
+                window_start = entry.offset
+                size = min(max(_CHECK_WINDOW, entry.size), log_size - entry.offset)
+                window = pread_all(log_fd, size, entry.offset)
+                position = 0
+            problem = record_problem(window, position, entry.size)
+            if problem:
+                checker.problem = f"entry {checker.entries}'s record at log byte {entry.offset}: {problem}"
+                return touched
+            checker.take(entry)
+            touched.add(entry.ms_in_hour // SECOND_MS)
+        n += count
+    return touched
+
+
+__all__ = ["recover_hours"]

@@ -1,0 +1,363 @@
+"""A replay step's staging: records filed into their hours in memory until the commit.
+
+``ScheduleStore.stage`` hands each chunk read from the message log to
+``StagedStep.stage``. Per hour (``StagedHour``) it keeps the record bytes as slices of
+the chunks read (runs of adjacent records as one slice), the new index entries packed
+into a bytearray, and each entry's ``ms_in_hour``; per second filed into, the heads
+slot (newest entry and count), read from the hour's heads table when the step first
+touches that second. Nothing touches the disk here but those reads:
+``ScheduleStore.commit`` writes the hours' bytes (``schedulefiles``), commits lmdb with
+the slots as the heads journal, and clears the step; ``ReplayStep`` says what it did.
+Memory is the step's, never the backlog's: nothing of the heads stays between steps.
+
+A record whose message-log offset is not after its hour's last filed one was filed
+before a crash (or before its hour was deleted) and is skipped, so re-reading from the
+checkpoint files nothing twice. ``stage`` is the hot loop of replay: its aliases of
+bound methods and attributes are deliberate.
+"""
+
+from __future__ import annotations
+
+import zlib
+from array import array
+from dataclasses import dataclass, field
+
+from delaymq.protocol.envelope import HEADER_SIZE, RecordKind
+from delaymq.protocol.records import RECORD_TIMES
+from delaymq.scheduler.delayindex import (
+    DELETED_DB,
+    ENTRY_BODY,
+    ENTRY_CRC,
+    MAX_ENTRIES,
+    HourSummary,
+    hour_key,
+)
+from delaymq.scheduler.headstable import HeadsTables
+from delaymq.scheduler.hours import (
+    HOUR_MS,
+    MAX_DELIVER_AT,
+    CorruptSchedule,
+    HourOutOfRange,
+    ScheduleError,
+    hour_name,
+)
+from delaymq.storage.state import StateStore
+
+#: A step reading more slots of one hour than this reads its whole table at once.
+_WHOLE_TABLE_FROM = 64
+_MESSAGE = int(RecordKind.MESSAGE)
+
+
+@dataclass(frozen=True, slots=True)
+class HourArrivals:
+    """The entries one replay step filed into one hour: numbers ``first_entry`` onwards,
+    one per ``ms_in_hour`` value, in entry order."""
+
+    hour: int
+    first_entry: int
+    ms_in_hour: array[int]
+
+    def __len__(self) -> int:
+        return len(self.ms_in_hour)
+
+    def pairs(self) -> list[tuple[int, int]]:
+        """``(ms_in_hour, entry_no)`` of each new entry, what ``SecondWheel.link`` takes."""
+        return list(zip(self.ms_in_hour, range(self.first_entry, self.first_entry + len(self.ms_in_hour))))
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayStep:
+    """What one committed replay step did.
+
+    ``arrivals`` holds, per hour, the entries filed (tell the wheel: ``link`` into a
+    loaded second, ``note_arrival`` otherwise; add the hour to the ``HourWheel``).
+    ``new_hours`` are the hours that held no entry before.
+    """
+
+    start_offset: int  # message-log offset the step started at
+    checkpoint: int  # message-log offset the next step starts at (saved)
+    filed: int  # records filed into schedule logs
+    already_filed: int  # records skipped: filed before a crash, not re-filed
+    skipped: int  # records of another kind than MESSAGE
+    bytes: int  # message-log bytes the step read
+    arrivals: dict[int, HourArrivals] = field(default_factory=dict)
+    new_hours: tuple[int, ...] = ()
+
+    @property
+    def idle(self) -> bool:
+        """Nothing was read: replay is caught up with what the message log holds durably.
+        (A step can file nothing yet move on, skipping records filed before a crash.)"""
+        return self.checkpoint == self.start_offset
+
+
+class StagedHour:
+    """What the current replay step filed into one hour, until ``commit`` writes it."""
+
+    __slots__ = (
+        "hour",
+        "key_base",
+        "committed_entries",
+        "committed_log_end",
+        "first_source",
+        "entries",
+        "log_end",
+        "last_source",
+        "parts",
+        "run_view",
+        "run_start",
+        "run_end",
+        "index",
+        "ms",
+    )
+
+    def __init__(self, hour: int, summary: HourSummary) -> None:
+        self.hour = hour
+        self.key_base = hour << 12  # heads-cache key of second s: key_base | s
+        self.committed_entries = self.entries = summary.entries
+        self.committed_log_end = self.log_end = summary.log_end
+        self.first_source = summary.first_source
+        self.last_source = summary.last_source
+        self.parts: list[memoryview] = []  # record bytes, slices of the chunks read
+        self.run_view: memoryview | None = None  # the run of adjacent records being grown
+        self.run_start = 0
+        self.run_end = 0
+        self.index = bytearray()  # packed index entries
+        self.ms = array("I")  # ms_in_hour of each new entry
+
+    def end_run(self) -> None:
+        if self.run_view is not None:
+            self.parts.append(self.run_view[self.run_start : self.run_end])
+            self.run_view = None
+
+
+class StagedStep:
+    """The replay step being filed: each hour's ``StagedHour`` and the heads slots of
+    the seconds it files into. One per store, cleared after each commit or abort; used
+    by the thread holding the store's write lock.
+
+    ``summaries`` (committed, per hour) and ``checked_hours`` (hours whose table was
+    checked against their summary since open) are the store's own: the step reads
+    them, and adds to ``checked_hours`` the hours whose whole table it checked.
+    """
+
+    def __init__(
+        self,
+        summaries: dict[int, HourSummary],
+        checked_hours: set[int],
+        tables: HeadsTables,
+        state: StateStore,
+        *,
+        max_step_hours: int,
+    ) -> None:
+        self._summaries = summaries
+        self._checked_hours = checked_hours
+        self._tables = tables
+        self._state = state  # read for the tombstones of deleted hours
+        self._max_step_hours = max_step_hours
+        # The heads slots the current step files into: key hour << 12 | second, value
+        # (newest + 1) << 32 | count (0: no entry). Read from the tables when the step
+        # first touches a second, committed as the step's journal, dropped after it or
+        # on abort: nothing of the heads stays in memory between steps.
+        self._heads: dict[int, int] = {}
+        self._heads_max = 0
+        self._staged: dict[int, StagedHour] = {}
+        self._step_filed = self._step_already = self._step_skipped = 0
+
+    @property
+    def hours(self) -> dict[int, StagedHour]:
+        """The hours the step has filed into (read only)."""
+        return self._staged
+
+    @property
+    def heads(self) -> dict[int, int]:
+        """The step's heads slots: after its commit, its journal (read only)."""
+        return self._heads
+
+    @property
+    def heads_max(self) -> int:
+        """The most heads slots one step held since open."""
+        return self._heads_max
+
+    def outcome(self, written: list[StagedHour], start_offset: int, checkpoint: int) -> ReplayStep:
+        """What the step did, once committed (``written``: its hours with new entries)."""
+        arrivals: dict[int, HourArrivals] = {}
+        new_hours = []
+        for w in written:
+            if w.committed_entries == 0:
+                new_hours.append(w.hour)
+            arrivals[w.hour] = HourArrivals(w.hour, w.committed_entries, w.ms)
+        return ReplayStep(
+            start_offset=start_offset,
+            checkpoint=checkpoint,
+            filed=self._step_filed,
+            already_filed=self._step_already,
+            skipped=self._step_skipped,
+            bytes=max(0, checkpoint - start_offset),
+            arrivals=arrivals,
+            new_hours=tuple(sorted(new_hours)),
+        )
+
+    def stage(self, buf: bytes, source: int, stop: int) -> int:
+        """Stage the records of ``buf[:stop]`` (whole records, read from the message log at
+        offset ``source``); returns how many bytes were consumed (see ``ScheduleStore.stage``).
+        Raises on a record it cannot file, leaving what it staged before it: the caller
+        aborts the step."""
+        self._read_slots(self._slots_to_read(buf, stop))
+        view = memoryview(buf)
+        unpack = RECORD_TIMES.unpack_from
+        pack_body = ENTRY_BODY.pack
+        pack_crc = ENTRY_CRC.pack
+        crc32 = zlib.crc32
+        staged = self._staged
+        heads = self._heads
+        get_head = heads.get
+        limit = self._max_step_hours
+        filed = already = skipped = 0
+        pos = 0
+        try:
+            while pos < stop:
+                size, _magic, _version, kind, _crc, at, created = unpack(buf, pos)
+                end = pos + HEADER_SIZE + size
+                if end > stop:
+                    raise ScheduleError(
+                        f"record at message-log offset {source + pos} ends at {source + end}, "
+                        f"past the end of what was given to stage ({source + stop})"
+                    )
+                if kind != _MESSAGE:
+                    skipped += 1
+                    pos = end
+                    continue
+                if at <= 0:
+                    at = created if created > 0 else 0
+                hour = at // HOUR_MS
+                w = staged.get(hour)
+                if w is None:
+                    if len(staged) >= limit:
+                        break
+                    w = self._stage_hour(hour, at, source + pos)
+                src = source + pos
+                if src <= w.last_source:
+                    already += 1
+                    pos = end
+                    continue
+                n = w.entries
+                if n >= MAX_ENTRIES:
+                    raise ScheduleError(
+                        f"hour {hour_name(hour)}: an hour holds at most {MAX_ENTRIES} entries (MAX_ENTRIES)"
+                    )
+                ms = at - hour * HOUR_MS
+                key = w.key_base | ms // 1000
+                head = get_head(key, 0)  # _read_slots put every stored non-empty slot there
+                heads[key] = (n + 1) << 32 | ((head & 0xFFFF_FFFF) + 1)
+                w.entries = n + 1
+                length = end - pos
+                body = pack_body(w.log_end, length, ms, (head >> 32) - 1, src)
+                index = w.index
+                index += body
+                index += pack_crc(crc32(body))
+                w.log_end += length
+                if w.run_end == pos and w.run_view is view:
+                    w.run_end = end
+                else:
+                    if w.run_view is not None:
+                        w.parts.append(w.run_view[w.run_start : w.run_end])
+                    w.run_view = view
+                    w.run_start = pos
+                    w.run_end = end
+                w.ms.append(ms)
+                w.last_source = src
+                if w.first_source < 0:
+                    w.first_source = src
+                filed += 1
+                pos = end
+        finally:
+            self._step_filed += filed
+            self._step_already += already
+            self._step_skipped += skipped
+            if len(heads) > self._heads_max:
+                self._heads_max = len(heads)
+        return pos
+
+    def _stage_hour(self, hour: int, at: int, src: int) -> StagedHour:
+        if not 0 <= hour <= (MAX_DELIVER_AT // HOUR_MS):
+            raise HourOutOfRange(
+                f"record at message-log offset {src}: deliver_at {at} is beyond {MAX_DELIVER_AT} "
+                "(MAX_DELIVER_AT, 9999-12-31 UTC), the last hour a schedule log can be named for"
+            )
+        summary = self._summaries.get(hour)
+        if summary is None:
+            # A deleted hour filed again: the records it held before must not come back
+            # (replay can go back past them after a repair), so start after them.
+            tombstone = self._state.get(DELETED_DB, hour_key(hour))
+            last = -1 if tombstone is None else int.from_bytes(tombstone, "big", signed=True)
+            summary = HourSummary(0, 0, -1, last)
+        w = self._staged[hour] = StagedHour(hour, summary)
+        return w
+
+    def _slots_to_read(self, buf: bytes, stop: int) -> set[int]:
+        """The heads slots (``hour << 12 | second``) the records ``_stage`` will file from
+        ``buf[:stop]`` fall in and the step does not hold yet (stopping where it stops)."""
+        unpack = RECORD_TIMES.unpack_from
+        heads = self._heads
+        hours = set(self._staged)
+        limit = self._max_step_hours
+        wanted: set[int] = set()
+        pos = 0
+        while pos < stop:
+            size, _magic, _version, kind, _crc, at, created = unpack(buf, pos)
+            end = pos + HEADER_SIZE + size
+            if end > stop:
+                break  # _stage refuses it
+            if kind == _MESSAGE:
+                if at <= 0:
+                    at = created if created > 0 else 0
+                hour = at // HOUR_MS
+                if hour not in hours:
+                    if len(hours) >= limit:
+                        break
+                    hours.add(hour)
+                key = hour << 12 | (at - hour * HOUR_MS) // 1000
+                if key not in heads:
+                    wanted.add(key)
+            pos = end
+        return wanted
+
+    def _read_slots(self, keys: set[int]) -> None:
+        """Put the stored value of each non-empty slot of ``keys`` in the step's heads,
+        one table at a time. The first read of an hour since open reads its whole table
+        and checks it counts the hour's entries (lost or stale heads would link new
+        entries wrongly)."""
+        by_hour: dict[int, list[int]] = {}
+        for key in keys:
+            by_hour.setdefault(key >> 12, []).append(key & 0xFFF)
+        heads = self._heads
+        for hour, seconds in sorted(by_hour.items()):
+            summary = self._summaries.get(hour)
+            if summary is None or not summary.entries:
+                continue  # a new hour: every slot is empty
+            base = hour << 12
+            if hour in self._checked_hours and len(seconds) < _WHOLE_TABLE_FROM:
+                for second, value in self._tables.read_slots(hour, sorted(seconds)).items():
+                    heads[base | second] = value
+                continue
+            table = self._tables.read(hour)
+            if table is None or table.entries != summary.entries:
+                found = "no whole table" if table is None else f"a table counting {table.entries}"
+                raise CorruptSchedule(
+                    f"hour {hour_name(hour)}: holds {summary.entries} entries but its heads have {found}; "
+                    f"run rebuild_heads({hour})"
+                )
+            self._checked_hours.add(hour)
+            newest, counts = table.newest, table.counts
+            for second in seconds:
+                count = counts[second]
+                if count:
+                    heads[base | second] = (newest[second] + 1) << 32 | count
+
+    def clear(self) -> None:
+        self._staged = {}
+        self._heads = {}
+        self._step_filed = self._step_already = self._step_skipped = 0
+
+
+__all__ = ["HourArrivals", "ReplayStep", "StagedHour", "StagedStep"]
