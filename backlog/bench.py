@@ -41,7 +41,10 @@ def make_scheduler_folder(root: Path, *, count: int, start_ms: int, days: int = 
     id_at = 34  # the id starts right after the 34-byte message header in the payload
     span = days * DAY_MS
     message = int(RecordKind.MESSAGE)
-    with SegmentedLog.open(root / "messages") as log, StateStore.open(root / "state", extra_format={"scheduler_state": 1}) as state:
+    with (
+        SegmentedLog.open(root / "messages") as log,
+        StateStore.open(root / "state", extra_format={"scheduler_state": 1}) as state,
+    ):
         store = ScheduleStore.open(root / "schedule", state, fsync=False)
         try:
             batch: list[bytes] = []

@@ -22,7 +22,15 @@ from typing import Any
 
 import lmdb
 
-from delaymq.protocol.envelope import HEADER_SIZE, CorruptRecord, RecordKind, Span, TruncatedRecord, iter_spans, valid_prefix
+from delaymq.protocol.envelope import (
+    HEADER_SIZE,
+    CorruptRecord,
+    RecordKind,
+    Span,
+    TruncatedRecord,
+    iter_spans,
+    valid_prefix,
+)
 from delaymq.protocol.records import RECORD_HEADER, RECORD_HEADER_SIZE
 from delaymq.protocol.subjects import DEAD_PREFIX, RETRY_PREFIX, SEPARATOR
 from delaymq.realtime.checkpoint import LoadedState, load_state
@@ -30,14 +38,12 @@ from delaymq.realtime.consumelog import CONSUME_FORMAT, subject_stem
 from delaymq.realtime.consumelog import ENTRY as CONSUME_ENTRY
 from delaymq.realtime.consumelog import ENTRY_SIZE as CONSUME_ENTRY_SIZE
 from delaymq.realtime.pulllog import PULL_ENTRY, PULL_ENTRY_SIZE, PULL_FORMAT
-from delaymq.scheduler.delayindex import CHECKPOINT_KEY, HOURS_DB, REPLAY_DB, HourSummary, record_problem
+from delaymq.scheduler.delayindex import CHECKPOINT_KEY, HOURS_DB, INDEX_VERSION, REPLAY_DB, HourSummary, record_problem
 from delaymq.scheduler.delayindex import ENTRY as INDEX_ENTRY
 from delaymq.scheduler.delayindex import ENTRY_SIZE as INDEX_ENTRY_SIZE
-from delaymq.scheduler.delayindex import INDEX_VERSION
 from delaymq.scheduler.hours import DISPATCH_SUFFIX, HOUR_MS, INDEX_SUFFIX, LOG_SUFFIX, hour_name, parse_hour_name
 from delaymq.scheduler.schedulelog import STORE_FORMAT, STORE_FORMAT_VERSION
 from delaymq.storage.log import SEGMENT_NAME_DIGITS, segment_name
-from delaymq.storage.state import unpack as unpack_state
 
 #: Sub-folders of a scheduler's data folder (``delaymq.scheduler.server``).
 SCHEDULER_MESSAGES = "messages"
@@ -127,7 +133,11 @@ def dispatched_bitmap(data: bytes) -> tuple[bytearray, int, str]:
     for span in iter_spans(data, 0, valid):
         size = span.end - span.start - HEADER_SIZE
         if span.kind != _DISPATCH or size % 4:
-            return bitmap, span.start, f"record of kind {span.kind} and {size} bytes is not a DISPATCH record of u32 entries"
+            return (
+                bitmap,
+                span.start,
+                f"record of kind {span.kind} and {size} bytes is not a DISPATCH record of u32 entries",
+            )
         numbers = array("I")
         numbers.frombytes(data[span.start + HEADER_SIZE : span.end])
         if not _BIG_ENDIAN:

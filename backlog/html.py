@@ -15,7 +15,7 @@ from typing import Any
 import plotly.graph_objects as go
 
 from delaymq.backlog import rows
-from delaymq.backlog.view import OTHER, HOURLY_DAYS, ReportView, utc
+from delaymq.backlog.view import HOURLY_DAYS, OTHER, ReportView, utc
 
 #: (element id, title) of every chart, in page order.
 CHARTS = (
@@ -75,7 +75,12 @@ def figures(view: ReportView) -> list[go.Figure]:
         names = [f"{group}: {subject}" for group, subject, _o, _u in view.overdue_by_subject]
         figure.add_trace(go.Bar(x=names, y=[o for _g, _s, o, _u in view.overdue_by_subject], name="overdue"))
         figure.add_trace(go.Bar(x=names, y=[u for _g, _s, _o, u in view.overdue_by_subject], name="not yet filed"))
-        _layout(figure, f"{CHARTS[2][1]} (at {utc(view.at_ms):%Y-%m-%d %H:%M:%S} UTC)", barmode="group", yaxis_title="messages")
+        _layout(
+            figure,
+            f"{CHARTS[2][1]} (at {utc(view.at_ms):%Y-%m-%d %H:%M:%S} UTC)",
+            barmode="group",
+            yaxis_title="messages",
+        )
     else:
         _layout(_empty(figure, "nothing overdue, nothing waiting to be filed"), CHARTS[2][1])
     out.append(figure)
@@ -156,7 +161,9 @@ def render(view: ReportView) -> str:
         f"<title>delaymq backlog at {utc(view.at_ms):%Y-%m-%d %H:%M} UTC</title><style>{_STYLE}</style></head><body>",
         f"<h1>delaymq backlog at {utc(view.at_ms):%Y-%m-%d %H:%M:%S} UTC</h1>",
         "<p class='note'>Read from: " + html.escape(", ".join(view.sources) or "nothing") + "</p>",
-        "<div class='totals'>" + "".join(f"<div class='total'><b>{v}</b>{html.escape(k)}</div>" for k, v in totals) + "</div>",
+        "<div class='totals'>"
+        + "".join(f"<div class='total'><b>{v}</b>{html.escape(k)}</div>" for k, v in totals)
+        + "</div>",
     ]
     parts += [f"<p class='note'>{html.escape(note)}</p>" for note in view.notes]
     if view.busiest:
@@ -176,7 +183,9 @@ def render(view: ReportView) -> str:
     parts.append("<h2>Damaged files</h2>")
     if view.problems:
         body = [[p["group"], p["file"], p["offset"], p["problem"]] for p in view.problems]
-        parts.append("<div class='wide'>" + _table(["group", "file", "offset", "problem"], body, text_columns=2) + "</div>")
+        parts.append(
+            "<div class='wide'>" + _table(["group", "file", "offset", "problem"], body, text_columns=2) + "</div>"
+        )
     else:
         parts.append("<p class='note'>None: every record read checked.</p>")
     parts.append(f"<p class='note'>Parquet tables (report_time={html.escape(view.report_time)}): "

@@ -104,7 +104,12 @@ def run(
         target = files.join(out, "report.html")
         files.write_text(target, html.render(shown))
         shown.html = target
-    log.info("backlog: %d tasks, %d entries read in %.1f s", len(tasks), planned.scheduled_entries, time.monotonic() - started)
+    log.info(
+        "backlog: %d tasks, %d entries read in %.1f s",
+        len(tasks),
+        planned.scheduled_entries,
+        time.monotonic() - started,
+    )
     return shown
 
 

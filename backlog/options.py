@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import argparse
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 
 def moment(text: str) -> int:
@@ -16,7 +16,7 @@ def moment(text: str) -> int:
             f"{text!r} is not an ISO-8601 time such as 2025-12-24T18:00:00Z (UTC unless an offset is given)"
         ) from None
     if parsed.tzinfo is None:
-        parsed = parsed.replace(tzinfo=timezone.utc)
+        parsed = parsed.replace(tzinfo=UTC)
     return int(parsed.timestamp() * 1000)
 
 

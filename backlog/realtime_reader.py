@@ -85,12 +85,16 @@ class ConsumeLogTask:
             data = b""
         have = len(data) // CONSUME_ENTRY_SIZE
         if have < self.count:
-            problems.add(where, len(data), f"consume log ends at byte {len(data)}; the checkpoint counts {self.count} entries")
+            problems.add(
+                where, len(data), f"consume log ends at byte {len(data)}; the checkpoint counts {self.count} entries"
+            )
         stored_at = [-1] * have
         out: list[tuple] = [(rows.STORED, self.group, subject, self.count)]
         crc32 = zlib.crc32
         view = memoryview(data)
-        for n, (offset, _size, _mask, at, crc) in enumerate(CONSUME_ENTRY.iter_unpack(view[: have * CONSUME_ENTRY_SIZE])):
+        for n, (offset, _size, _mask, at, crc) in enumerate(
+            CONSUME_ENTRY.iter_unpack(view[: have * CONSUME_ENTRY_SIZE])
+        ):
             p = n * CONSUME_ENTRY_SIZE
             if crc32(view[p : p + 28]) != crc:
                 problems.add(where, p, f"consume-log entry {n} fails its CRC")
@@ -170,7 +174,16 @@ class PullLogTask:
                 elif redeliveries:
                     redelivered += 1
         return [
-            (rows.UNACKED, self.group, self.subject, self.consumer_group, self.consumer, self.broadcast, unacked, redelivered),
+            (
+                rows.UNACKED,
+                self.group,
+                self.subject,
+                self.consumer_group,
+                self.consumer,
+                self.broadcast,
+                unacked,
+                redelivered,
+            ),
             *problems.rows(),
         ]
 

@@ -213,8 +213,13 @@ def _delay_horizon(spark: SparkSession, raw: DataFrame) -> DataFrame:
         .agg(F.sum("messages").cast("long").alias("messages"))
         .join(F.broadcast(buckets), "bucket")
         .select(
-            "scheduler_group", "subject", F.col("bucket").cast("int").alias("bucket"), "bucket_label", "low_ms",
-            "high_ms", "messages",
+            "scheduler_group",
+            "subject",
+            F.col("bucket").cast("int").alias("bucket"),
+            "bucket_label",
+            "low_ms",
+            "high_ms",
+            "messages",
         )  # fmt: skip
     )
 

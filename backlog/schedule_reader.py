@@ -99,7 +99,9 @@ class HourTask:
         try:
             bitmap, valid, why = dispatched_bitmap(read_whole(join(schedule, dispatch_name)))
             if why:
-                problems.add(f"{schedule}/{dispatch_name}", valid, f"dispatch log {why}; later entries count as not dispatched")
+                problems.add(
+                    f"{schedule}/{dispatch_name}", valid, f"dispatch log {why}; later entries count as not dispatched"
+                )
         except FileNotFoundError:  # nothing of the hour dispatched yet (the first dispatch creates it)
             bitmap = bytearray()
         try:
@@ -218,7 +220,9 @@ class UnfiledTask:
         try:
             reader = open_file(where)
         except FileNotFoundError:
-            problems.add(where, self.base + self.start, "message-log segment deleted while the job ran (filed meanwhile)")
+            problems.add(
+                where, self.base + self.start, "message-log segment deleted while the job ran (filed meanwhile)"
+            )
             return problems.rows()
         unpack = RECORD_HEADER.unpack_from
         at = self.at_ms

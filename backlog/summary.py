@@ -32,7 +32,9 @@ def text(view: ReportView) -> str:
         lines.append("scheduled: no scheduled messages found")
     behind = [c for c in view.consumers if c["waiting"] or c["handed_out_unacked"] or c["retries_waiting"]]
     if view.consumers:
-        lines.append(f"consumers: {len(view.consumers):,} group(s) and subject(s); {len(behind):,} with messages waiting")
+        lines.append(
+            f"consumers: {len(view.consumers):,} group(s) and subject(s); {len(behind):,} with messages waiting"
+        )
         for c in behind[:5]:
             age = c["oldest_waiting_age_ms"]
             oldest = f", oldest waiting {age / 1000:,.1f} s" if age is not None else ""

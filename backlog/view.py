@@ -8,7 +8,7 @@ per day), so it stays small however big the backlog.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from pyspark.sql import functions as F
@@ -38,7 +38,9 @@ class ReportView:
     # charts: subject -> [(time, messages)], top subjects plus OTHER
     by_hour: dict[str, list[tuple[datetime, int]]] = field(default_factory=dict)
     by_day: dict[str, list[tuple[datetime, int]]] = field(default_factory=dict)
-    overdue_by_subject: list[tuple[str, str, int, int]] = field(default_factory=list)  # group, subject, overdue, unfiled
+    overdue_by_subject: list[tuple[str, str, int, int]] = field(
+        default_factory=list
+    )  # group, subject, overdue, unfiled
     horizon: dict[str, list[int]] = field(default_factory=dict)  # subject -> messages per bucket
     consumers: list[dict[str, Any]] = field(default_factory=list)
     lateness: list[dict[str, Any]] = field(default_factory=list)  # per subject and hour, top subjects
@@ -50,7 +52,7 @@ class ReportView:
 
 
 def utc(ms: int) -> datetime:
-    return datetime.fromtimestamp(ms / 1000, tz=timezone.utc)
+    return datetime.fromtimestamp(ms / 1000, tz=UTC)
 
 
 def collect(reports: Reports, *, at_ms: int, report_time: str, top: int) -> ReportView:
@@ -72,7 +74,9 @@ def collect(reports: Reports, *, at_ms: int, report_time: str, top: int) -> Repo
          if r["overdue"] or r["unfiled"]),
         key=lambda item: (-item[2], -item[3], item[1]),
     )[:30]  # fmt: skip
-    label = F.when(F.col("subject").isin(leaders), F.col("subject")).otherwise(F.lit(OTHER)) if leaders else F.lit(OTHER)
+    label = (
+        F.when(F.col("subject").isin(leaders), F.col("subject")).otherwise(F.lit(OTHER)) if leaders else F.lit(OTHER)
+    )
     hourly = (
         backlog.where(F.col("messages") > 0)
         .groupBy(label.alias("s"), F.unix_millis("due_hour").alias("t"))
@@ -96,12 +100,20 @@ def collect(reports: Reports, *, at_ms: int, report_time: str, top: int) -> Repo
         F.desc(F.col("waiting") + F.col("handed_out_unacked") + F.col("retries_waiting")), "realtime_group", "subject",
         "consumer_group").limit(200).collect()]  # fmt: skip
     lateness = reports.delivery_lateness.withColumn("hour", F.unix_millis("hour"))
-    late_totals = lateness.groupBy("subject").agg(F.sum("messages").alias("m"), F.max("max_ms").alias("worst")).collect()
+    late_totals = (
+        lateness.groupBy("subject").agg(F.sum("messages").alias("m"), F.max("max_ms").alias("worst")).collect()
+    )
     late_leaders = [r["subject"] for r in sorted(late_totals, key=lambda r: (-r["m"], r["subject"]))[:4]]
-    view.lateness = [r.asDict() for r in lateness.where(F.col("subject").isin(late_leaders)).orderBy("subject", "hour").collect()]
+    view.lateness = [
+        r.asDict() for r in lateness.where(F.col("subject").isin(late_leaders)).orderBy("subject", "hour").collect()
+    ]
     if late_totals:
         worst = max(late_totals, key=lambda r: r["worst"])
-        found = lateness.where((F.col("subject") == worst["subject"]) & (F.col("max_ms") == worst["worst"])).limit(1).collect()
+        found = (
+            lateness.where((F.col("subject") == worst["subject"]) & (F.col("max_ms") == worst["worst"]))
+            .limit(1)
+            .collect()
+        )
         view.lateness_worst = found[0].asDict() if found else None
     problems = reports.problems.orderBy("group", "file").limit(201).collect()
     view.problems = [r.asDict() for r in problems[:200]]

@@ -38,9 +38,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_set_state(args: argparse.Namespace) -> int:
-    answer = ask_metaserver(
-        "admin set-state", args, Command.SET_STATE, {"group": args.group, "state": args.state}
-    )
+    answer = ask_metaserver("admin set-state", args, Command.SET_STATE, {"group": args.group, "state": args.state})
     if answer is None:
         return 1
     previous, state = answer.get("previous"), answer.get("state")

@@ -62,8 +62,21 @@ def local_cluster(
     ``env`` replaces the child's environment, ``stderr`` (a file) takes its log.
     """
     process = subprocess.Popen(
-        [sys.executable, "-P", "-m", "delaymq.cli", "--log-level", "warning", "cluster",
-         "--data", str(data), "--meta-listen", "127.0.0.1:0", "--flush", flush],
+        [
+            sys.executable,
+            "-P",
+            "-m",
+            "delaymq.cli",
+            "--log-level",
+            "warning",
+            "cluster",
+            "--data",
+            str(data),
+            "--meta-listen",
+            "127.0.0.1:0",
+            "--flush",
+            flush,
+        ],
         stdout=subprocess.PIPE,
         stderr=stderr,
         env=env,
@@ -113,7 +126,9 @@ async def _produce_and_consume(
     duplicates = 0
     all_in = trio.Event()
     sent_ids: set[str] = set()
-    async with open_consumer(meta, subject, group="bench", start="earliest", max_messages_held=20_000, pull_batch=1000) as consumer:
+    async with open_consumer(
+        meta, subject, group="bench", start="earliest", max_messages_held=20_000, pull_batch=1000
+    ) as consumer:
         async with open_producer(meta) as producer:
 
             async def consume() -> None:
@@ -146,7 +161,9 @@ async def _produce_and_consume(
                         if delay_range is None:
                             messages = [producer.message(subject, BODY) for _ in range(n)]
                         else:
-                            messages = [producer.message(subject, BODY, delay=rng.uniform(*delay_range)) for _ in range(n)]
+                            messages = [
+                                producer.message(subject, BODY, delay=rng.uniform(*delay_range)) for _ in range(n)
+                            ]
                         await window.acquire()
                         senders.start_soon(send, messages)
                 accepted = count / (time.perf_counter() - start)

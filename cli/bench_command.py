@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 Row = tuple[str, float, str]
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import trio
+
 from delaymq.cli import options
 from delaymq.cli.serving import run_server, wait_for_stop_signal
 from delaymq.client.producer import DEFAULT_META
@@ -56,7 +57,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             f"The addresses bound are kept in DATA/{LISTEN_FILE} and used again on restart."
         ),
     )
-    parser.add_argument("--data", type=Path, default=Path("var/cluster"), metavar="DIR", help="data folder (default: %(default)s)")
+    parser.add_argument(
+        "--data", type=Path, default=Path("var/cluster"), metavar="DIR", help="data folder (default: %(default)s)"
+    )
     parser.add_argument(
         "--meta-listen",
         type=options.listen_address,
@@ -70,8 +73,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             f"--{name}-listen",
             type=options.listen_address,
             metavar="HOST:PORT",
-            help=f"the {name} server's address (default: a free port on 127.0.0.1, chosen on the first "
-            "start and kept)",
+            help=f"the {name} server's address (default: a free port on 127.0.0.1, chosen on the first start and kept)",
         )
     parser.add_argument(
         "--flush",
@@ -149,7 +151,7 @@ async def _enter_listening(
 async def _serve(args: argparse.Namespace) -> None:
     data: Path = args.data
     clock = SystemClock()
-    data.mkdir(parents=True, exist_ok=True)
+    await trio.Path(data).mkdir(parents=True, exist_ok=True)
     remembered = read_listen_file(data)
     async with AsyncExitStack() as stack:
         meta = await _enter_listening(
@@ -184,7 +186,7 @@ async def _serve(args: argparse.Namespace) -> None:
         print(f"metaserver  {meta.address}", flush=True)
         print(f"realtime    {realtime.address}  (group {realtime.group})", flush=True)
         print(f"scheduler   {scheduler.address}  (group {scheduler.group})", flush=True)
-        print(f"data        {data.resolve()}", flush=True)
+        print(f"data        {await trio.Path(data).resolve()}", flush=True)
         print(f"try: delaymq send --meta {meta.address} demo hello", flush=True)
         print("Ctrl-C stops the cluster.", flush=True)
         await wait_for_stop_signal()

@@ -60,7 +60,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.data is None:
-        return fail("--data DIR is required (or data = \"DIR\" in the [metaserver] table of --config)")
+        return fail('--data DIR is required (or data = "DIR" in the [metaserver] table of --config)')
     try:
         evict_ms = options.duration_ms(args.evict_after)
         interval_ms = options.duration_ms(args.heartbeat_interval)

@@ -110,5 +110,11 @@ async def _serve(args: argparse.Namespace, meta: list[str], settings: dict[str, 
         limits=limits,
         **settings,
     ) as server:
-        log.info("realtime server %s listening on %s (data %s, metaserver %s)", args.group, server.address, args.data, ", ".join(meta))
+        log.info(
+            "realtime server %s listening on %s (data %s, metaserver %s)",
+            args.group,
+            server.address,
+            args.data,
+            ", ".join(meta),
+        )
         await wait_for_stop_signal()

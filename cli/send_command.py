@@ -91,9 +91,7 @@ def run(args: argparse.Namespace) -> int:
             left = args.count
             while left:
                 n = min(left, CHUNK)
-                batch = [
-                    producer.message(args.subject, body, tags=args.tag, delay=delay, at=at) for _ in range(n)
-                ]
+                batch = [producer.message(args.subject, body, tags=args.tag, delay=delay, at=at) for _ in range(n)]
                 for message_id in producer.send_batch(batch):
                     print(message_id)
                 sys.stdout.flush()

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
+
 from delaymq.metaserver.registry import RegistryError
 from delaymq.protocol.errors import sole
 from delaymq.storage.errors import StorageError

@@ -42,6 +42,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Generic, Self, TypeVar
 
 import trio
+
 from delaymq.client.consumer import Consumer, ConsumerFailed, open_consumer
 from delaymq.client.delivery import ConsumerStatistics, ReceivedMessage
 from delaymq.client.producer import Producer, ProducerStatistics, open_producer

@@ -45,7 +45,7 @@ from delaymq.client.retry import DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_DELAYS
 from delaymq.client.routes import RouteClient, RouteTable, meta_addresses
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError, ProtocolError
-from delaymq.protocol.limits import DEFAULT_LIMITS, MiB, Limits
+from delaymq.protocol.limits import DEFAULT_LIMITS, Limits, MiB
 from delaymq.protocol.routes import RouteAnswer, RouteKind
 from delaymq.protocol.transport import Peers, TransportError, open_peers
 from delaymq.wheel.clock import Clock, SystemClock

@@ -47,14 +47,10 @@ class AvoidancePolicy:
                     raise ValueError(f"{name} entry {value!r} must be an int >= 0")
         for lower, upper in zip(steps, steps[1:]):
             if upper <= lower:
-                raise ValueError(
-                    f"latency_steps_ms must be strictly increasing: {upper} follows {lower}"
-                )
+                raise ValueError(f"latency_steps_ms must be strictly increasing: {upper} follows {lower}")
         for lower, upper in zip(avoid, avoid[1:]):
             if upper < lower:
-                raise ValueError(
-                    f"avoid_ms must not decrease as latency grows: {upper} follows {lower}"
-                )
+                raise ValueError(f"avoid_ms must not decrease as latency grows: {upper} follows {lower}")
         failure = self.failure_avoid_ms
         if not isinstance(failure, int) or isinstance(failure, bool) or failure < 0:
             raise ValueError(f"failure_avoid_ms {failure!r} must be an int >= 0")

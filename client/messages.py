@@ -20,19 +20,19 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import LocalProtocolError, RemoteProtocolError
-from delaymq.protocol.limits import DEFAULT_LIMITS, FRAME_RESERVE, MiB, Limits
+from delaymq.protocol.limits import DEFAULT_LIMITS, FRAME_RESERVE, Limits, MiB
 from delaymq.protocol.records import Message, encode_message, new_message_id
 from delaymq.protocol.routes import RouteKind
 
 DEFAULT_BATCH_BYTES = 4 * MiB
 DEFAULT_BATCH_MESSAGES = 1000
 
-_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _MS = timedelta(milliseconds=1)
 _DAY_MS = 86_400_000
 

@@ -184,9 +184,7 @@ async def run_registration(
         interval = interval_ms or registration.heartbeat_interval_ms
         next_at = clock.monotonic_ms() + interval  # an interval: never from the wall clock
         try:
-            frame = await peers.call(
-                address, command, full if register else light, timeout=max(interval, 1_000) / 1000
-            )
+            frame = await peers.call(address, command, full if register else light, timeout=max(interval, 1_000) / 1000)
             registration._accept(command, frame.metadata, clock.now_ms())
         except PeerError as error:
             if error.code == REGISTER_FIRST and not register:
@@ -212,9 +210,7 @@ async def run_registration(
             if outage_since is None:
                 outage_since = now
                 registration._outages += 1
-                log.warning(
-                    "metaserver %s unreachable (%s); %s keeps retrying with backoff", address, error, where
-                )
+                log.warning("metaserver %s unreachable (%s); %s keeps retrying with backoff", address, error, where)
             register = True  # it may come back without its data: REGISTER says everything
             current = (current + 1) % len(addresses)
             backoff_ms = min(interval, max(backoff_initial_ms, backoff_ms * 2))

@@ -45,6 +45,7 @@ DEFAULT_MAX_ATTEMPTS = 16
 #: How many delays a policy may list.
 MAX_DELAYS = 1000
 
+
 class RetryNack(NamedTuple):
     """What a NACK asks for: come back after ``delay_ms``, or (``dead``) go to the dead letters."""
 

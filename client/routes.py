@@ -45,7 +45,7 @@ from delaymq.protocol.backoff import Backoff, BackoffRun, RandomSource
 from delaymq.protocol.commands import Command, command_name
 from delaymq.protocol.errors import PeerError, ProtocolError, RemoteProtocolError
 from delaymq.protocol.frames import Frame
-from delaymq.protocol.routes import GroupState, RouteAnswer, RouteKind, RoutedGroup, ServerKind
+from delaymq.protocol.routes import GroupState, RouteAnswer, RoutedGroup, RouteKind, ServerKind
 from delaymq.protocol.transport import AsyncCaller, TransportError
 from delaymq.wheel.clock import Clock
 
@@ -508,12 +508,7 @@ class CallPlan:
 
 def check_retry_for(value: object, name: str = "retry_for") -> float:
     """``value`` if it is a usable time limit in seconds (finite, more than 0); else ``ValueError`` naming ``name``."""
-    if (
-        not isinstance(value, int | float)
-        or isinstance(value, bool)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} is {value!r}; it must be a number of seconds more than 0")
     return float(value)
 

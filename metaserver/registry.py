@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from delaymq.metaserver.routes import routable, select
-from delaymq.protocol.routes import GroupState, RouteAnswer, RouteKind, RoutedGroup, ServerKind
+from delaymq.protocol.routes import GroupState, RouteAnswer, RoutedGroup, RouteKind, ServerKind
 
 GROUP_NAME_MAX = 128
 HOST_MAX = 255
@@ -441,9 +441,7 @@ class Registry:
             servers=sum(len(g.servers) for g in self._groups.values()),
             routed_groups=len(self._view),
             evicted_groups=evicted_groups,
-            evicted_servers=sum(
-                not self._alive(s, now) for g in self._groups.values() for s in g.servers.values()
-            ),
+            evicted_servers=sum(not self._alive(s, now) for g in self._groups.values() for s in g.servers.values()),
             version=self._version,
             changes=self._changes,
             dirty=self.dirty,

@@ -12,8 +12,7 @@ and the view's version changes exactly when the view does.
 
 from __future__ import annotations
 
-from delaymq.protocol.routes import GroupState, RouteAnswer, RouteKind, RoutedGroup, ServerKind
-
+from delaymq.protocol.routes import GroupState, RouteAnswer, RoutedGroup, RouteKind, ServerKind
 
 # (kind of group, states in which it takes part) per route.
 _RULES: dict[RouteKind, tuple[ServerKind, frozenset[GroupState]]] = {

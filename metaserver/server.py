@@ -63,6 +63,7 @@ from delaymq.protocol.limits import DEFAULT_LIMITS, Limits
 from delaymq.protocol.routes import REGISTER_FIRST, SUPERSEDED
 from delaymq.protocol.transport import FrameServer, Handler, Request, ServerStatistics, split_listen
 from delaymq.storage.state import StateStore, pack, unpack
+
 # ``run_inline`` too: tests pass it to ``open_metaserver`` from here.
 from delaymq.storage.threads import RunBlocking, run_in_thread, run_inline  # noqa: F401
 from delaymq.wheel.clock import Clock
@@ -364,9 +365,7 @@ def _live_masters(rows: list[StatusRow]) -> dict[str, str | None]:
     return masters
 
 
-def _load(
-    store: StateStore, now_ms: int, *, evict_after_ms: int, heartbeat_interval_ms: int
-) -> tuple[Registry, int]:
+def _load(store: StateStore, now_ms: int, *, evict_after_ms: int, heartbeat_interval_ms: int) -> tuple[Registry, int]:
     """The registry restored from the store's snapshot (or a new one), and the snapshot's size."""
     data = store.get(SNAPSHOT_DB, SNAPSHOT_KEY)
     if data is None:

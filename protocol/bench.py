@@ -49,9 +49,7 @@ def bench_codec(*, records: int = 200_000) -> list[tuple[str, float, str]]:
     one = encoded[0]
     scanned = scan_batch(one)
     singles = [scanned.record(i) for i in range(len(scanned))]
-    rewrite_seconds = _best(
-        lambda: [rewrite_delivery(r, deliver_at=_EPOCH_MS, attempts=1) for r in singles]
-    )
+    rewrite_seconds = _best(lambda: [rewrite_delivery(r, deliver_at=_EPOCH_MS, attempts=1) for r in singles])
 
     frames = max(1, records // BATCH)
     frame = request(Command.SCHEDULE, 1, {"producer": "bench"}, one)

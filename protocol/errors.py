@@ -81,8 +81,7 @@ class ProtocolError(Exception):
 
     def __repr__(self) -> str:
         return (
-            f"{type(self).__name__}({self.message!r}, code={self.code!r}, "
-            f"field={self.field!r}, limit={self.limit!r})"
+            f"{type(self).__name__}({self.message!r}, code={self.code!r}, field={self.field!r}, limit={self.limit!r})"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -123,9 +122,7 @@ class ProtocolError(Exception):
             ("index", index is None or _is_int(index), "an int"),
         ):
             if not ok:
-                raise RemoteProtocolError(
-                    f"error {name!r} is not {wanted}", code="bad_metadata", field=f"error.{name}"
-                )
+                raise RemoteProtocolError(f"error {name!r} is not {wanted}", code="bad_metadata", field=f"error.{name}")
         return cls(message or code, code=code, field=field, limit=limit, index=index)
 
 
@@ -156,5 +153,4 @@ def sole(error: BaseException) -> BaseException:
     return error
 
 
-__all__ = [
-    "sole","CODES", "LocalProtocolError", "PeerError", "ProtocolError", "RemoteProtocolError"]
+__all__ = ["sole", "CODES", "LocalProtocolError", "PeerError", "ProtocolError", "RemoteProtocolError"]

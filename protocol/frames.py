@@ -102,9 +102,7 @@ def encode_frame(frame: Frame, limits: Limits = DEFAULT_LIMITS) -> bytes:
             field="frame",
             limit=limits.max_frame,
         )
-    header = FRAME_HEADER.pack(
-        MAGIC, VERSION, frame.kind, frame.command, frame.request_id, len(metadata), len(body)
-    )
+    header = FRAME_HEADER.pack(MAGIC, VERSION, frame.kind, frame.command, frame.request_id, len(metadata), len(body))
     return b"".join((header, metadata, body))
 
 
@@ -122,9 +120,7 @@ def _encode_metadata(metadata: Any) -> bytes:
         return b""
     for key in metadata:
         if type(key) is not str:
-            raise LocalProtocolError(
-                f"frame metadata key {key!r} is not a str", code="bad_metadata", field="metadata"
-            )
+            raise LocalProtocolError(f"frame metadata key {key!r} is not a str", code="bad_metadata", field="metadata")
     try:
         return msgpack.packb(metadata, use_bin_type=True)
     except Exception as error:  # TypeError, OverflowError, ValueError from msgpack
@@ -195,9 +191,7 @@ class FrameDecoder:
             self._fail(f"bad frame magic {magic!r}, expected {MAGIC!r}", "bad_magic", "magic")
         if available < FRAME_HEADER_SIZE:
             return None
-        (_magic, version, kind, command, request_id, meta_len, body_len) = (
-            FRAME_HEADER.unpack_from(buf, pos)
-        )
+        (_magic, version, kind, command, request_id, meta_len, body_len) = FRAME_HEADER.unpack_from(buf, pos)
         if version != VERSION:
             self._fail(
                 f"unknown frame version {version}, this side speaks {VERSION}",
@@ -208,8 +202,7 @@ class FrameDecoder:
         limit = self._limits.max_frame
         if size > limit:
             self._fail(
-                f"frame of {size} bytes (metadata {meta_len}, body {body_len}) exceeds "
-                f"the frame limit of {limit}",
+                f"frame of {size} bytes (metadata {meta_len}, body {body_len}) exceeds the frame limit of {limit}",
                 "oversize",
                 "frame",
                 limit,
@@ -262,9 +255,7 @@ class FrameDecoder:
         """Say the peer closed; raises ``truncated`` if it stopped inside a frame."""
         self._check_usable()
         if self.pending:
-            self._fail(
-                f"the stream ended inside a frame ({self.pending} bytes pending)", "truncated", None
-            )
+            self._fail(f"the stream ended inside a frame ({self.pending} bytes pending)", "truncated", None)
 
     def _check_usable(self) -> None:
         if self._failed is not None:
@@ -317,9 +308,7 @@ def _decode_metadata(raw: memoryview) -> dict[str, Any] | str:
 # -------------------------------------------------------------------- helpers
 
 
-def request(
-    command: int, request_id: int, metadata: dict[str, Any] | None = None, body: bytes = b""
-) -> Frame:
+def request(command: int, request_id: int, metadata: dict[str, Any] | None = None, body: bytes = b"") -> Frame:
     return Frame(FrameKind.REQUEST, command, request_id, metadata or {}, body)
 
 

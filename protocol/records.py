@@ -273,9 +273,7 @@ def encode_batch(messages: Iterable[Message], limits: Limits = DEFAULT_LIMITS) -
 
 def _encode_tags(tags: Iterable[str], limits: Limits) -> tuple[int, bytes]:
     if isinstance(tags, str):
-        raise LocalProtocolError(
-            "tags is a str, not a sequence of str", code="bad_value", field="tags"
-        )
+        raise LocalProtocolError("tags is a str, not a sequence of str", code="bad_value", field="tags")
     parts = []
     for tag in tags:
         data = encode_name(tag, "tag", limits.max_tag)
@@ -325,10 +323,7 @@ def _property_problem(properties: Mapping[Any, Any]) -> str | None:
         if type(key) is not str:
             return f"properties key {key!r} is of type {type(key).__name__}, not str"
         if not isinstance(value, _PROPERTY_TYPES):
-            return (
-                f"properties[{key!r}] is of type {type(value).__name__}, "
-                f"not str, int, float, bool or bytes"
-            )
+            return f"properties[{key!r}] is of type {type(value).__name__}, not str, int, float, bool or bytes"
     return None
 
 
@@ -339,9 +334,7 @@ def _check_delivery_fields(*, deliver_at: Any, created_at: Any, attempts: Any) -
         ("attempts", attempts, 0, MAX_ATTEMPTS),
     ):
         if not isinstance(value, int):
-            raise LocalProtocolError(
-                f"{name} is of type {type(value).__name__}, not int", code="bad_value", field=name
-            )
+            raise LocalProtocolError(f"{name} is of type {type(value).__name__}, not int", code="bad_value", field=name)
         if not low <= value <= high:
             raise LocalProtocolError(
                 f"{name} {value} is outside {low}..{high}",
@@ -373,9 +366,7 @@ def scan_batch(
     """
     data = buf if type(buf) is bytes else bytes(buf)
     max_deliver_at = _I64_MAX if now_ms is None else now_ms + limits.horizon_ms
-    columns = _scan(
-        data, 0, len(data), limits, max_deliver_at, [] if check_properties else None, None
-    )
+    columns = _scan(data, 0, len(data), limits, max_deliver_at, [] if check_properties else None, None)
     return MessageBatch(data, *columns)
 
 
@@ -544,9 +535,7 @@ def _scan_tags(
     control = CONTROL.search
     for number in range(count):
         if pos >= stop:
-            raise _refusal(
-                index, record_pos, f"tag section ends before tag {number} of {count}", "bad_record", "tags"
-            )
+            raise _refusal(index, record_pos, f"tag section ends before tag {number} of {count}", "bad_record", "tags")
         length = data[pos]
         pos += 1
         if pos + length > stop:
@@ -630,9 +619,7 @@ def _envelope_code(error: EnvelopeError, max_payload: int) -> tuple[str, str | N
 # --------------------------------------------------------------------- decode
 
 
-def decode_message(
-    buf: bytes | bytearray | memoryview, start: int = 0, *, limits: Limits = DEFAULT_LIMITS
-) -> Message:
+def decode_message(buf: bytes | bytearray | memoryview, start: int = 0, *, limits: Limits = DEFAULT_LIMITS) -> Message:
     """The full message of the record at ``buf[start:]`` (later records are ignored).
 
     Checks what ``scan_batch`` checks, plus the properties. Copies at most that
@@ -654,15 +641,11 @@ def decode_message(
         error.index = None  # one record, not a batch
         raise
     if not properties:
-        raise RemoteProtocolError(
-            f"no record at byte {start}: the buffer ends there", code="truncated"
-        )
+        raise RemoteProtocolError(f"no record at byte {start}: the buffer ends there", code="truncated")
     return _to_message(data, properties[0], *(column[0] for column in columns))
 
 
-def decode_batch(
-    buf: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
-) -> list[Message]:
+def decode_batch(buf: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> list[Message]:
     """Every message of a batch, fully decoded (properties checked too)."""
     data = buf if type(buf) is bytes else bytes(buf)
     properties: list[dict[str, Any]] = []
@@ -739,9 +722,7 @@ def _decode_properties(data: bytes) -> dict[str, Any]:
 # -------------------------------------------------------------------- retries
 
 
-def rewrite_delivery(
-    record: bytes | bytearray | memoryview, *, deliver_at: int, attempts: int
-) -> bytes:
+def rewrite_delivery(record: bytes | bytearray | memoryview, *, deliver_at: int, attempts: int) -> bytes:
     """The same record with a new ``deliver_at`` and ``attempts`` and a fresh CRC.
 
     ``record`` must be exactly one intact message record: its CRC is checked
@@ -753,9 +734,7 @@ def rewrite_delivery(
         span = next(iter_spans(data, max_payload=len(data)), None)
     except EnvelopeError as error:
         code, field, limit = _envelope_code(error, len(data))
-        raise RemoteProtocolError(
-            f"cannot rewrite: {error.reason}", code=code, field=field, limit=limit
-        ) from None
+        raise RemoteProtocolError(f"cannot rewrite: {error.reason}", code=code, field=field, limit=limit) from None
     if span is None or span.end != len(data):
         raise RemoteProtocolError(
             f"cannot rewrite: expected one record, got {len(data)} bytes holding "

@@ -43,8 +43,7 @@ def retry_subject_problem(group: str, subject: str, max_subject: int) -> str | N
     size = len(target.encode())
     if size > max_subject:
         return (
-            f"subject and group make the retry subject {target!r} of {size} UTF-8 bytes, "
-            f"over max_subject {max_subject}"
+            f"subject and group make the retry subject {target!r} of {size} UTF-8 bytes, over max_subject {max_subject}"
         )
     return None
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import trio
+
 from delaymq.protocol.commands import command_name
 from delaymq.protocol.connections import (
     Admitted,
@@ -474,7 +475,9 @@ class _ServedConnection:
         )
         self._server._log_slow(f"{message} (from {self._peer})")
         await self._give_up_frame(
-            ProtocolError(message, code="unavailable", field="frame_timeout", limit=f"{self._timeouts.frame_timeout:g}s")
+            ProtocolError(
+                message, code="unavailable", field="frame_timeout", limit=f"{self._timeouts.frame_timeout:g}s"
+            )
         )
 
     async def _give_up_frame(self, error: ProtocolError) -> None:
@@ -796,7 +799,9 @@ class Peers:
         except (OSError, trio.TooSlowError, ValueError) as error:
             self._failures += 1
             self._backoff.failed(address, trio.current_time())
-            raise PeerUnavailable(f"cannot connect to {address}: {error or type(error).__name__}", address=address) from error
+            raise PeerUnavailable(
+                f"cannot connect to {address}: {error or type(error).__name__}", address=address
+            ) from error
         finally:
             del self._dialing[address]
             done.set()

@@ -172,11 +172,7 @@ def lookup_stored(store: StateStore, ids: Iterable[str], since: int) -> set[str]
     """The ids lmdb holds with a stored-at time after ``since``."""
     ids = list(ids)
     values = store.get_many(IDS_DB, [message_id.encode() for message_id in ids])
-    return {
-        message_id
-        for message_id, value in zip(ids, values)
-        if value is not None and _I64.unpack(value)[0] > since
-    }
+    return {message_id for message_id, value in zip(ids, values) if value is not None and _I64.unpack(value)[0] > since}
 
 
 def write_ids(batch: WriteBatch, entries: Iterable[tuple[str, int]]) -> set[int]:

@@ -130,8 +130,7 @@ class Groups:
     def __init__(self, *, ack_timeout_ms: int, consumer_timeout_ms: int) -> None:
         if ack_timeout_ms <= 0 or consumer_timeout_ms <= 0:
             raise ValueError(
-                f"ack_timeout_ms ({ack_timeout_ms}) and consumer_timeout_ms "
-                f"({consumer_timeout_ms}) must be positive"
+                f"ack_timeout_ms ({ack_timeout_ms}) and consumer_timeout_ms ({consumer_timeout_ms}) must be positive"
             )
         self.ack_timeout_ms = ack_timeout_ms
         self.consumer_timeout_ms = consumer_timeout_ms
@@ -192,9 +191,7 @@ class Groups:
             share.position = position
             self.dirty_shares.add(share)
 
-    def record_pull(
-        self, consumer: ConsumerState, sequences: list[int], redeliveries: list[int], now: int
-    ) -> int:
+    def record_pull(self, consumer: ConsumerState, sequences: list[int], redeliveries: list[int], now: int) -> int:
         """Append hand-outs to the consumer's pull log; returns the first pull-log sequence."""
         start = consumer.length
         consumer.sequences.extend(sequences)
@@ -217,8 +214,7 @@ class Groups:
             )
         if end > length:
             raise UnknownPull(
-                f"{what} of pull-log range [{start}, {end}) of {names}: it was handed only "
-                f"[0, {length})",
+                f"{what} of pull-log range [{start}, {end}) of {names}: it was handed only [0, {length})",
                 code="unknown_pull",
                 field="end",
                 limit=length,
@@ -382,9 +378,7 @@ class Groups:
         idle = [
             key
             for key, consumer in self.consumers.items()
-            if not consumer.live
-            and consumer not in self.dirty_consumers
-            and consumer.progress.acked == consumer.length
+            if not consumer.live and consumer not in self.dirty_consumers and consumer.progress.acked == consumer.length
         ]
         for key in idle:
             del self.consumers[key]

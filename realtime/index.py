@@ -107,9 +107,7 @@ class Indexer:
         missing = set(checkpoint_counts) - {subject_stem(s) for s in self.logs}
         missing = {stem for stem in missing if checkpoint_counts[stem] > 0}
         if missing:
-            raise CorruptLog(
-                f"consume logs {sorted(missing)} are in the checkpoint but not in {self.directory}"
-            )
+            raise CorruptLog(f"consume logs {sorted(missing)} are in the checkpoint but not in {self.directory}")
 
     def replay(self, message_log: SegmentedLog, now: int, *, chunk: int = 4 << 20) -> int:
         """Index the message log from ``indexed_offset`` to its end (blocking; start-up).

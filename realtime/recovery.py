@@ -94,9 +94,7 @@ def move_aside_after_gap(directory: Path) -> MessageFiles:
     if not segments:
         return MessageFiles(0)
     disk_end = max(base + size for base, size in segments)
-    hole = next(
-        (index for index in range(len(segments) - 1) if sum(segments[index]) != segments[index + 1][0]), None
-    )
+    hole = next((index for index in range(len(segments) - 1) if sum(segments[index]) != segments[index + 1][0]), None)
     if hole is None:
         return MessageFiles(disk_end)
     moved: list[str] = []
@@ -190,9 +188,7 @@ def recover(
     if end < index_offset:
         counts, lost_records = cut_consume_logs(consume_dir, end, counts)
         index_offset = end
-    entries, covers_from = dedup_store.load_recent(
-        store, state.dedup_buckets, now, dedup.window_ms, dedup.memory_ids
-    )
+    entries, covers_from = dedup_store.load_recent(store, state.dedup_buckets, now, dedup.window_ms, dedup.memory_ids)
     dedup.load(entries, covers_from)
     indexer = Indexer(consume_dir, indexed_offset=index_offset, on_ids=dedup.indexed)
     try:

@@ -101,9 +101,7 @@ def _flag(command: str, metadata: dict[str, Any], name: str) -> bool:
     return value
 
 
-_PULL_KEYS = frozenset(
-    {"group", "consumer", "subject", "max", "max_bytes", "tags", "timeout_ms", "broadcast", "from"}
-)
+_PULL_KEYS = frozenset({"group", "consumer", "subject", "max", "max_bytes", "tags", "timeout_ms", "broadcast", "from"})
 _ACK_KEYS = frozenset({"group", "consumer", "subject", "start", "end"})
 _NACK_KEYS = _ACK_KEYS | {"delay_ms", "dead"}
 _HEARTBEAT_KEYS = frozenset({"group", "consumer", "subjects"})

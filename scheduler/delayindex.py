@@ -146,9 +146,7 @@ def heads_from_index(hour: int, index: bytes | bytearray | memoryview, *, where:
     many there are; each ``prev`` is checked against the chain so far.
     """
     if len(index) % ENTRY_SIZE:
-        raise CorruptSchedule(
-            f"{where}: {len(index)} bytes is not a whole number of {ENTRY_SIZE}-byte entries"
-        )
+        raise CorruptSchedule(f"{where}: {len(index)} bytes is not a whole number of {ENTRY_SIZE}-byte entries")
     newest = [-1] * SECONDS_PER_HOUR
     counts = [0] * SECONDS_PER_HOUR
     view = memoryview(index)
@@ -162,8 +160,7 @@ def heads_from_index(hour: int, index: bytes | bytearray | memoryview, *, where:
         second = ms // SECOND_MS
         if prev != newest[second]:
             raise CorruptSchedule(
-                f"{where}: entry {n} links to {prev}, "
-                f"but second {second}'s newest entry is {newest[second]}"
+                f"{where}: entry {n} links to {prev}, but second {second}'s newest entry is {newest[second]}"
             )
         newest[second] = n
         counts[second] += 1
@@ -248,9 +245,7 @@ class EntryChecker:
         elif offset != self.log_end:
             self.problem = f"entry {n} starts at log byte {offset}, expected {self.log_end}"
         elif size < HEADER_SIZE or offset + size > log_size:
-            self.problem = (
-                f"entry {n}'s record [{offset}, {offset + size}) is not within the log's {log_size} bytes"
-            )
+            self.problem = f"entry {n}'s record [{offset}, {offset + size}) is not within the log's {log_size} bytes"
         elif source <= self.last_source:
             self.problem = f"entry {n} has source {source}, not after {self.last_source}"
         elif ms >= HOUR_MS:

@@ -59,6 +59,7 @@ DEFAULT_MAX_SENDS = 16
 DEFAULT_BACKOFF_MS = 100
 DEFAULT_MAX_BACKOFF_MS = 5_000
 
+
 @dataclass(frozen=True, slots=True)
 class DispatcherStatistics:
     dispatched: int  # records a realtime server accepted

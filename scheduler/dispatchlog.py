@@ -263,9 +263,7 @@ def _decode(data: bytes, start: int, end: int, kind: int, path: Path) -> array[i
         )
     size = end - start - HEADER_SIZE
     if size % 4:
-        raise CorruptSchedule(
-            f"dispatch log {path}: record at byte {start} holds {size} bytes, not whole u32 entries"
-        )
+        raise CorruptSchedule(f"dispatch log {path}: record at byte {start} holds {size} bytes, not whole u32 entries")
     numbers = array("I")
     numbers.frombytes(data[start + HEADER_SIZE : end])
     if not _BIG_ENDIAN:
@@ -324,9 +322,7 @@ def _append_or_cut_back(fd: int, data: bytes, position: int, path: Path) -> None
             os.ftruncate(fd, position)
         except OSError:
             pass
-        raise ScheduleError(
-            f"append of {len(data)} bytes to dispatch log {path} failed: {error}"
-        ) from error
+        raise ScheduleError(f"append of {len(data)} bytes to dispatch log {path} failed: {error}") from error
 
 
 __all__ = ["MAX_ENTRIES_PER_RECORD", "DispatchLog", "DispatchLogCache", "read_delivered"]

@@ -203,8 +203,7 @@ class HeadsTables:
             return os.open(path, flags | os.O_CLOEXEC)
         except FileNotFoundError:
             raise CorruptSchedule(
-                f"{path} is missing: the heads table of an hour with entries; "
-                f"run rebuild_heads({hour})"
+                f"{path} is missing: the heads table of an hour with entries; run rebuild_heads({hour})"
             ) from None
 
 

@@ -103,9 +103,7 @@ class HourLog:
         ``SecondWheel.walk_floor(second)`` as ``floor`` to stop early.
         """
         if type(second) is not int or not 0 <= second < SECONDS_PER_HOUR:
-            raise ScheduleError(
-                f"second={second!r}: must be a second of the hour, 0..{SECONDS_PER_HOUR - 1}"
-            )
+            raise ScheduleError(f"second={second!r}: must be a second of the hour, 0..{SECONDS_PER_HOUR - 1}")
         limit = self.entries if below is None else below
         n = self._store.newest_entry(self._hour, second)
         index = self._index_for(n) if n >= 0 else b""
@@ -171,9 +169,7 @@ class HourLog:
         if need > self._mapped or entry_no < 0:
             size = os.fstat(self._index_fd).st_size
             if entry_no < 0 or size < need:
-                raise ScheduleError(
-                    f"hour {self._name}: entry_no {entry_no} is outside 0..{size // ENTRY_SIZE - 1}"
-                )
+                raise ScheduleError(f"hour {self._name}: entry_no {entry_no} is outside 0..{size // ENTRY_SIZE - 1}")
             old = self._map
             self._map = mmap.mmap(self._index_fd, size, access=mmap.ACCESS_READ)
             self._mapped = size

@@ -9,7 +9,7 @@ arithmetic on an epoch value, never a reading of the clock and never local time.
 from __future__ import annotations
 
 import re
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from delaymq.storage.errors import CorruptLog, StorageError
 from delaymq.wheel.hours import HOUR_MS, SECOND_MS, SECONDS_PER_HOUR
@@ -26,7 +26,7 @@ HEADS_SUFFIX = ".heads"  # the second-heads table
 #: How long a fully dispatched hour is kept before it may be deleted.
 DEFAULT_RETENTION_MS = 72 * HOUR_MS
 
-_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _NAME = re.compile(r"^[0-9]{10}$")
 
 
@@ -67,9 +67,7 @@ def parse_hour_name(name: str) -> int:
     """The hour number of a ``YYYYMMDDHH`` name; ``ValueError`` if it is not one."""
     if not _NAME.match(name):
         raise ValueError(f"hour name {name!r} is not YYYYMMDDHH")
-    moment = datetime(
-        int(name[0:4]), int(name[4:6]), int(name[6:8]), int(name[8:10]), tzinfo=timezone.utc
-    )
+    moment = datetime(int(name[0:4]), int(name[4:6]), int(name[6:8]), int(name[8:10]), tzinfo=UTC)
     hour = (moment - _EPOCH) // timedelta(hours=1)
     return check_hour(hour)
 

@@ -175,9 +175,7 @@ def _recover_hour(
                 committed,
             )
         trusted = (
-            not table_lost
-            and summary is not None
-            and _committed_end_checks(index_fd, log_fd, stop, log_size, summary)
+            not table_lost and summary is not None and _committed_end_checks(index_fd, log_fd, stop, log_size, summary)
         )
         if trusted or committed == 0:
             assert summary is not None or committed == 0
@@ -251,9 +249,7 @@ def _recover_hour(
     return result, restart, changed or kept != committed or table_lost, False
 
 
-def _committed_end_checks(
-    index_fd: int, log_fd: int, stop: int, log_size: int, summary: HourSummary
-) -> bool:
+def _committed_end_checks(index_fd: int, log_fd: int, stop: int, log_size: int, summary: HourSummary) -> bool:
     """Whether the hour's last committed entry and its record are intact where the summary says."""
     n = summary.entries
     if n == 0:

@@ -292,9 +292,7 @@ class ScheduleStore:
             if checkpoint < 0:
                 raise ValueError(f"checkpoint must be >= 0, got {checkpoint}")
             written = [w for w in self._step.hours.values() if w.entries > w.committed_entries]
-            summaries = {
-                w.hour: HourSummary(w.entries, w.log_end, w.first_source, w.last_source) for w in written
-            }
+            summaries = {w.hour: HourSummary(w.entries, w.log_end, w.first_source, w.last_source) for w in written}
             previous = {hour: self._summaries.get(hour) for hour in summaries}
             try:
                 self._files.append(written)
@@ -316,9 +314,7 @@ class ScheduleStore:
                 if isinstance(error, OSError):
                     # A failed fsync may have dropped dirty pages: trust nothing until reopen.
                     self._failure = error
-                    raise ScheduleError(
-                        f"replay commit at checkpoint {checkpoint} failed: {error}"
-                    ) from error
+                    raise ScheduleError(f"replay commit at checkpoint {checkpoint} failed: {error}") from error
                 raise
             try:
                 self._tables.write(self._step.heads)
@@ -407,9 +403,7 @@ class ScheduleStore:
             data = path.read_bytes()[: summary.entries * ENTRY_SIZE]
             heads = heads_from_index(hour, data, where=str(path))
             if heads.entries != summary.entries:
-                raise CorruptSchedule(
-                    f"{path}: holds {heads.entries} entries, its summary says {summary.entries}"
-                )
+                raise CorruptSchedule(f"{path}: holds {heads.entries} entries, its summary says {summary.entries}")
             slots = table_slots(hour, heads.newest, heads.counts)
             tables = self._tables
             tables.create(hour)
@@ -436,8 +430,7 @@ class ScheduleStore:
         if low < 0 or high >= entries:
             bad = low if low < 0 else high
             raise ScheduleError(
-                f"hour {hour_name(hour)}: entry_no {bad} is outside 0..{entries - 1} "
-                f"(the hour holds {entries} entries)"
+                f"hour {hour_name(hour)}: entry_no {bad} is outside 0..{entries - 1} (the hour holds {entries} entries)"
             )
         return self._dispatch.append(hour, numbers)
 

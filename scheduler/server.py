@@ -335,9 +335,7 @@ async def open_scheduler(
     message_log, state, store = await run_blocking(partial(_open_storage, root, segment_size))
     try:
         hours, pending = await run_blocking(partial(_catch_up, message_log, store))
-        wheels = WheelSet(
-            hours, load_ahead_ms=load_ahead_ms, hour_preload_ms=hour_preload_ms, max_loaded=max_loaded
-        )
+        wheels = WheelSet(hours, load_ahead_ms=load_ahead_ms, hour_preload_ms=hour_preload_ms, max_loaded=max_loaded)
         async with AsyncExitStack() as stack:
             if peers is None:
                 peers = await stack.enter_async_context(open_peers(limits=limits, request_timeout=send_timeout))

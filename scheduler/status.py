@@ -66,9 +66,7 @@ def parse_status_request(metadata: Mapping[str, Any]) -> int:
     """How many hours a STATUS request wants listed; refuses unknown or bad fields."""
     for key in metadata:
         if key != "hours":
-            raise RemoteProtocolError(
-                f"STATUS: unknown field {key!r} (known: hours)", code="bad_request", field=key
-            )
+            raise RemoteProtocolError(f"STATUS: unknown field {key!r} (known: hours)", code="bad_request", field=key)
     hours = metadata.get("hours", DEFAULT_STATUS_HOURS)
     if type(hours) is not int or not 1 <= hours <= MAX_STATUS_HOURS:
         raise RemoteProtocolError(

@@ -356,8 +356,7 @@ def _apply(wheel: SecondWheel, first_entry: int, ms_in_hour: Sequence[int]) -> N
     skip = known - first_entry
     if skip < 0:
         raise WheelError(
-            f"hour {wheel.hour}: arrivals start at entry {first_entry}, the wheel knows {known}: "
-            "an arrival was lost"
+            f"hour {wheel.hour}: arrivals start at entry {first_entry}, the wheel knows {known}: an arrival was lost"
         )
     is_loaded, link, note = wheel.is_loaded, wheel.link, wheel.note_arrival
     entry = first_entry + skip

@@ -63,9 +63,7 @@ def write_json_atomically(final: Path, value: object) -> None:
     fsync_directory(folder)
 
 
-def ensure_format(
-    directory: str | os.PathLike[str], params: FormatParams, *, has_data: bool
-) -> dict[str, FormatValue]:
+def ensure_format(directory: str | os.PathLike[str], params: FormatParams, *, has_data: bool) -> dict[str, FormatValue]:
     """Write ``params`` on first use, or check them against the stored ones.
 
     ``has_data`` says whether the folder already holds data: data without a
@@ -77,9 +75,7 @@ def ensure_format(
     stored = read_format(folder)
     if stored is None:
         if has_data:
-            raise FormatUnreadable(
-                f"{folder} holds data but no {FORMAT_FILE} file; refusing to guess its format"
-            )
+            raise FormatUnreadable(f"{folder} holds data but no {FORMAT_FILE} file; refusing to guess its format")
         write_format(folder, wanted)
         return wanted
     differences = [

@@ -128,9 +128,7 @@ class _Segment:
 class SegmentedLog:
     """An append-only log of envelope records in segment files. Use ``SegmentedLog.open``."""
 
-    def __init__(
-        self, folder: DataFolder, segments: list[_Segment], *, segment_size: int, max_record: int
-    ) -> None:
+    def __init__(self, folder: DataFolder, segments: list[_Segment], *, segment_size: int, max_record: int) -> None:
         self._folder = folder
         self._segment_size = segment_size
         self._max_record = max_record
@@ -256,9 +254,7 @@ class SegmentedLog:
     def append_record(self, kind: int, payload: bytes | bytearray | memoryview) -> int:
         """Wrap ``payload`` in an envelope and append it; returns its offset."""
         if len(payload) > self._max_record:
-            raise RecordTooLarge(
-                f"record payload of {len(payload)} bytes exceeds max_record {self._max_record}"
-            )
+            raise RecordTooLarge(f"record payload of {len(payload)} bytes exceeds max_record {self._max_record}")
         return self.append(encode(kind, payload))
 
     def flush(self) -> int:
@@ -314,8 +310,7 @@ class SegmentedLog:
             except OSError as cut_error:
                 self._failure = cut_error
             raise LogIOError(
-                f"append of {len(data)} bytes at offset {offset} to segment "
-                f"{segment.path.name} failed: {error}"
+                f"append of {len(data)} bytes at offset {offset} to segment {segment.path.name} failed: {error}"
             ) from error
 
     def _fsync(self, segment: _Segment, target: int) -> None:
@@ -325,9 +320,7 @@ class SegmentedLog:
             # The kernel may have dropped the dirty pages: nothing after the last
             # good flush can be trusted, so refuse to go on.
             self._failure = error
-            raise LogIOError(
-                f"fsync of segment {segment.path.name} up to offset {target} failed: {error}"
-            ) from error
+            raise LogIOError(f"fsync of segment {segment.path.name} up to offset {target} failed: {error}") from error
 
     def _roll(self) -> _Segment:
         """Start a new segment at the current end (called under the append lock)."""
@@ -385,9 +378,7 @@ class SegmentedLog:
         """The record starting at ``offset``."""
         segment, limit = self._locate(offset)
         if offset >= limit:
-            raise OffsetBeyondEnd(
-                f"offset {offset} is at or past the end of the log", offset, self.start_offset, limit
-            )
+            raise OffsetBeyondEnd(f"offset {offset} is at or past the end of the log", offset, self.start_offset, limit)
         buf, span = self._read_first(segment, offset, limit)
         return Record(offset, span.kind, buf[HEADER_SIZE : span.end], offset + span.end)
 
@@ -433,8 +424,7 @@ class SegmentedLog:
             raise OffsetBeyondEnd(f"offset {offset} is past the end of the log", offset, bases[0], end)
         if offset < bases[0]:
             raise OffsetDeleted(
-                f"offset {offset} lies before the first retained offset {bases[0]}: "
-                "its segment was deleted",
+                f"offset {offset} lies before the first retained offset {bases[0]}: its segment was deleted",
                 offset,
                 bases[0],
                 end,
@@ -447,7 +437,7 @@ class SegmentedLog:
         buf = os.pread(segment.fd, min(available, _FIRST_READ), offset - segment.base)
         try:
             return buf, next(iter_spans(buf, max_payload=self._max_record))
-        except TruncatedRecord as error:
+        except TruncatedRecord:
             # Header checks passed and the payload runs past what we read: fetch it whole.
             needed = HEADER_SIZE + HEADER.unpack_from(buf)[0] if len(buf) >= HEADER_SIZE else 0
             if len(buf) < needed <= available:
@@ -540,10 +530,7 @@ class SegmentedLog:
         self.close()
 
     def __repr__(self) -> str:
-        return (
-            f"<SegmentedLog {self._folder.path} [{self.start_offset}, {self._end}) "
-            f"flushed={self._flushed}>"
-        )
+        return f"<SegmentedLog {self._folder.path} [{self.start_offset}, {self._end}) flushed={self._flushed}>"
 
 
 def _recover(folder: DataFolder, bases: list[int], max_record: int) -> list[_Segment]:
@@ -564,8 +551,7 @@ def _recover(folder: DataFolder, bases: list[int], max_record: int) -> list[_Seg
             valid, error = _valid_end(last.fd, last.size, max_record)
             if error is not None:
                 _logger.warning(
-                    "log %s: segment %s: cut %d byte(s) from offset %d: %s; "
-                    "every record before it is intact",
+                    "log %s: segment %s: cut %d byte(s) from offset %d: %s; every record before it is intact",
                     folder.path,
                     last.path.name,
                     last.size - valid,

@@ -123,9 +123,7 @@ class StateStore:
         compared on every open like the store's own.
         """
         if map_size <= 0 or max_map_size < map_size:
-            raise ValueError(
-                f"map_size must be positive and at most max_map_size {max_map_size}, got {map_size}"
-            )
+            raise ValueError(f"map_size must be positive and at most max_map_size {max_map_size}, got {map_size}")
         params: dict[str, FormatValue] = {"format": STATE_FORMAT, "version": STATE_FORMAT_VERSION}
         for name, value in (extra_format or {}).items():
             if name in params:
@@ -292,8 +290,7 @@ class StateStore:
     def _check_key(self, db: str, key: bytes) -> None:
         if not key or len(key) > self._max_key:
             raise StateStoreError(
-                f"key of {len(key)} bytes for db {db!r} is outside lmdb's limits "
-                f"(1 to {self._max_key} bytes)"
+                f"key of {len(key)} bytes for db {db!r} is outside lmdb's limits (1 to {self._max_key} bytes)"
             )
 
     def _check_open(self) -> None:

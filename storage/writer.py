@@ -73,9 +73,7 @@ class _Group:
 class LogWriter:
     """Appends to a ``SegmentedLog`` from trio tasks. Build it with ``open_log_writer``."""
 
-    def __init__(
-        self, log: SegmentedLog, *, policy: FlushPolicy, flush_interval_ms: int, max_group_bytes: int
-    ) -> None:
+    def __init__(self, log: SegmentedLog, *, policy: FlushPolicy, flush_interval_ms: int, max_group_bytes: int) -> None:
         self._log = log
         self._policy = policy
         self._interval = flush_interval_ms / 1000
@@ -116,8 +114,7 @@ class LogWriter:
             raise LogClosed(f"writer of log {self._log.directory} is closed")
         if self._failure is not None:
             raise AppendFailed(
-                f"log {self._log.directory} refuses appends: a background fsync failed "
-                f"({self._failure})"
+                f"log {self._log.directory} refuses appends: a background fsync failed ({self._failure})"
             ) from self._failure
         groups = self._groups
         if groups and groups[-1].size + size <= self._max_group_bytes:
@@ -141,9 +138,7 @@ class LogWriter:
     async def append_record(self, kind: int, payload: bytes | bytearray | memoryview) -> int:
         """Wrap one payload in an envelope and append it."""
         if len(payload) > self._log.max_record:
-            raise RecordTooLarge(
-                f"record payload of {len(payload)} bytes exceeds max_record {self._log.max_record}"
-            )
+            raise RecordTooLarge(f"record payload of {len(payload)} bytes exceeds max_record {self._log.max_record}")
         return await self.append(encode(kind, payload))
 
     def statistics(self) -> LogWriterStatistics:
@@ -279,9 +274,7 @@ async def open_log_writer(
         raise ValueError(f"flush_interval_ms must be positive, got {flush_interval_ms}")
     if max_group_bytes <= 0:
         raise ValueError(f"max_group_bytes must be positive, got {max_group_bytes}")
-    writer = LogWriter(
-        log, policy=flush, flush_interval_ms=flush_interval_ms, max_group_bytes=max_group_bytes
-    )
+    writer = LogWriter(log, policy=flush, flush_interval_ms=flush_interval_ms, max_group_bytes=max_group_bytes)
     body_error: Exception | None = None
     async with trio.open_nursery() as nursery:
         nursery.start_soon(writer._commit_loop)

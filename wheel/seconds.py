@@ -68,9 +68,7 @@ class _Slot:
 
     __slots__ = ("times", "groups", "cursor", "done_keys", "scan_group", "scan_index", "scan_count")
 
-    def __init__(
-        self, times: list[int], groups: dict[int, list[int]], done_keys: list[int]
-    ) -> None:
+    def __init__(self, times: list[int], groups: dict[int, list[int]], done_keys: list[int]) -> None:
         self.times = times  # sorted distinct ms_in_hour
         self.groups = groups  # ms_in_hour -> sorted entry numbers (not skipped ones)
         self.cursor = 0  # times[:cursor] are handed out
@@ -238,9 +236,7 @@ class SecondWheel:
             kept += len(g)
             if g[0] < 0 or g[-1] >= NO_LIMIT:
                 bad = g[0] if g[0] < 0 else g[-1]
-                raise WheelError(
-                    f"load_second(second={s}): entry_no={bad} outside 0..{NO_LIMIT - 1}"
-                )
+                raise WheelError(f"load_second(second={s}): entry_no={bad} outside 0..{NO_LIMIT - 1}")
         if given < 0:
             given = kept
         edges = [times[0], times[-1]] if times else []
@@ -249,14 +245,9 @@ class SecondWheel:
         base = s * SECOND_MS
         for ms in edges:
             if not base <= ms < base + SECOND_MS:
-                raise WheelError(
-                    f"load_second(second={s}): ms_in_hour={ms} "
-                    f"outside {base}..{base + SECOND_MS - 1}"
-                )
+                raise WheelError(f"load_second(second={s}): ms_in_hour={ms} outside {base}..{base + SECOND_MS - 1}")
         if given > expected or (floor == 0 and given != expected):
-            raise WheelError(
-                f"load_second(second={s}): {given} entries given, the wheel counts {expected}"
-            )
+            raise WheelError(f"load_second(second={s}): {given} entries given, the wheel counts {expected}")
         if dropped:
             self._delivered.difference_update(dropped)
         self._loaded_any = True
@@ -320,10 +311,7 @@ class SecondWheel:
         s = self._check_second(second)
         m, e = ms_in_hour, entry_no
         if not s * SECOND_MS <= m < (s + 1) * SECOND_MS:
-            raise WheelError(
-                f"link(second={s}): ms_in_hour={m} "
-                f"outside {s * SECOND_MS}..{(s + 1) * SECOND_MS - 1}"
-            )
+            raise WheelError(f"link(second={s}): ms_in_hour={m} outside {s * SECOND_MS}..{(s + 1) * SECOND_MS - 1}")
         if not 0 <= e < NO_LIMIT:
             raise WheelError(f"link(second={s}): entry_no={e} outside 0..{NO_LIMIT - 1}")
         if not self._is_loaded[s]:
@@ -492,9 +480,7 @@ class SecondWheel:
 
     def _check_second(self, second: int) -> int:
         if not isinstance(second, int) or not 0 <= second < SECONDS_PER_HOUR:
-            raise WheelError(
-                f"second={second!r}: must be a second of the hour, 0..{SECONDS_PER_HOUR - 1}"
-            )
+            raise WheelError(f"second={second!r}: must be a second of the hour, 0..{SECONDS_PER_HOUR - 1}")
         return second
 
     def _grow(self, s: int) -> None:

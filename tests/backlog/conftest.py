@@ -150,16 +150,24 @@ def cluster_data(tmp_path_factory: pytest.TempPathFactory) -> ClusterData:
         realtime = next(row["address"] for row in answer["rows"] if row["kind"] == "realtime")
         with BlockingPeers(request_timeout=30) as peers:
             base = {"group": "g1", "consumer": "c1", "subject": "orders"}
-            pulled = peers.call(realtime, Command.PULL, {**base, "max": 6, "timeout_ms": 5_000, "from": "earliest"}).metadata
+            pulled = peers.call(
+                realtime, Command.PULL, {**base, "max": 6, "timeout_ms": 5_000, "from": "earliest"}
+            ).metadata
             assert pulled["count"] == 6
             start = pulled["pull_start"]
             peers.call(realtime, Command.ACK, {**base, "start": start, "end": start + 3})
             peers.call(realtime, Command.NACK, {**base, "start": start + 3, "end": start + 4, "dead": True})
             peers.call(realtime, Command.NACK, {**base, "start": start + 4, "end": start + 5, "delay_ms": HOUR_MS})
             base2 = {"group": "g2", "consumer": "c9", "subject": "reminders"}
-            pulled2 = peers.call(realtime, Command.PULL, {**base2, "max": 100, "timeout_ms": 5_000, "from": "earliest"}).metadata
+            pulled2 = peers.call(
+                realtime, Command.PULL, {**base2, "max": 100, "timeout_ms": 5_000, "from": "earliest"}
+            ).metadata
             assert pulled2["count"] == near["reminders"]
-            peers.call(realtime, Command.ACK, {**base2, "start": pulled2["pull_start"], "end": pulled2["pull_start"] + pulled2["count"]})
+            peers.call(
+                realtime,
+                Command.ACK,
+                {**base2, "start": pulled2["pull_start"], "end": pulled2["pull_start"] + pulled2["count"]},
+            )
         filed = sum(near.values()) + len(far) + 1  # the retry comes back through the scheduler
 
         def settled() -> dict[str, Any] | None:
@@ -189,7 +197,9 @@ class JobRun:
 def run_job(spark: Any, tmp_path: Path) -> Any:
     def runner(sources: list[Source], *, at_ms: int, out: Path | None = None, html: bool = True) -> JobRun:
         target = out or tmp_path / "out"
-        shown = run(spark, sources, out=files.normalise(str(target)), at_ms=at_ms, write_html=html, stream=io.StringIO())
+        shown = run(
+            spark, sources, out=files.normalise(str(target)), at_ms=at_ms, write_html=html, stream=io.StringIO()
+        )
         return JobRun(shown, target, spark)
 
     return runner

@@ -60,7 +60,9 @@ def test_a_truncated_hour_file_is_reported_by_name_and_offset_and_the_rest_is_co
     assert all(pending[h] == n for h, n in others.items())
 
 
-def test_a_missing_dispatch_log_counts_the_hour_as_not_delivered(cluster_data: Any, run_job: Any, tmp_path: Path) -> None:
+def test_a_missing_dispatch_log_counts_the_hour_as_not_delivered(
+    cluster_data: Any, run_job: Any, tmp_path: Path
+) -> None:
     root = cluster_data.copy(tmp_path / "data")
     dispatch_logs = sorted((root / "scheduler-1" / "schedule").glob("*.dispatch"))
     assert dispatch_logs  # the near messages were dispatched
@@ -76,11 +78,15 @@ def test_a_missing_dispatch_log_counts_the_hour_as_not_delivered(cluster_data: A
     assert result.table("problems") == []
 
 
-def test_records_not_yet_filed_are_counted_from_the_message_log(cluster_data: Any, run_job: Any, tmp_path: Path) -> None:
+def test_records_not_yet_filed_are_counted_from_the_message_log(
+    cluster_data: Any, run_job: Any, tmp_path: Path
+) -> None:
     root = cluster_data.copy(tmp_path / "data")
     hour = cluster_data.at_ms // HOUR_MS + 30
     records = [
-        encode_message(f"late-{i}", "invoices", body=b"abc", deliver_at=hour * HOUR_MS + i, created_at=cluster_data.at_ms)
+        encode_message(
+            f"late-{i}", "invoices", body=b"abc", deliver_at=hour * HOUR_MS + i, created_at=cluster_data.at_ms
+        )
         for i in range(7)
     ]
     with SegmentedLog.open(root / "scheduler-1" / "messages") as log:  # as if the server died before filing them
@@ -96,7 +102,9 @@ def test_records_not_yet_filed_are_counted_from_the_message_log(cluster_data: An
     assert [(r["bucket_label"], r["messages"]) for r in horizon] == [("1-7 days", 7)]
 
 
-def test_a_damaged_consume_log_entry_is_reported_and_the_rest_is_read(cluster_data: Any, run_job: Any, tmp_path: Path) -> None:
+def test_a_damaged_consume_log_entry_is_reported_and_the_rest_is_read(
+    cluster_data: Any, run_job: Any, tmp_path: Path
+) -> None:
     root = cluster_data.copy(tmp_path / "data")
     consume = root / "realtime-1" / "consume"
     name = next(p for p in consume.glob("*.name") if p.read_text() == "orders")

@@ -33,7 +33,11 @@ def test_scheduled_backlog_equals_what_was_scheduled_and_what_status_reports(clu
     for m in cluster_data.far:
         expected[m.subject, m.deliver_at // HOUR_MS] += 1
         expected_bytes[m.subject, m.deliver_at // HOUR_MS] += m.size
-    got = {(r["subject"], _hour(r["due_hour"])): r for r in backlog if r["subject"] in ("orders", "reminders", "billing") and r["messages"]}
+    got = {
+        (r["subject"], _hour(r["due_hour"])): r
+        for r in backlog
+        if r["subject"] in ("orders", "reminders", "billing") and r["messages"]
+    }
     assert {k: r["messages"] for k, r in got.items()} == dict(expected)
     assert {k: r["bytes"] for k, r in got.items()} == dict(expected_bytes)
     # Near messages were delivered: dispatched, nothing left of them to deliver.
@@ -72,7 +76,12 @@ def test_consumer_backlog_and_lateness_equal_what_the_consumers_did(cluster_data
     assert g1["consumers"] == 1 and g1["broadcast"] is False
     assert g1["oldest_waiting_age_ms"] > 0 and g1["oldest_waiting_at"] is not None
     g2 = consumers["realtime-1", "reminders", "g2"]
-    assert (g2["stored"], g2["waiting"], g2["handed_out_unacked"], g2["dead_letters"]) == (cluster_data.near["reminders"], 0, 0, 0)
+    assert (g2["stored"], g2["waiting"], g2["handed_out_unacked"], g2["dead_letters"]) == (
+        cluster_data.near["reminders"],
+        0,
+        0,
+        0,
+    )
     assert g2["oldest_waiting_age_ms"] is None
     lateness = result.table("delivery_lateness")
     per_subject = Counter()
@@ -93,7 +102,9 @@ def test_tables_read_back_with_the_documented_schema(cluster_data: Any, run_job:
     assert partitions == [f"report_time={result.view.report_time}"]
 
 
-def test_a_second_report_time_adds_a_partition_and_the_same_one_replaces_it(cluster_data: Any, run_job: Any, tmp_path: Path) -> None:
+def test_a_second_report_time_adds_a_partition_and_the_same_one_replaces_it(
+    cluster_data: Any, run_job: Any, tmp_path: Path
+) -> None:
     out = tmp_path / "reports"
     first = run_job(cluster_data.sources(), at_ms=cluster_data.at_ms, out=out, html=False)
     run_job(cluster_data.sources(), at_ms=cluster_data.at_ms, out=out, html=False)

@@ -37,7 +37,9 @@ class Sender:
             n = 0
             while not self.stop.is_set():
                 now = producer.clock.now_ms()
-                batch = [producer.message(f"live-{i % 3}", b"y" * 50, at=now + (2 + n % 40) * HOUR_MS) for i in range(200)]
+                batch = [
+                    producer.message(f"live-{i % 3}", b"y" * 50, at=now + (2 + n % 40) * HOUR_MS) for i in range(200)
+                ]
                 await producer.send_batch(batch)
                 self.acked += len(batch)
                 n += 1

@@ -19,8 +19,21 @@ def test_defaults_are_the_transport_defaults(command: str) -> None:
 
 def test_options_and_config_file_set_every_limit(tmp_path: Path) -> None:
     args = parse_args(
-        ["realtime", "--data", "d", "--max-connections", "500", "--max-connections-per-address", "20",
-         "--idle-timeout", "90s", "--frame-timeout", "500ms", "--max-buffered", "32MiB"]
+        [
+            "realtime",
+            "--data",
+            "d",
+            "--max-connections",
+            "500",
+            "--max-connections-per-address",
+            "20",
+            "--idle-timeout",
+            "90s",
+            "--frame-timeout",
+            "500ms",
+            "--max-buffered",
+            "32MiB",
+        ]
     )
     assert connection_limits(args) == ConnectionLimits(
         max_connections=500, max_per_address=20, idle_timeout=90.0, frame_timeout=0.5, max_buffered=32 << 20

@@ -31,8 +31,18 @@ STARTUP_TIMEOUT = 30.0
 class MetaserverProcess:
     def __init__(self, data: Path, *extra: str) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, "-P", "-m", "delaymq.cli", "metaserver", "--listen", "127.0.0.1:0", "--data", str(data),
-             *extra],
+            [
+                sys.executable,
+                "-P",
+                "-m",
+                "delaymq.cli",
+                "metaserver",
+                "--listen",
+                "127.0.0.1:0",
+                "--data",
+                str(data),
+                *extra,
+            ],
             stderr=subprocess.PIPE,
             text=True,
             cwd=data.parent,

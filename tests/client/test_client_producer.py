@@ -6,13 +6,14 @@ which route, command and records a send produces.
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 import pytest
 import trio
 from freezegun import freeze_time
 
+from delaymq.client.blocking import BlockingProducer
 from delaymq.client.messages import (
     build_message,
     delivery_time,
@@ -20,7 +21,6 @@ from delaymq.client.messages import (
 )
 from delaymq.client.producer import Producer, open_producer
 from delaymq.client.routes import meta_addresses
-from delaymq.client.blocking import BlockingProducer
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import LocalProtocolError, PeerError, RemoteProtocolError
 from delaymq.protocol.frames import Frame, FrameKind
@@ -108,7 +108,7 @@ def test_delay_and_at_give_deliver_at_from_the_clock() -> None:
     assert delivery_time(delay=90, now_ms=T0) == T0 + 90_000
     assert delivery_time(delay=0.0015, now_ms=T0) == T0 + 2  # rounded up: never early
     assert delivery_time(delay=timedelta(hours=2), now_ms=T0) == T0 + 7_200_000
-    at = datetime(2026, 12, 24, 18, 0, tzinfo=timezone.utc)
+    at = datetime(2026, 12, 24, 18, 0, tzinfo=UTC)
     assert delivery_time(at=at, now_ms=T0) == int(at.timestamp() * 1000)
     paris = datetime(2026, 12, 24, 19, 0, tzinfo=timezone(timedelta(hours=1)))
     assert delivery_time(at=paris, now_ms=T0) == int(at.timestamp() * 1000)

@@ -210,8 +210,11 @@ async def test_the_default_policy_retries_after_5_s_10_s_and_30_s(
 async def test_the_blocking_consumer_retries_and_buries_too(tmp_path: Path) -> None:
     """Real threads, sockets and clock: immediate retries (delay 0) need no scheduler."""
     clock = SystemClock()
-    async with open_metaserver(data_dir=tmp_path / "meta", clock=clock) as meta, open_realtime_server(
-        data_dir=tmp_path / "rt1", clock=clock, group="rt1", meta_address=meta.address, flush="async"
+    async with (
+        open_metaserver(data_dir=tmp_path / "meta", clock=clock) as meta,
+        open_realtime_server(
+            data_dir=tmp_path / "rt1", clock=clock, group="rt1", meta_address=meta.address, flush="async"
+        ),
     ):
 
         def scenario() -> tuple[str, list[tuple[str, int, str]], list[tuple[str, str, int]]]:

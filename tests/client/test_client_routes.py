@@ -66,8 +66,9 @@ class World:
     groups: dict[str, FakeGroup]
     meta: ServeStream
 
-    async def register(self, name: str, *, kind: str = "realtime", refuse: str | None = None,
-                       delay: float = 0.0) -> FakeGroup:
+    async def register(
+        self, name: str, *, kind: str = "realtime", refuse: str | None = None, delay: float = 0.0
+    ) -> FakeGroup:
         address = f"{name}:20881"
         group = self.groups[name] = FakeGroup(name, refuse, delay)
         self.network.serve(address, group.server().serve_stream)
@@ -86,10 +87,17 @@ class World:
 async def world(tmp_path: Path) -> AsyncIterator[World]:
     clock = TrioClock(T0)
     # Long eviction: these tests are about the clients, not heartbeats.
-    async with open_metaserver(
-        listen=None, data_dir=tmp_path, clock=clock, run_blocking=run_inline,
-        evict_after_ms=3_600_000, heartbeat_interval_ms=5_000,
-    ) as meta, trio.open_nursery() as nursery:
+    async with (
+        open_metaserver(
+            listen=None,
+            data_dir=tmp_path,
+            clock=clock,
+            run_blocking=run_inline,
+            evict_after_ms=3_600_000,
+            heartbeat_interval_ms=5_000,
+        ) as meta,
+        trio.open_nursery() as nursery,
+    ):
         network = MemoryNetwork(nursery)
         network.serve(META, meta.serve_stream)
         yield World(network, clock, {}, meta.serve_stream)
@@ -101,7 +109,9 @@ async def send(client: RouteClient, **options: Any) -> str:
     return str(frame.metadata["group"])
 
 
-async def test_send_refused_by_one_group_goes_to_another(autojump_clock: trio.testing.MockClock, tmp_path: Path) -> None:
+async def test_send_refused_by_one_group_goes_to_another(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
     async with world(tmp_path) as w:
         rt1 = await w.register("rt1", refuse="read_only")
         rt2 = await w.register("rt2")

@@ -114,7 +114,10 @@ async def test_a_cluster_whose_wall_clock_steps_back_ten_minutes_and_forward_kee
                 await arrived.wait()
         return received[message_id][0]
 
-    with open(log_path, "w") as log, local_cluster(tmp_path / "cluster", flush="sync", env=wall.env(), stderr=log) as cluster:
+    with (
+        open(log_path, "w") as log,
+        local_cluster(tmp_path / "cluster", flush="sync", env=wall.env(), stderr=log) as cluster,
+    ):
         async with (
             open_peers() as peers,
             open_producer(cluster.meta, clock=clock) as producer,
@@ -136,7 +139,9 @@ async def test_a_cluster_whose_wall_clock_steps_back_ten_minutes_and_forward_kee
             while trio.current_time() - stepped_back < 40:
                 for route in ("delayed-producer", "immediate-producer", "consumer"):
                     answer = await peers.call(cluster.meta, Command.ROUTE, {"route": route})
-                    assert answer.metadata["groups"], f"{route} routes nothing {trio.current_time() - stepped_back:.1f} s after the step"
+                    assert answer.metadata["groups"], (
+                        f"{route} routes nothing {trio.current_time() - stepped_back:.1f} s after the step"
+                    )
                 rows = (await peers.call(cluster.meta, Command.STATUS, {})).metadata["rows"]
                 assert not any(row["evicted"] for row in rows), rows
                 worst_silence = max(worst_silence, *(row["seconds_since_heartbeat"] for row in rows))

@@ -29,7 +29,7 @@ import trio
 from delaymq.protocol.commands import Command
 from delaymq.protocol.frames import FRAME_HEADER_SIZE, Frame, FrameDecoder, encode_frame, request
 from delaymq.protocol.records import Message, decode_batch, encode_batch
-from delaymq.protocol.transport import PeerUnavailable, Peers, open_peers
+from delaymq.protocol.transport import Peers, PeerUnavailable, open_peers
 
 pytestmark = pytest.mark.faults
 

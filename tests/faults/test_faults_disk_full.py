@@ -156,7 +156,9 @@ async def test_a_full_disk_then_every_acknowledged_message_is_delivered_without_
                 batch = 0
                 while not stop_sending.is_set() and batch != most_batches:
                     messages = [
-                        Message(f"p{number}-{batch}-{i}", f"orders-{(batch * PRODUCERS + number + i) % subjects}", body=BODY)
+                        Message(
+                            f"p{number}-{batch}-{i}", f"orders-{(batch * PRODUCERS + number + i) % subjects}", body=BODY
+                        )
                         for i in range(batch_size)
                     ]
                     batch += 1

@@ -107,7 +107,8 @@ async def test_sigkill_under_load_loses_nothing_and_marks_every_message_handed_o
                     async with open_producer(meta.address) as producer:
                         for first in range(0, MESSAGES, BATCH):
                             batch = [
-                                producer.message("orders", f"body {i}") for i in range(first, min(MESSAGES, first + BATCH))
+                                producer.message("orders", f"body {i}")
+                                for i in range(first, min(MESSAGES, first + BATCH))
                             ]
                             while True:  # the same batch (same ids) until it is stored
                                 try:
@@ -187,15 +188,23 @@ async def test_a_killed_server_whose_message_log_is_cut_below_its_checkpoint_sta
         async with open_peers() as peers:
             async with server_process(data, log_file) as (address, process):
                 for first in range(0, len(sent), 100):
-                    frame = await peers.call(address, Command.SEND, {}, encode_batch(sent[first : first + 100]), timeout=30)
+                    frame = await peers.call(
+                        address, Command.SEND, {}, encode_batch(sent[first : first + 100]), timeout=30
+                    )
                     assert frame.metadata["results"] == ["stored"] * 100
                 # An ack waits for a checkpoint: the index checkpoint covers every send.
                 taken = await peers.call(
-                    address, Command.PULL, {**consumer, "group": "old", "consumer": "o", "from": "earliest", "max": 500}, b""
+                    address,
+                    Command.PULL,
+                    {**consumer, "group": "old", "consumer": "o", "from": "earliest", "max": 500},
+                    b"",
                 )
                 assert taken.metadata["count"] == 500
                 await peers.call(
-                    address, Command.ACK, {"subject": "orders", "group": "old", "consumer": "o", "start": 0, "end": 500}, b""
+                    address,
+                    Command.ACK,
+                    {"subject": "orders", "group": "old", "consumer": "o", "start": 0, "end": 500},
+                    b"",
                 )
                 process.send_signal(signal.SIGKILL)
             (segment,) = [p for p in (data / "messages").iterdir() if p.name.isdigit()]
@@ -209,7 +218,11 @@ async def test_a_killed_server_whose_message_log_is_cut_below_its_checkpoint_sta
                 got: list[Message] = []
                 while True:
                     frame = await peers.call(
-                        address, Command.PULL, {**consumer, "group": "fresh", "consumer": "f", "from": "earliest"}, b"", timeout=30
+                        address,
+                        Command.PULL,
+                        {**consumer, "group": "fresh", "consumer": "f", "from": "earliest"},
+                        b"",
+                        timeout=30,
                     )
                     if not frame.metadata["count"]:
                         break
@@ -217,7 +230,9 @@ async def test_a_killed_server_whose_message_log_is_cut_below_its_checkpoint_sta
                 resumed = await peers.call(
                     address, Command.PULL, {**consumer, "group": "old", "consumer": "o"}, b"", timeout=30
                 )
-                frame = await peers.call(address, Command.SEND, {}, encode_batch([Message("after", "orders")]), timeout=30)
+                frame = await peers.call(
+                    address, Command.SEND, {}, encode_batch([Message("after", "orders")]), timeout=30
+                )
                 assert frame.metadata["results"] == ["stored"]
     assert [(m.id, m.body) for m in got] == [(m.id, m.body) for m in intact]
     assert [m.id for m in decode_batch(resumed.body)] == [m.id for m in intact[500:]]

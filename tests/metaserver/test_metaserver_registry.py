@@ -29,8 +29,14 @@ ROUTES = [
 ]
 
 
-def info(group: str = "rt1", kind: str = "realtime", role: str = "master", address: str = "10.0.0.1:20881",
-         software_version: str = "0.1.0", incarnation: str | None = None) -> dict[str, Any]:
+def info(
+    group: str = "rt1",
+    kind: str = "realtime",
+    role: str = "master",
+    address: str = "10.0.0.1:20881",
+    software_version: str = "0.1.0",
+    incarnation: str | None = None,
+) -> dict[str, Any]:
     fields = {"group": group, "kind": kind, "role": role, "address": address, "software_version": software_version}
     return fields if incarnation is None else {**fields, "incarnation": incarnation}
 
@@ -175,7 +181,11 @@ def test_statistics_is_a_frozen_snapshot() -> None:
     registry.expire(T0 + EVICT)
     stats = registry.statistics()
     assert (stats.groups, stats.servers, stats.routed_groups, stats.evicted_groups, stats.evicted_servers) == (
-        2, 3, 1, 1, 2
+        2,
+        3,
+        1,
+        1,
+        2,
     )
     assert stats.version == registry.route("consumer", now_ms=T0 + EVICT).version
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -525,9 +535,7 @@ def test_register_refuses_bad_fields_naming_them(overrides: dict[str, Any], fiel
     assert registry.statistics().groups == 0 and not registry.dirty
 
 
-@pytest.mark.parametrize(
-    "address", ["localhost:1", "10.0.0.1:65535", "[::1]:20881", "broker-3.example.com:20881"]
-)
+@pytest.mark.parametrize("address", ["localhost:1", "10.0.0.1:65535", "[::1]:20881", "broker-3.example.com:20881"])
 def test_register_accepts_good_addresses(address: str) -> None:
     registry = Registry()
     registry.register(info(address=address, group="g" * 128), now_ms=T0)
@@ -608,8 +616,15 @@ class Model:
             if not masters or max(masters)[1] not in live:
                 continue
             slaves = sorted(a for a, s in live.items() if s["role"] == "slave")
-            view.append({"group": name, "kind": entry["kind"], "state": entry["state"],
-                         "address": max(masters)[1], "slaves": slaves})
+            view.append(
+                {
+                    "group": name,
+                    "kind": entry["kind"],
+                    "state": entry["state"],
+                    "address": max(masters)[1],
+                    "slaves": slaves,
+                }
+            )
         rules = [("scheduler", {"RW"}), ("realtime", {"RW"}), ("realtime", {"RW", "R"}), ("realtime", {"RW"})]
         return [[g for g in view if g["kind"] == kind and g["state"] in states] for kind, states in rules]
 
@@ -618,10 +633,16 @@ GROUP_KINDS = {"sch": "scheduler", "rt1": "realtime", "rt2": "realtime"}
 step_ms = st.sampled_from([0, 1, 4_999, 5_000, EVICT - 1, EVICT, EVICT + 1]) | st.integers(0, 2 * EVICT)
 operations = st.lists(
     st.one_of(
-        st.tuples(st.just("register"), st.sampled_from(sorted(GROUP_KINDS)), st.sampled_from(["a:1", "b:1", "c:1"]),
-                  st.sampled_from(["master", "slave"]), step_ms),
-        st.tuples(st.just("heartbeat"), st.sampled_from(sorted(GROUP_KINDS)), st.sampled_from(["a:1", "b:1", "c:1"]),
-                  step_ms),
+        st.tuples(
+            st.just("register"),
+            st.sampled_from(sorted(GROUP_KINDS)),
+            st.sampled_from(["a:1", "b:1", "c:1"]),
+            st.sampled_from(["master", "slave"]),
+            step_ms,
+        ),
+        st.tuples(
+            st.just("heartbeat"), st.sampled_from(sorted(GROUP_KINDS)), st.sampled_from(["a:1", "b:1", "c:1"]), step_ms
+        ),
         st.tuples(st.just("state"), st.sampled_from(sorted(GROUP_KINDS)), st.sampled_from(["RW", "R", "NRW"])),
         st.tuples(st.just("wait"), step_ms),
     ),

@@ -58,8 +58,9 @@ async def metaserver_on_network(
         yield meta, network, nursery
 
 
-def server_info(group: str = "rt1", address: str = "10.0.0.1:20881", kind: str = "realtime",
-                role: str = "master") -> dict[str, str]:
+def server_info(
+    group: str = "rt1", address: str = "10.0.0.1:20881", kind: str = "realtime", role: str = "master"
+) -> dict[str, str]:
     return {"group": group, "kind": kind, "role": role, "address": address, "version": "0.1.0"}
 
 
@@ -341,8 +342,13 @@ async def test_first_registration_refused_stops_the_server(
     ],
 )
 async def test_bad_requests_are_refused_naming_the_field(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path,
-    command: int, metadata: dict[str, Any], code: str, field: str, words: str,
+    autojump_clock: trio.testing.MockClock,
+    tmp_path: Path,
+    command: int,
+    metadata: dict[str, Any],
+    code: str,
+    field: str,
+    words: str,
 ) -> None:
     clock = TrioClock(T0)
     async with metaserver_on_network(tmp_path, clock) as (meta, network, nursery):

@@ -103,9 +103,7 @@ def test_a_malformed_error_dict_is_refused(data: object, field: str) -> None:
 
 
 def test_errors_pickle_with_their_attributes() -> None:
-    error = RemoteProtocolError(
-        "bad", code="bad_magic", field="magic", fatal=True, request_id=3, command=20
-    )
+    error = RemoteProtocolError("bad", code="bad_magic", field="magic", fatal=True, request_id=3, command=20)
     again = pickle.loads(pickle.dumps(error))
     assert type(again) is RemoteProtocolError
     assert (again.code, again.field, again.fatal, again.request_id, again.command) == (

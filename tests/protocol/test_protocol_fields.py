@@ -61,7 +61,9 @@ def _request(metadata: dict[str, Any], body: bytes) -> Request:
 
 def test_a_batch_request_takes_no_metadata_and_needs_records() -> None:
     assert _request({}, b"records").batch_body() == b"records"
-    with pytest.raises(RemoteProtocolError, match=r"^SCHEDULE: unknown field 'x' \(SCHEDULE takes no metadata") as caught:
+    with pytest.raises(
+        RemoteProtocolError, match=r"^SCHEDULE: unknown field 'x' \(SCHEDULE takes no metadata"
+    ) as caught:
         _request({"x": 1}, b"records").batch_body()
     assert (caught.value.code, caught.value.field) == ("bad_request", "x")
     with pytest.raises(RemoteProtocolError, match=r"^SCHEDULE: the body holds no records$"):

@@ -41,9 +41,7 @@ metadata_values = st.recursive(
         st.text(max_size=20),
         st.binary(max_size=20),
     ),
-    lambda inner: st.one_of(
-        st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)
-    ),
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
     max_leaves=10,
 )
 
@@ -329,9 +327,7 @@ def test_a_stream_that_stops_inside_a_frame_is_truncated(cut: int) -> None:
     data=st.binary(max_size=300),
     chunk=st.integers(1, 64),
 )
-def test_random_bytes_only_ever_raise_protocol_errors_and_never_hang(
-    prefix: bytes, data: bytes, chunk: int
-) -> None:
+def test_random_bytes_only_ever_raise_protocol_errors_and_never_hang(prefix: bytes, data: bytes, chunk: int) -> None:
     stream = prefix + data
     decoder = FrameDecoder(Limits(max_frame=4096))
     calls = 0

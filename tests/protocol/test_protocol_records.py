@@ -28,8 +28,8 @@ from delaymq.protocol import (
     tags_mask,
 )
 from delaymq.protocol.envelope import RecordKind, encode, iter_spans, valid_prefix
-from delaymq.protocol.records import MAX_ATTEMPTS, RECORD_TIMES, raise_attempts, record_subject
 from delaymq.protocol.errors import CODES
+from delaymq.protocol.records import MAX_ATTEMPTS, RECORD_TIMES, raise_attempts, record_subject
 
 I64 = st.integers(-(1 << 63), (1 << 63) - 1)
 MiB = 1024 * 1024
@@ -433,8 +433,15 @@ def test_records_with_a_good_crc_are_judged_consistently(
     message."""
     tags = [t[:255] for t in tags]
     record = raw_record(
-        kind=kind, id=id, subject=subject, tags=tags, props=props, body=body,
-        flags=flags, tag_count=tag_count, **length_overrides,
+        kind=kind,
+        id=id,
+        subject=subject,
+        tags=tags,
+        props=props,
+        body=body,
+        flags=flags,
+        tag_count=tag_count,
+        **length_overrides,
     )
     try:
         batch = scan_batch(record, check_properties=True)

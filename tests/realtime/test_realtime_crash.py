@@ -147,9 +147,11 @@ async def test_after_a_crash_what_was_handed_out_comes_back_marked_and_late_acks
     sent = rt.messages(30)
     ids = [m.id for m in sent]
     async with open_realtime_server(**options) as server:
-        async with rt.memory_client(server, consumer="c1") as c1, rt.memory_client(
-            server, consumer="c2"
-        ) as c2, rt.memory_client(server, consumer="c3") as c3:
+        async with (
+            rt.memory_client(server, consumer="c1") as c1,
+            rt.memory_client(server, consumer="c2") as c2,
+            rt.memory_client(server, consumer="c3") as c3,
+        ):
             assert await c1.send(sent) == ["stored"] * 30
             first = await c1.pull(10, **{"from": "earliest"})
             assert first.ids == ids[:10]

@@ -116,14 +116,13 @@ async def test_damage_below_the_checkpoint_loses_only_what_follows_it(
 ) -> None:
     clock = TrioClock(EPOCH)
     options: dict[str, Any] = dict(data_dir=tmp_path, clock=clock, segment_size=segment_size, ack_timeout_ms=5_000)
-    sent = [
-        Message(f"m{i:03d}", "orders", body=f"body {i} ".encode() * 24) for i in range(BATCHES * PER_BATCH)
-    ]
+    sent = [Message(f"m{i:03d}", "orders", body=f"body {i} ".encode() * 24) for i in range(BATCHES * PER_BATCH)]
     total = len(sent)
     async with open_realtime_server(**options) as server:
-        async with rt.memory_client(server, group="old", consumer="o") as old, rt.memory_client(
-            server, group="holder", consumer="h"
-        ) as holder:
+        async with (
+            rt.memory_client(server, group="old", consumer="o") as old,
+            rt.memory_client(server, group="holder", consumer="h") as holder,
+        ):
             for start in range(0, total, PER_BATCH):
                 assert await old.send(sent[start : start + PER_BATCH]) == ["stored"] * PER_BATCH
             taken = await old.pull(20, **{"from": "earliest"})
@@ -151,15 +150,17 @@ async def test_damage_below_the_checkpoint_loses_only_what_follows_it(
             if r.name.startswith("delaymq.realtime") and r.levelno >= logging.WARNING
         ]
         assert len(warnings) == 1, warnings
-        assert f"lost offsets [{done.new_end}, {old_end}) ({old_end - done.new_end} bytes, {len(lost)} record(s))" in (
-            warnings[0]
+        assert (
+            f"lost offsets [{done.new_end}, {old_end}) ({old_end - done.new_end} bytes, {len(lost)} record(s))"
+            in (warnings[0])
         )
         assert server.statistics().message_log_end == done.new_end
-        async with rt.memory_client(server, group="old", consumer="o") as old, rt.memory_client(
-            server, group="fresh", consumer="f"
-        ) as fresh, rt.memory_client(server, group="holder", consumer="h") as holder, rt.memory_client(
-            server, group="holder", consumer="h2"
-        ) as holder2:
+        async with (
+            rt.memory_client(server, group="old", consumer="o") as old,
+            rt.memory_client(server, group="fresh", consumer="f") as fresh,
+            rt.memory_client(server, group="holder", consumer="h") as holder,
+            rt.memory_client(server, group="holder", consumer="h2") as holder2,
+        ):
             # Its hand-outs in flight point at lost records (some of them): acking them is
             # harmless, and those of lost records count as settled.
             still_held = [p for p in range(total - 8, total - 5) if sent[p].id in intact]

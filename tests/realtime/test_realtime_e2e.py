@@ -20,7 +20,9 @@ from delaymq.realtime import open_realtime_server
 from delaymq.wheel.clock import SystemClock
 
 
-async def test_one_group_many_producers_and_consumers_get_each_message_once(tmp_path: Path, rt: SimpleNamespace) -> None:
+async def test_one_group_many_producers_and_consumers_get_each_message_once(
+    tmp_path: Path, rt: SimpleNamespace
+) -> None:
     async with open_realtime_server(data_dir=tmp_path, clock=SystemClock()) as server, open_peers() as peers:
         consumers = [rt.peers_client(peers, server.address, consumer=f"c{i}") for i in range(3)]
         # Join the group before anything is sent (a new group starts at the latest entry).
@@ -55,7 +57,10 @@ async def test_one_group_many_producers_and_consumers_get_each_message_once(tmp_
 
 @pytest.mark.parametrize("flush", ["sync", "async"])
 async def test_two_groups_each_receive_everything(tmp_path: Path, rt: SimpleNamespace, flush: str) -> None:
-    async with open_realtime_server(data_dir=tmp_path, clock=SystemClock(), flush=flush) as server, open_peers() as peers:
+    async with (
+        open_realtime_server(data_dir=tmp_path, clock=SystemClock(), flush=flush) as server,
+        open_peers() as peers,
+    ):
         producer = rt.peers_client(peers, server.address)
         sent = rt.messages(30)
         assert await producer.send(sent) == ["stored"] * 30
@@ -226,16 +231,17 @@ def _oversize_record() -> bytes:
 async def test_registers_with_the_metaserver_when_given_its_address(tmp_path: Path, rt: SimpleNamespace) -> None:
     clock = SystemClock()
     async with open_metaserver(data_dir=tmp_path / "meta", clock=clock) as meta:
-        async with open_realtime_server(
-            data_dir=tmp_path / "rt", clock=clock, meta_address=meta.address, group="rt-7"
-        ) as server, open_peers() as peers:
+        async with (
+            open_realtime_server(
+                data_dir=tmp_path / "rt", clock=clock, meta_address=meta.address, group="rt-7"
+            ) as server,
+            open_peers() as peers,
+        ):
             assert server.registration is not None
             with trio.fail_after(10):
                 await server.registration.wait_registered()
             status = await peers.call(meta.address, Command.STATUS)
             rows = [row for row in status.metadata["rows"] if row["group"] == "rt-7"]
-            assert [(row["kind"], row["address"], row["state"]) for row in rows] == [
-                ("realtime", server.address, "RW")
-            ]
+            assert [(row["kind"], row["address"], row["state"]) for row in rows] == [("realtime", server.address, "RW")]
             route = await peers.call(meta.address, Command.ROUTE, {"route": "consumer", "subject": "orders"})
             assert [group["address"] for group in route.metadata["groups"]] == [server.address]

@@ -23,9 +23,10 @@ async def test_a_consumer_that_died_has_its_messages_handed_to_another(
 ) -> None:
     clock = TrioClock(EPOCH)
     async with open_realtime_server(data_dir=tmp_path, clock=clock) as server:
-        async with rt.memory_client(server, consumer="doomed") as doomed, rt.memory_client(
-            server, consumer="survivor"
-        ) as survivor:
+        async with (
+            rt.memory_client(server, consumer="doomed") as doomed,
+            rt.memory_client(server, consumer="survivor") as survivor,
+        ):
             await doomed.pull(timeout_ms=0)
             await survivor.pull(timeout_ms=0)
             await doomed.send(rt.messages(5))

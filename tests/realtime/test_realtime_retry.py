@@ -81,9 +81,12 @@ async def world(
 ) -> AsyncIterator[World]:
     clock = TrioClock(EPOCH)
     scheduler = FakeScheduler(clock=clock)
-    async with open_metaserver(
-        listen=None, data_dir=tmp_path / "meta", clock=clock, run_blocking=run_inline, evict_after_ms=3_600_000
-    ) as meta, open_realtime_server(data_dir=tmp_path / "rt", clock=clock, **options) as server:
+    async with (
+        open_metaserver(
+            listen=None, data_dir=tmp_path / "meta", clock=clock, run_blocking=run_inline, evict_after_ms=3_600_000
+        ) as meta,
+        open_realtime_server(data_dir=tmp_path / "rt", clock=clock, **options) as server,
+    ):
         async with trio.open_nursery() as nursery:
             network = MemoryNetwork(nursery)
             network.serve(META, meta.serve_stream)
@@ -145,9 +148,11 @@ async def test_attempts_of_the_retry_count_every_earlier_delivery(
 async def test_a_dead_nack_appends_to_the_dead_letter_subject_consumed_like_any_other(
     tmp_path: Path, rt: SimpleNamespace, autojump_clock: trio.testing.MockClock
 ) -> None:
-    async with world(tmp_path, rt) as w, w.client(group="billing") as client, w.client(
-        group="ops", subject="%dead%billing%orders"
-    ) as ops:
+    async with (
+        world(tmp_path, rt) as w,
+        w.client(group="billing") as client,
+        w.client(group="ops", subject="%dead%billing%orders") as ops,
+    ):
         await client.send([message("m1"), message("m2")])
         pulled = await client.pull(10, **{"from": "earliest"})
         died_at = w.clock.now_ms()
@@ -155,9 +160,7 @@ async def test_a_dead_nack_appends_to_the_dead_letter_subject_consumed_like_any_
         assert w.scheduler.batches == []  # never through the scheduler
         dead = await ops.pull(10, **{"from": "earliest"})
         assert dead.ids == ["m1", "m2"]
-        assert {(m.subject, m.attempts, m.deliver_at) for m in dead.messages} == {
-            ("%dead%billing%orders", 1, died_at)
-        }
+        assert {(m.subject, m.attempts, m.deliver_at) for m in dead.messages} == {("%dead%billing%orders", 1, died_at)}
         assert dead.messages[0].body == b"body of m1"
         await ops.ack(dead.start, dead.end)
         assert (await client.pull(10)).count == 0
@@ -181,9 +184,11 @@ async def test_a_nack_on_the_retry_subject_keeps_it_and_dead_letters_name_the_or
 async def test_a_delay_of_zero_retries_at_once_through_the_own_log(
     tmp_path: Path, rt: SimpleNamespace, autojump_clock: trio.testing.MockClock
 ) -> None:
-    async with world(tmp_path, rt) as w, w.client(group="billing") as client, w.client(
-        group="billing", subject="%retry%billing%orders"
-    ) as retries:
+    async with (
+        world(tmp_path, rt) as w,
+        w.client(group="billing") as client,
+        w.client(group="billing", subject="%retry%billing%orders") as retries,
+    ):
         await client.send([message()])
         pulled = await client.pull(10, **{"from": "earliest"})
         await nack(client, pulled.start, pulled.end, delay_ms=0)
@@ -231,9 +236,11 @@ async def test_a_scheduler_that_never_answers_holds_the_nack_for_the_deadline_on
 async def test_a_retry_in_flight_is_neither_timed_out_nor_sent_twice(
     tmp_path: Path, rt: SimpleNamespace, autojump_clock: trio.testing.MockClock
 ) -> None:
-    async with world(tmp_path, rt, ack_timeout_ms=2_000, consumer_timeout_ms=2_000) as w, w.client(
-        group="g"
-    ) as client, w.client(group="g", consumer="other") as other:
+    async with (
+        world(tmp_path, rt, ack_timeout_ms=2_000, consumer_timeout_ms=2_000) as w,
+        w.client(group="g") as client,
+        w.client(group="g", consumer="other") as other,
+    ):
         await other.pull(timeout_ms=0)
         await client.send([message()])
         pulled = await client.pull(10)

@@ -145,7 +145,13 @@ class Cluster:
 
     def producer(self, **options: Any) -> Producer:
         routes = RouteClient(self.net, [META], clock=self.clock)
-        settings = {"limits": Limits(), "batch_bytes": 1 << 20, "batch_messages": 10_000, "attempts": 3, "timeout": 30.0}
+        settings = {
+            "limits": Limits(),
+            "batch_bytes": 1 << 20,
+            "batch_messages": 10_000,
+            "attempts": 3,
+            "timeout": 30.0,
+        }
         return Producer(routes, clock=self.clock, **{**settings, **options})
 
     def receiver(self, subject: str = "orders", **options: Any) -> Receiver:
@@ -174,7 +180,9 @@ class Cluster:
                 self.net.serve(address, rt.serve_stream)
                 info = {"group": name, "kind": "realtime", "role": "master", "address": address, "version": "test"}
                 async with trio.open_nursery() as nursery:
-                    await nursery.start(partial(run_registration, self.net, meta_address=META, info=info, clock=self.clock))
+                    await nursery.start(
+                        partial(run_registration, self.net, meta_address=META, info=info, clock=self.clock)
+                    )
                     task_status.started(rt)
                     await trio.sleep_forever()
 

@@ -126,7 +126,9 @@ async def test_a_message_scheduled_after_a_step_back_is_due_by_the_new_wall_cloc
 
 
 @asynccontextmanager
-async def dispatching(tmp_path: Path, clock: Clock, records: list[bytes], deliver: Deliver) -> AsyncIterator[Dispatcher]:
+async def dispatching(
+    tmp_path: Path, clock: Clock, records: list[bytes], deliver: Deliver
+) -> AsyncIterator[Dispatcher]:
     with (
         SegmentedLog.open(tmp_path / "messages") as log,
         StateStore.open(tmp_path / "state") as state,

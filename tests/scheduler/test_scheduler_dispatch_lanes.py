@@ -95,11 +95,7 @@ async def test_an_overdue_backlog_goes_oldest_first_within_the_memory_budget(
     tmp_path: Path, autojump_clock: trio.testing.MockClock
 ) -> None:
     hours_ago = [5, 3, 2]
-    records = [
-        message(f"h{h}-{i:04d}", "s", EPOCH_MS - h * HOUR_MS + 700 * i)
-        for h in hours_ago
-        for i in range(600)
-    ]
+    records = [message(f"h{h}-{i:04d}", "s", EPOCH_MS - h * HOUR_MS + 700 * i) for h in hours_ago for i in range(600)]
     got: list[str] = []
     most_loaded = 0
     box: list[Dispatcher] = []

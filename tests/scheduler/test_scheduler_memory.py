@@ -41,9 +41,10 @@ async def test_a_month_of_backlog_keeps_only_the_near_hours_in_memory(
     sched: SimpleNamespace, tmp_path: Path, autojump_clock: trio.testing.MockClock
 ) -> None:
     rng = random.Random(7)
-    async with sched.open_cluster(tmp_path, **QUIET) as cluster, cluster.scheduler(
-        replay_bytes=STEP_BYTES
-    ) as scheduler:
+    async with (
+        sched.open_cluster(tmp_path, **QUIET) as cluster,
+        cluster.scheduler(replay_bytes=STEP_BYTES) as scheduler,
+    ):
         now = cluster.clock.now_ms()
         due = sorted(now + rng.randrange(60_000, 30 * sched.DAY_MS) for _ in range(COUNT))
         records = [sched.message(f"m{i}", at) for i, at in enumerate(rng.sample(due, COUNT))]

@@ -44,7 +44,7 @@ async def test_each_message_arrives_at_its_millisecond_never_early_in_order(
         )
         assert sorted(ids) == sorted(delays)
         receiver = cluster.receiver_idle()
-        for count, (name, delay) in enumerate(sorted(delays.items(), key=lambda item: item[1]), start=1):
+        for count, (_name, delay) in enumerate(sorted(delays.items(), key=lambda item: item[1]), start=1):
             # The consumer waits (a long poll) from 5 s before each moment: an early
             # delivery would reach it early.
             await cluster.clock.sleep_until_ms(t0 + delay - 5_000)
@@ -81,7 +81,9 @@ async def test_beyond_the_horizon_is_refused_naming_it_and_nothing_is_stored(
     async with sched.open_cluster(tmp_path) as cluster, cluster.scheduler() as scheduler:
         now = cluster.clock.now_ms()
         with pytest.raises(PeerError) as refused:
-            await cluster.schedule_raw([sched.message("ok", now + 1_000), sched.message("far", now + 733 * sched.DAY_MS)])
+            await cluster.schedule_raw(
+                [sched.message("ok", now + 1_000), sched.message("far", now + 733 * sched.DAY_MS)]
+            )
         error = refused.value
         assert (error.code, error.field, error.limit, error.index) == ("limit", "deliver_at", TWO_YEARS_MS, 1)
         assert "horizon" in str(error)
@@ -95,7 +97,7 @@ async def test_beyond_the_horizon_is_refused_naming_it_and_nothing_is_stored(
 async def test_status_reports_tick_and_pending_per_hour(
     sched: SimpleNamespace, tmp_path: Path, autojump_clock: trio.testing.MockClock
 ) -> None:
-    async with sched.open_cluster(tmp_path) as cluster, cluster.scheduler() as scheduler:
+    async with sched.open_cluster(tmp_path) as cluster, cluster.scheduler():
         now = cluster.clock.now_ms()
         records = [sched.message(f"h{h}-{i}", now + h * HOUR_MS + 5_000 + i) for h in (0, 1, 5) for i in range(h + 2)]
         await cluster.schedule_raw(records)

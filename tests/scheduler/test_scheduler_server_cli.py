@@ -40,7 +40,9 @@ async def test_status_shows_each_scheduler_tick_and_pending_hours(
             assert message.id == soon and message.received_at >= message.deliver_at
             code = await trio.to_thread.run_sync(main, ["status", "--meta", meta.address])
             table = capsys.readouterr().out
-            code_json = await trio.to_thread.run_sync(main, ["status", "--json", "--meta", meta.address, "--hours", "5"])
+            code_json = await trio.to_thread.run_sync(
+                main, ["status", "--json", "--meta", meta.address, "--hours", "5"]
+            )
             answer = json.loads(capsys.readouterr().out)
     assert code == code_json == 0
     assert f"scheduler scheduler-1 at {scheduler.address}: tick " in table
@@ -57,7 +59,9 @@ async def test_status_shows_each_scheduler_tick_and_pending_hours(
         (["scheduler", "--data", "d", "--horizon", "0s"], "--horizon: Limits.horizon_ms must be an int from 1"),
     ],
 )
-def test_scheduler_command_refuses_bad_options(argv: list[str], complaint: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_scheduler_command_refuses_bad_options(
+    argv: list[str], complaint: str, caplog: pytest.LogCaptureFixture
+) -> None:
     assert main(argv) == 2
     assert complaint in caplog.text
 

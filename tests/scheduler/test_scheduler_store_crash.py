@@ -222,9 +222,7 @@ def test_an_uncommitted_new_hour_with_nothing_valid_is_removed(tmp_path: Path) -
         assert_filed_exactly_once(store, records)
 
 
-def test_in_process_crash_between_file_writes_and_commit(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_in_process_crash_between_file_writes_and_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     records = make_records(500)
     write_message_log(tmp_path, records)
 

@@ -109,9 +109,7 @@ def test_store_delivered_pending_and_complete(tmp_path: Path) -> None:
 
 
 def test_dispatch_logs_closed_to_bound_open_files_reopen_whole(tmp_path: Path) -> None:
-    records = [
-        encode_message(f"m{h}", "s", deliver_at=BASE + h * HOUR_MS, created_at=BASE) for h in range(6)
-    ]
+    records = [encode_message(f"m{h}", "s", deliver_at=BASE + h * HOUR_MS, created_at=BASE) for h in range(6)]
     with (
         SegmentedLog.open(tmp_path / "messages") as messages,
         StateStore.open(tmp_path / "state") as state,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 from hypothesis import given
@@ -34,7 +34,7 @@ from delaymq.wheel import hour_of
 def test_hour_names_are_utc_and_round_trip(at: int) -> None:
     hour = hour_of(at)
     name = hour_name(hour)
-    moment = datetime.fromtimestamp(at / 1000, timezone.utc)
+    moment = datetime.fromtimestamp(at / 1000, UTC)
     assert name == moment.strftime("%Y%m%d%H")
     assert parse_hour_name(name) == hour
 

@@ -94,9 +94,7 @@ def test_every_record_filed_once_in_its_hour_and_second(
                         event("crashed mid-step")
                     store.close()
                     if tear is not None:
-                        files = sorted(
-                            p for p in (root / "schedule").iterdir() if p.suffix in (".log", ".index")
-                        )
+                        files = sorted(p for p in (root / "schedule").iterdir() if p.suffix in (".log", ".index"))
                         if files:
                             victim = files[tear[0] % len(files)]
                             os.truncate(victim, max(0, victim.stat().st_size - tear[1]))

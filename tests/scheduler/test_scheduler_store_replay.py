@@ -126,10 +126,7 @@ def test_100k_messages_in_one_second(tmp_path: Path) -> None:
             wheel.load_second(second, chain)
             due = wheel.pop_due(BASE + HOUR_MS)
             assert len(due) == count and due == sorted(due)
-    print(
-        f"\n100k in one second: replay {count / replayed:,.0f} records/s, "
-        f"chain walk {count / walked:,.0f} entries/s"
-    )
+    print(f"\n100k in one second: replay {count / replayed:,.0f} records/s, chain walk {count / walked:,.0f} entries/s")
 
 
 def test_past_and_immediate_deliver_at(tmp_path: Path) -> None:

@@ -17,7 +17,8 @@ SEGMENT_SIZE = 4096
 
 # Eight tasks append forever; a line is printed only after the append returned,
 # that is after the fsync covering it.
-CHILD = """
+CHILD = (
+    """
 import sys
 import trio
 from delaymq.protocol.envelope import RecordKind, encode
@@ -40,7 +41,9 @@ async def main(directory):
                 nursery.start_soon(appender, task)
 
 trio.run(main, sys.argv[1])
-""" % SEGMENT_SIZE
+"""
+    % SEGMENT_SIZE
+)
 
 
 def read_lines(process: subprocess.Popen[bytes], count: int, timeout: float = 60) -> list[bytes]:

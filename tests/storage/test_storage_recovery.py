@@ -84,9 +84,7 @@ def test_reopen_cuts_a_damaged_tail_and_keeps_every_record_before_it(
     with log:
         cut_at = offsets[intact] if intact < len(offsets) else offsets[-1] + RECORD
         assert log.end_offset == cut_at
-        assert [(r.offset, r.payload) for r in log.iter_from(0)] == [
-            (offsets[i], payload(i)) for i in range(intact)
-        ]
+        assert [(r.offset, r.payload) for r in log.iter_from(0)] == [(offsets[i], payload(i)) for i in range(intact)]
         (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
         assert segment.name in warning.getMessage()
         assert f"from offset {cut_at}" in warning.getMessage()
@@ -115,7 +113,7 @@ def test_a_lone_segment_cut_to_nothing_keeps_its_first_offset(tmp_path: Path) ->
     offsets = build_log(tmp_path)
     with SegmentedLog.open(tmp_path, segment_size=SEGMENT_SIZE) as log:
         log.delete_before(log.end_offset)
-        (base, _size), = log.segments()
+        ((base, _size),) = log.segments()
     segment = tmp_path / f"{base:020d}"
     with open(segment, "r+b") as file:
         file.write(b"\xff")  # the only segment's first record no longer checks

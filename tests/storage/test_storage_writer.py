@@ -107,9 +107,7 @@ async def test_async_policy_acknowledges_before_fsync_and_flushes_on_close(log: 
     assert [r.offset for r in log.iter_from(0)] == offsets
 
 
-async def test_async_policy_flushes_every_interval(
-    log: SegmentedLog, autojump_clock: trio.abc.Clock
-) -> None:
+async def test_async_policy_flushes_every_interval(log: SegmentedLog, autojump_clock: trio.abc.Clock) -> None:
     async with open_log_writer(log, flush="async", flush_interval_ms=100) as writer:
         for round_ in range(3):
             target = await writer.append(record(round_, 0)) + len(record(round_, 0))

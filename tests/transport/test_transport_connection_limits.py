@@ -6,9 +6,9 @@ import trio
 import trio.testing
 
 from delaymq.protocol.commands import Command
+from delaymq.protocol.errors import PeerError
 from delaymq.protocol.frames import Frame, FrameDecoder, FrameKind, encode_frame, request
 from delaymq.protocol.limits import ConnectionLimits, Limits
-from delaymq.protocol.errors import PeerError
 from delaymq.protocol.transport import Connection, FrameServer, PeerUnavailable, Request, open_peers
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import socket
 import struct
 
-import msgpack
 import pytest
 import trio
 import trio.testing

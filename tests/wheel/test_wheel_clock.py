@@ -113,9 +113,11 @@ async def test_trio_clock_step_moves_the_wall_reading_not_the_monotonic_one(
     await clock.sleep_ms(1_500)
     assert clock.monotonic_ms() == mono + 1_500
     assert clock.now_ms() == EPOCH + 3_500 - 10 * MINUTE_MS
-    assert step_warnings(caplog) == ["the wall clock stepped back by 600.0 s; waits for a moment follow the new "
-                                     "wall clock (a message is never delivered before its deliver_at by it), "
-                                     "intervals are not affected"]
+    assert step_warnings(caplog) == [
+        "the wall clock stepped back by 600.0 s; waits for a moment follow the new "
+        "wall clock (a message is never delivered before its deliver_at by it), "
+        "intervals are not affected"
+    ]
 
 
 async def wake_times(clock: Clock, target: int, woke: list[int], *, task_status: trio.TaskStatus[None]) -> None:

@@ -219,9 +219,7 @@ def test_a_new_master_starting_from_the_tick_loses_nothing(ms, data):
     assert claimed(tick, model, model.known) <= model.confirmed
     # The slave's index may lag the master's or be ahead of it; its dispatch log may
     # hold any confirmed entries.
-    slave_known = data.draw(
-        st.one_of(st.just(model.known), st.integers(0, len(ms))), label="slave known"
-    )
+    slave_known = data.draw(st.one_of(st.just(model.known), st.integers(0, len(ms))), label="slave known")
     confirmed = sorted(model.confirmed)
     logged = data.draw(st.sets(st.sampled_from(confirmed)), label="log") if confirmed else set()
     slave = SecondWheel.from_counts(HOUR, Model(ms=ms, known=slave_known).counts())
