@@ -74,13 +74,13 @@ def list_folder(location: str) -> Listing:
                 except FileNotFoundError:  # removed while we listed
                     continue
         return Listing(True, sizes)
-    fs, path = _arrow(location)
+    fs, arrow_path = _arrow(location)
     from pyarrow import fs as pafs
 
-    info = fs.get_file_info(path)
+    info = fs.get_file_info(arrow_path)
     if info.type != pafs.FileType.Directory:
         return Listing(False, {})
-    selector = pafs.FileSelector(path, recursive=False, allow_not_found=True)
+    selector = pafs.FileSelector(arrow_path, recursive=False, allow_not_found=True)
     return Listing(
         True,
         {item.base_name: item.size for item in fs.get_file_info(selector) if item.type == pafs.FileType.File},

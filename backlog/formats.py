@@ -177,7 +177,8 @@ class ReadOnlyState:
 
     def get(self, db: str, key: bytes) -> bytes | None:
         handle = self._db(db)
-        return None if handle is None else self._txn.get(bytes(key), db=handle)
+        value = None if handle is None else self._txn.get(bytes(key), db=handle)
+        return None if value is None else bytes(value)
 
     def items(self, db: str, prefix: bytes = b"") -> list[tuple[bytes, bytes]]:
         handle = self._db(db)
@@ -187,7 +188,7 @@ class ReadOnlyState:
         found: list[tuple[bytes, bytes]] = []
         if cursor.set_range(prefix):
             for key, value in cursor:
-                if not key.startswith(prefix):
+                if not bytes(key).startswith(prefix):
                     break
                 found.append((bytes(key), bytes(value)))
         return found

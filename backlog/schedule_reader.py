@@ -121,7 +121,7 @@ class HourTask:
                 # Skip to the next entry the index can place after the damage.
                 self._unreadable(tally, k, located, bitmap)
                 k += 1
-                while k < entries and (located[k] is None or located[k][0] < scan.end or located[k][0] >= log.size):
+                while k < entries and _cannot_place(located[k], scan.end, log.size):
                     self._unreadable(tally, k, located, bitmap)
                     k += 1
                 if k < entries:
@@ -249,6 +249,11 @@ class UnfiledTask:
         finally:
             reader.close()
         return tally.rows(self.group) + problems.rows()
+
+
+def _cannot_place(where: tuple[int, int, int] | None, damage_end: int, log_size: int) -> bool:
+    """Whether an index entry's record lies inside the damage (or past the log), so it cannot be read."""
+    return where is None or where[0] < damage_end or where[0] >= log_size
 
 
 __all__ = ["HourTask", "UnfiledTask"]

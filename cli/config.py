@@ -54,9 +54,10 @@ def apply_config(
         if action is None:
             known = ", ".join(sorted(d.replace("_", "-") for d in dests)) or "none"
             raise ConfigError(f"unknown option {key!r} in {where} (known: {known})")
-        if action.type is not None and isinstance(value, str):
+        convert = action.type
+        if callable(convert) and isinstance(value, str):
             try:
-                value = action.type(value)
+                value = convert(value)
             except (TypeError, ValueError) as error:
                 raise ConfigError(f"bad value for {key!r} in {where}: {error}") from None
         defaults[dest] = value

@@ -108,7 +108,9 @@ async def _serve(args: argparse.Namespace, meta: list[str], settings: dict[str, 
         meta_address=meta,
         flush=args.flush,
         limits=limits,
-        **settings,
+        dedup_window_ms=settings["dedup_window_ms"],
+        ack_timeout_ms=settings["ack_timeout_ms"],
+        consumer_timeout_ms=settings["consumer_timeout_ms"],
     ) as server:
         log.info(
             "realtime server %s listening on %s (data %s, metaserver %s)",

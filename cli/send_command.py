@@ -87,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
         with BlockingProducer(meta, timeout=args.timeout) as producer:
             delay, at = args.delay, args.at
             if delay is not None and delay < 0:  # "5 s ago": a moment in the past, delivered now
-                delay, at = None, producer.clock.now_ms() + round(delay * 1000)
+                at = producer.clock.now_ms() + round(delay * 1000)
+                delay = None
             left = args.count
             while left:
                 n = min(left, CHUNK)

@@ -37,7 +37,9 @@ def run_server(serve: Callable[..., Awaitable[Any]], *args: Any, what: str) -> i
     """``trio.run(serve, *args)``; a start-up failure becomes one logged line and exit 1."""
     try:
         trio.run(serve, *args)
-    except (*STARTUP_ERRORS, BaseExceptionGroup) as raised:
+    except BaseException as raised:  # noqa: B036 - sorted below: start-up errors are one line, the rest re-raised
+        if not isinstance(raised, (*STARTUP_ERRORS, BaseExceptionGroup)):
+            raise
         error = sole(raised)
         if isinstance(error, KeyboardInterrupt):
             raise KeyboardInterrupt from None  # Ctrl-C while starting or stopping

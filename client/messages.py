@@ -165,7 +165,7 @@ def build_message(
         subject,
         tags=tuple(tags),
         # A non-mapping is left for encode() to refuse, naming the field.
-        properties=dict(properties) if isinstance(properties, Mapping) else (properties or {}),  # type: ignore
+        properties=dict(properties) if isinstance(properties, Mapping) else (properties or {}),
         body=body,
         deliver_at=deliver_at,
         created_at=now_ms,

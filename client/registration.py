@@ -109,6 +109,7 @@ class Registration:
         for name, value in (("route_version", version), ("heartbeat_interval_ms", interval)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise RemoteProtocolError(f"heartbeat answer has no integer {name!r}", code="bad_metadata", field=name)
+        assert isinstance(version, int) and isinstance(interval, int)  # checked just above
         group = self.info["group"]
         if self.state is not None and state != self.state:
             log.info("group %s state changed %s -> %s", group, self.state, state)

@@ -182,7 +182,8 @@ class ServerInfo:
         for key in fields:
             if key not in request:
                 raise RegistryError(key, "is missing")
-        return cls(*(request[key] for key in fields), incarnation=request.get("incarnation"))
+        group, kind, role, address, version = (request[key] for key in fields)
+        return cls(group, kind, role, address, version, incarnation=request.get("incarnation"))
 
 
 # -- answers ------------------------------------------------------------------

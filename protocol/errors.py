@@ -123,7 +123,7 @@ class ProtocolError(Exception):
         ):
             if not ok:
                 raise RemoteProtocolError(f"error {name!r} is not {wanted}", code="bad_metadata", field=f"error.{name}")
-        return cls(message or code, code=code, field=field, limit=limit, index=index)
+        return cls(str(message or code), code=str(code), field=field, limit=limit, index=index)
 
 
 class LocalProtocolError(ProtocolError):

@@ -642,7 +642,19 @@ def decode_message(buf: bytes | bytearray | memoryview, start: int = 0, *, limit
         raise
     if not properties:
         raise RemoteProtocolError(f"no record at byte {start}: the buffer ends there", code="truncated")
-    return _to_message(data, properties[0], *(column[0] for column in columns))
+    starts, ends, ids, subjects, tags, deliver_ats, created_ats, attempts = columns
+    return _to_message(
+        data,
+        properties[0],
+        starts[0],
+        ends[0],
+        ids[0],
+        subjects[0],
+        tags[0],
+        deliver_ats[0],
+        created_ats[0],
+        attempts[0],
+    )
 
 
 def decode_batch(buf: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> list[Message]:

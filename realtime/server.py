@@ -296,7 +296,7 @@ async def open_realtime_server(
     message_log = storage.message_log
     indexer: Indexer | None = None
     try:
-        indexer, dedup_buckets, in_flight = await trio.to_thread.run_sync(
+        recovered, dedup_buckets, in_flight = await trio.to_thread.run_sync(
             lambda: recover(
                 message_log=message_log,
                 store=storage.store,
@@ -308,13 +308,14 @@ async def open_realtime_server(
                 found=storage.found,
             )
         )
+        indexer = recovered  # known from here on: closed below if start-up fails
         server = RealtimeServer(
             group=group,
             clock=clock,
             limits=limits,
             message_log=message_log,
             store=storage.store,
-            indexer=indexer,
+            indexer=recovered,
             dedup=dedup,
             groups=groups,
             pull_dir=storage.pull_folder.path,
@@ -332,7 +333,7 @@ async def open_realtime_server(
                 server._life = nursery.cancel_scope
                 await nursery.start(server.committer.run)
                 await nursery.start(server.sweeper.run)
-                await nursery.start(partial(indexer.run, clock=clock))  # retries a stalled index step
+                await nursery.start(partial(recovered.run, clock=clock))  # retries a stalled index step
                 server.address = await nursery.start(server.frame_server.serve, host, port)
                 if meta_address is not None:
                     server.scheduler_routes = RouteClient(

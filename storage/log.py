@@ -437,16 +437,17 @@ class SegmentedLog:
         buf = os.pread(segment.fd, min(available, _FIRST_READ), offset - segment.base)
         try:
             return buf, next(iter_spans(buf, max_payload=self._max_record))
-        except TruncatedRecord:
+        except TruncatedRecord as truncated:
             # Header checks passed and the payload runs past what we read: fetch it whole.
+            problem: EnvelopeError = truncated
             needed = HEADER_SIZE + HEADER.unpack_from(buf)[0] if len(buf) >= HEADER_SIZE else 0
             if len(buf) < needed <= available:
                 buf = os.pread(segment.fd, needed, offset - segment.base)
                 try:
                     return buf, next(iter_spans(buf, max_payload=self._max_record))
                 except EnvelopeError as again:
-                    error = again  # type: ignore[assignment]
-            raise self._not_record_start(offset, error) from None
+                    problem = again
+            raise self._not_record_start(offset, problem) from None
         except CorruptRecord as error:
             raise self._not_record_start(offset, error) from None
 
