@@ -1,7 +1,8 @@
 """The producer's sans-IO core: build and check messages, and pack batches into frames.
 
-Everything a ``Producer`` (trio) and a ``BlockingProducer`` decide before any
-byte leaves the process lives here, fed the time in epoch milliseconds:
+Everything a ``Producer`` decides before any byte leaves the process (a
+``BlockingProducer`` runs the same ``Producer`` on a loop thread) lives here,
+fed the time in epoch milliseconds:
 
 - ``delivery_time`` turns ``delay=`` / ``at=`` into an absolute ``deliver_at``;
 - ``build_message`` makes a checked ``Message`` with a client-side id, so a

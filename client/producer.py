@@ -81,7 +81,10 @@ def check_options(*, attempts: int, batch_bytes: int, batch_messages: int, send_
 
 
 class ProducerCore:
-    """What both producers share: building and checking messages, planning frames, counting answers."""
+    """The producer's sans-IO part: building and checking messages, planning frames, counting answers.
+
+    ``Producer`` adds the I/O (route calls); kept apart so the decisions are tested without a network.
+    """
 
     def __init__(
         self,
