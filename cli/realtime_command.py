@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-from pathlib import Path
 
 from delaymq.cli import options
-from delaymq.cli.connection_options import add_connection_options, connection_limits
+from delaymq.cli.connection_options import connection_limits
+from delaymq.cli.server_options import add_duration, add_server_options
 from delaymq.cli.serving import fail, run_server, wait_for_stop_signal
 from delaymq.client.producer import DEFAULT_META
 from delaymq.protocol.limits import Limits
@@ -19,33 +19,6 @@ from delaymq.realtime.server import open_realtime_server
 from delaymq.wheel.clock import SystemClock
 
 log = logging.getLogger("delaymq.realtime")
-
-
-def add_server_options(parser: argparse.ArgumentParser, *, group: str) -> None:
-    """The options every server process shares: where it listens, registers and keeps data."""
-    parser.add_argument(
-        "--listen",
-        type=options.listen_address,
-        default="127.0.0.1:0",
-        metavar="HOST:PORT",
-        help="address to listen on; port 0 picks a free one (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--meta",
-        type=options.address,
-        action="append",
-        metavar="HOST:PORT",
-        help=f"metaserver to register with; repeat for several (default: {DEFAULT_META})",
-    )
-    parser.add_argument("--data", type=Path, metavar="DIR", help="data folder (required; may come from --config)")
-    parser.add_argument("--group", default=group, help="server group name (default: %(default)s)")
-    parser.add_argument(
-        "--flush",
-        choices=("sync", "async"),
-        default="sync",
-        help="sync: answer after fsync (group commit); async: fsync every 100 ms (default: %(default)s)",
-    )
-    add_connection_options(parser)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -58,27 +31,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     add_server_options(parser, group="realtime-1")
-    parser.add_argument(
-        "--dedup-window",
-        type=options.duration,
-        default="10m",
-        metavar="DURATION",
-        help="a message id seen again within this window is stored once (default: 10m)",
-    )
-    parser.add_argument(
-        "--ack-timeout",
-        type=options.duration,
-        default="60s",
-        metavar="DURATION",
-        help="a message pulled and not acked within this goes back to its group (default: 60s)",
-    )
-    parser.add_argument(
-        "--consumer-timeout",
-        type=options.duration,
-        default="30s",
-        metavar="DURATION",
-        help="a consumer silent this long loses what it holds to its group (default: 30s)",
-    )
+    add_duration(parser, "--dedup-window", "10m", "a message id seen again within this window is stored once")
+    add_duration(parser, "--ack-timeout", "60s", "a message pulled and not acked within this goes back to its group")
+    add_duration(parser, "--consumer-timeout", "30s", "a consumer silent this long loses what it holds to its group")
     parser.set_defaults(func=run)
 
 

@@ -12,7 +12,7 @@ import logging
 
 from delaymq.cli import options
 from delaymq.cli.connection_options import connection_limits
-from delaymq.cli.realtime_command import add_server_options
+from delaymq.cli.server_options import add_duration, add_server_options
 from delaymq.cli.serving import fail, run_server, wait_for_stop_signal
 from delaymq.client.producer import DEFAULT_META
 from delaymq.protocol.limits import Limits
@@ -32,20 +32,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     add_server_options(parser, group="scheduler-1")
-    parser.add_argument(
-        "--horizon",
-        type=options.duration,
-        default="732d",
-        metavar="DURATION",
-        help="how far ahead a message may be scheduled; later ones are refused (default: 732d)",
-    )
-    parser.add_argument(
-        "--retention",
-        type=options.duration,
-        default="72h",
-        metavar="DURATION",
-        help="how long a fully delivered hour's files are kept (default: 72h)",
-    )
+    add_duration(parser, "--horizon", "732d", "how far ahead a message may be scheduled; later ones are refused")
+    add_duration(parser, "--retention", "72h", "how long a fully delivered hour's files are kept")
     parser.set_defaults(func=run)
 
 
