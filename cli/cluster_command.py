@@ -37,6 +37,7 @@ from delaymq.protocol.transport import format_address, split_listen
 from delaymq.realtime.server import open_realtime_server
 from delaymq.scheduler.server import open_scheduler
 from delaymq.storage.format import write_json_atomically
+from delaymq.storage.threads import run_in_thread
 from delaymq.wheel.clock import SystemClock
 
 log = logging.getLogger("delaymq.cluster")
@@ -182,7 +183,7 @@ async def _serve(args: argparse.Namespace) -> None:
         bound = {"metaserver": meta.address, "realtime": realtime.address, "scheduler": scheduler.address}
         if bound != remembered:
             record = {"format": LISTEN_FORMAT, **bound}
-            await trio.to_thread.run_sync(write_json_atomically, data / LISTEN_FILE, record)
+            await run_in_thread(lambda: write_json_atomically(data / LISTEN_FILE, record))
         print(f"metaserver  {meta.address}", flush=True)
         print(f"realtime    {realtime.address}  (group {realtime.group})", flush=True)
         print(f"scheduler   {scheduler.address}  (group {scheduler.group})", flush=True)

@@ -32,6 +32,7 @@ from datetime import timedelta
 from typing import Any, NamedTuple
 
 from delaymq.client.retry import DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_DELAYS, RetryNack, RetryPolicy
+from delaymq.protocol.backoff import Backoff, BackoffRun, RandomSource
 from delaymq.protocol.errors import LocalProtocolError, RemoteProtocolError
 from delaymq.protocol.fields import PULL_STARTS, check_int, check_name
 from delaymq.protocol.limits import (
@@ -267,6 +268,15 @@ class ReceivedMessage:
 
 # ------------------------------------------------------------------- the core
 
+#: The wait after a failed pull, before that subject is pulled from that group again.
+#: "Equal" jitter: at least half the ceiling, so a consumer never pulls a group that is
+#: down in a tight loop, while the consumers that lost it together come back spread out.
+PULL_BACKOFF = Backoff(initial_ms=200, maximum_ms=5_000, jitter="equal")
+
+
+def _pull_backoffs(random: RandomSource | None = None) -> tuple[BackoffRun, BackoffRun]:
+    return BackoffRun(PULL_BACKOFF, random=random), BackoffRun(PULL_BACKOFF, random=random)
+
 
 @dataclass(slots=True)
 class GroupLink:
@@ -277,15 +287,13 @@ class GroupLink:
     # One pull log per subject pulled: [0] the subject, [1] the group's retry subject.
     trackers: tuple[AckTracker, AckTracker] = field(default_factory=lambda: (AckTracker(), AckTracker()))
     active: bool = True  # still in the consumer route
-    failures: list[int] = field(default_factory=lambda: [0, 0])  # consecutive failed pulls, per subject
+    # The backoff after failed pulls, per subject pulled (as ``trackers``).
+    backoffs: tuple[BackoffRun, BackoffRun] = field(default_factory=_pull_backoffs)
 
     @property
     def tracker(self) -> AckTracker:
         """The subject's pull log (``trackers[1]`` is the retry subject's)."""
         return self.trackers[0]
-
-    def backoff_ms(self, retry: bool = False) -> int:
-        return min(5_000, 100 * (1 << min(self.failures[retry], 6)))
 
 
 class SettleRequest(NamedTuple):
@@ -364,6 +372,7 @@ class ConsumerCore:
         retry_delays: Iterable[float | int | timedelta] = DEFAULT_RETRY_DELAYS,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         limits: Limits = DEFAULT_LIMITS,
+        random: RandomSource | None = None,
     ) -> None:
         self.subject = check_name(subject, "subject", limits.max_subject)
         self.group = check_name(group, "group", MAX_NAME)
@@ -399,6 +408,7 @@ class ConsumerCore:
                 )
             self.retry_subject = retry_subject(group, subject)
         self.limits = limits
+        self.random = random  # the jitter of pull backoffs; None: random.random
         self.links: dict[str, GroupLink] = {}
         # (group, retry lane, epoch, sequence) -> (body size, attempts)
         self._held: dict[tuple[str, bool, int, int], tuple[int, int]] = {}
@@ -435,7 +445,7 @@ class ConsumerCore:
             seen.add(name)
             link = self.links.get(name)
             if link is None:
-                self.links[name] = GroupLink(name, address)
+                self.links[name] = GroupLink(name, address, backoffs=_pull_backoffs(self.random))
                 started.append(name)
                 continue
             link.address = address  # a failover may move its master
@@ -498,7 +508,7 @@ class ConsumerCore:
                 field="count",
             )
         self._pulls += 1
-        link.failures[retry] = 0
+        link.backoffs[retry].reset()
         tracker = link.trackers[retry]
         gap = tracker.handed(start, count, server_acked)
         if gap is not None:
@@ -544,10 +554,8 @@ class ConsumerCore:
 
     def pull_failed(self, name: str, *, retry: bool = False) -> int:
         """A pull got no answer or a refusal worth retrying; returns the backoff in ms."""
-        link = self.links[name]
-        link.failures[retry] += 1
         self._pull_failures += 1
-        return link.backoff_ms(retry)
+        return self.links[name].backoffs[retry].next_delay_ms()
 
     # -- settling -------------------------------------------------------------
 

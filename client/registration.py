@@ -32,6 +32,7 @@ from typing import Any
 
 import trio
 
+from delaymq.protocol.backoff import Backoff, BackoffRun, RandomSource
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError, RemoteProtocolError
 from delaymq.protocol.routes import REGISTER_FIRST, SUPERSEDED, ServerKind
@@ -151,6 +152,7 @@ async def run_registration(
     clock: Clock,
     interval_ms: int | None = None,
     backoff_initial_ms: int = 100,
+    random: RandomSource | None = None,
     task_status: trio.TaskStatus[Registration] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Keep this server registered until cancelled.
@@ -161,7 +163,9 @@ async def run_registration(
     metaserver that is down must not keep a server from starting); a first
     attempt the metaserver refuses raises ``RegistrationRefused``. Several
     ``meta_address``es are tried in turn while one is unreachable. Without an
-    ``incarnation`` in ``info``, a new one is drawn for this run.
+    ``incarnation`` in ``info``, a new one is drawn for this run. Failed attempts
+    are retried after a backoff growing from ``backoff_initial_ms`` up to the
+    heartbeat interval, jittered by ``random`` (tests fix it).
     """
     addresses = [meta_address] if isinstance(meta_address, str) else list(meta_address)
     if not addresses:
@@ -175,7 +179,7 @@ async def run_registration(
     current = 0
     register = True
     started = False
-    backoff_ms = 0
+    backoff = BackoffRun(_retry_policy(backoff_initial_ms, registration.heartbeat_interval_ms), random=random)
     outage_since: int | None = None
     refused: str | None = None
     while True:
@@ -202,8 +206,7 @@ async def run_registration(
                 refused = reason
                 log.error("metaserver %s refused %s of %s: %s", address, command.name, where, reason)
             register = True
-            backoff_ms = min(interval, max(backoff_initial_ms, backoff_ms * 2))
-            next_at = clock.monotonic_ms() + backoff_ms
+            next_at = clock.monotonic_ms() + _next_backoff_ms(backoff, backoff_initial_ms, interval)
         except (TransportError, RemoteProtocolError) as error:
             registration._failures += 1
             registration.registered = False
@@ -214,8 +217,7 @@ async def run_registration(
                 log.warning("metaserver %s unreachable (%s); %s keeps retrying with backoff", address, error, where)
             register = True  # it may come back without its data: REGISTER says everything
             current = (current + 1) % len(addresses)
-            backoff_ms = min(interval, max(backoff_initial_ms, backoff_ms * 2))
-            next_at = now + backoff_ms
+            next_at = now + _next_backoff_ms(backoff, backoff_initial_ms, interval)
         else:
             if outage_since is not None:
                 log.info(
@@ -236,11 +238,28 @@ async def run_registration(
             outage_since = None
             refused = None
             register = False
-            backoff_ms = 0
+            backoff.reset()
         if not started:
             started = True
             task_status.started(registration)
         await clock.sleep_ms(next_at - clock.monotonic_ms())
+
+
+def _retry_policy(initial_ms: int, interval_ms: int) -> Backoff:
+    """The retry policy of a registration: from ``initial_ms`` up to the heartbeat interval.
+
+    "Equal" jitter: a wait is at least half its ceiling, so a server never retries
+    in a tight loop against a metaserver that is down, while the servers that lost
+    it together do not all come back to it at the same moment.
+    """
+    return Backoff(initial_ms=min(initial_ms, interval_ms), maximum_ms=interval_ms, jitter="equal")
+
+
+def _next_backoff_ms(backoff: BackoffRun, initial_ms: int, interval_ms: int) -> int:
+    """Count a failure; the wait before the next attempt (the metaserver may have named a new interval)."""
+    if backoff.policy.maximum_ms != interval_ms:
+        backoff.policy = _retry_policy(initial_ms, interval_ms)
+    return backoff.next_delay_ms()
 
 
 def software_version() -> str:

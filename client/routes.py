@@ -263,6 +263,11 @@ class RouteTable:
             selector.update_groups(names)
         self.faults.retain(g.group for held in self._held.values() for g in held.answer.groups)
         self._retry_at.pop(key, None)
+        if not names:
+            # Nothing to send to: ask again after meta_retry_ms, not the refresh interval, so a
+            # group that registers (again, say after it was evicted while down) is used at once.
+            self.cache.invalidate(key.kind, subject=key.subject)
+            self._retry_at[key] = now_ms + self.meta_retry_ms
         self._last_failure.pop(key, None)
         self._meta_first = self.meta_addresses.index(address) if address in self.meta_addresses else 0
         self._fetches += 1

@@ -61,11 +61,10 @@ from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import RemoteProtocolError
 from delaymq.protocol.limits import DEFAULT_LIMITS, Limits
 from delaymq.protocol.routes import REGISTER_FIRST, SUPERSEDED
+from delaymq.protocol.serving import serve_frames
 from delaymq.protocol.transport import FrameServer, Handler, Request, ServerStatistics, split_listen
 from delaymq.storage.state import StateStore, pack, unpack
-
-# ``run_inline`` too: tests pass it to ``open_metaserver`` from here.
-from delaymq.storage.threads import RunBlocking, run_in_thread, run_inline  # noqa: F401
+from delaymq.storage.threads import RunBlocking, open_blocking, run_in_thread
 from delaymq.wheel.clock import Clock
 
 log = logging.getLogger(__name__)
@@ -151,7 +150,7 @@ class Metaserver:
         evict_after_ms: int = DEFAULT_EVICT_AFTER_MS,
         heartbeat_interval_ms: int = DEFAULT_HEARTBEAT_INTERVAL_MS,
         limits: Limits = DEFAULT_LIMITS,
-        run_blocking: RunBlocking[Any] = run_in_thread,
+        run_blocking: RunBlocking = run_in_thread,
         check_interval_ms: int = 1_000,
     ) -> None:
         """``evict_after_ms`` and ``heartbeat_interval_ms`` are the registry's own, for STATUS."""
@@ -394,24 +393,24 @@ async def open_metaserver(
     heartbeat_interval_ms: int = DEFAULT_HEARTBEAT_INTERVAL_MS,
     limits: Limits = DEFAULT_LIMITS,
     check_interval_ms: int | None = None,
-    run_blocking: RunBlocking[Any] = run_in_thread,
+    run_blocking: RunBlocking = run_in_thread,
 ) -> AsyncIterator[Metaserver]:
     """A running metaserver; ``.address`` is the bound "host:port".
 
     ``listen=None`` opens no listener: connections are handed to
     ``serve_stream`` (in-memory streams in tests). ``check_interval_ms`` is how
     often evictions are looked for (default: a tenth of ``evict_after_ms``, at
-    most 1 s). ``run_blocking`` runs the store's blocking calls (see
-    ``run_inline``). Raises ``RegistryError`` for a bad configuration or an
-    unreadable snapshot, ``OSError`` when the address cannot be bound.
+    most 1 s). ``run_blocking`` runs the store's blocking calls (default: a worker
+    thread; ``delaymq.storage.threads.run_inline`` for autojump tests). Raises
+    ``RegistryError`` for a bad configuration or an unreadable snapshot,
+    ``OSError`` when the address cannot be bound.
     """
     # Check the configuration before touching the data folder.
     Registry(evict_after_ms=evict_after_ms, heartbeat_interval_ms=heartbeat_interval_ms)
-    host, port = split_listen(listen) if listen is not None else ("", 0)
+    bind = split_listen(listen) if listen is not None else None
     if check_interval_ms is None:
         check_interval_ms = max(1, min(1_000, evict_after_ms // 10))
-    store = await run_blocking(partial(StateStore.open, data_dir))
-    try:
+    async with open_blocking(partial(StateStore.open, data_dir), StateStore.close, run_blocking=run_blocking) as store:
         registry, size = await run_blocking(
             partial(
                 _load,
@@ -441,17 +440,9 @@ async def open_metaserver(
                 size,
                 evict_after_ms / 1000,
             )
-        async with trio.open_nursery() as nursery:
-            await nursery.start(metaserver.run_expiry)
-            if listen is not None:
-                metaserver.address = await nursery.start(metaserver.server.serve, host, port)
-            try:
-                yield metaserver
-            finally:
-                nursery.cancel_scope.cancel()
-    finally:
-        with trio.CancelScope(shield=True):
-            await run_blocking(store.close)
+        async with serve_frames(metaserver.server, bind=bind, tasks=[metaserver.run_expiry]) as address:
+            metaserver.address = address or None  # None: no listener
+            yield metaserver
 
 
 __all__ = [

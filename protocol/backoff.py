@@ -1,7 +1,8 @@
 """Exponential backoff with jitter: how long to wait before the next retry.
 
-One sans-IO policy for every retry loop (a producer's sends, connects, a
-consumer's pulls, the scheduler's deliveries). ``Backoff`` is the policy: the
+One sans-IO policy for every retry loop (a producer's route calls, connects to
+a peer, a consumer's pulls, the scheduler's deliveries, a server's registration
+with the metaserver, the realtime index). ``Backoff`` is the policy: the
 wait before retry *n* grows from ``initial_ms`` by ``multiplier`` up to
 ``maximum_ms``, then jitter spreads it so clients that failed together do not
 all come back at the same moment (AWS's "Exponential Backoff and Jitter"):
@@ -23,7 +24,7 @@ Example::
         try:
             return attempt()
         except Retryable:
-            await clock.sleep_until_ms(clock.now_ms() + run.next_delay_ms())
+            await clock.sleep_ms(run.next_delay_ms())  # an interval of the monotonic clock
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 import trio
 
+from delaymq.protocol.backoff import Backoff, BackoffRun, RandomSource
 from delaymq.protocol.commands import command_name
 from delaymq.protocol.connections import (
     Admitted,
@@ -705,27 +706,40 @@ class AsyncCaller(Protocol):
 class ConnectBackoff:
     """After a failed connect, how long a peer is left alone, per address.
 
-    The delay doubles from ``initial`` up to ``maximum`` seconds and is forgotten
-    on a connect. Sans-IO (fed the time in seconds).
+    The wait grows from ``initial`` up to ``maximum`` seconds under the one
+    ``Backoff`` policy and is forgotten on a connect. Sans-IO (fed the time in
+    seconds on trio's clock); ``random`` is the jitter's source (tests fix it).
     """
 
-    __slots__ = ("initial", "maximum", "_waits")
+    __slots__ = ("policy", "_random", "_waits")
 
-    def __init__(self, initial: float, maximum: float) -> None:
-        self.initial = initial
-        self.maximum = maximum
-        self._waits: dict[str, tuple[float, float]] = {}  # address -> (retry at, current delay)
+    def __init__(self, initial: float, maximum: float, *, random: RandomSource | None = None) -> None:
+        if not 0 <= initial <= maximum:
+            raise ValueError(
+                f"connect backoff: initial ({initial} s) must be 0 or more and at most maximum ({maximum} s)"
+            )
+        # "equal" jitter: each wait is at least half its ceiling, so the callers of a
+        # dead peer never redial it in a tight loop, while the clients of a server
+        # that went down still come back to it spread out, not all at once.
+        self.policy = Backoff(initial_ms=round(initial * 1000), maximum_ms=round(maximum * 1000), jitter="equal")
+        self._random = random
+        self._waits: dict[str, tuple[float, BackoffRun]] = {}  # address -> (retry at, its run of failures)
+
+    def retry_at(self, address: str) -> float | None:
+        """When ``address`` may be dialled again after its last failed connect; None: it has not failed."""
+        wait = self._waits.get(address)
+        return None if wait is None else wait[0]
 
     def check(self, address: str, now: float) -> None:
         """``PeerUnavailable`` while ``address`` is in its backoff."""
-        wait = self._waits.get(address)
-        if wait is not None and now < wait[0]:
-            raise PeerUnavailable(f"{address} is unreachable; next attempt in {wait[0] - now:.2f} s", address=address)
+        at = self.retry_at(address)
+        if at is not None and now < at:
+            raise PeerUnavailable(f"{address} is unreachable; next attempt in {at - now:.2f} s", address=address)
 
     def failed(self, address: str, now: float) -> None:
-        _, delay = self._waits.get(address, (0.0, 0.0))
-        delay = min(self.maximum, max(self.initial, delay * 2))
-        self._waits[address] = (now + delay, delay)
+        wait = self._waits.get(address)
+        run = wait[1] if wait is not None else BackoffRun(self.policy, random=self._random)
+        self._waits[address] = (now + run.next_delay_ms() / 1000, run)
 
     def connected(self, address: str) -> None:
         self._waits.pop(address, None)

@@ -34,6 +34,7 @@ import logging
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import trio
@@ -47,6 +48,7 @@ from delaymq.storage.errors import StorageError, describe
 from delaymq.storage.folder import fsync_directory
 from delaymq.storage.log import SegmentedLog
 from delaymq.storage.state import StateStore, pack, unpack
+from delaymq.storage.threads import RunBlocking
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +226,9 @@ class Committer:
         done: Callable[[Snapshot], None],
         failed: Callable[[Snapshot], None],
         interval_ms: int,
+        run_blocking: RunBlocking,
     ) -> None:
+        self._run_blocking = run_blocking
         self._take = take
         self._write = write
         self._done = done
@@ -268,7 +272,7 @@ class Committer:
                 if not snapshot.empty():
                     # Not cancellable: once taken, a snapshot is written or restored.
                     with trio.CancelScope(shield=True):
-                        await trio.to_thread.run_sync(self._write, snapshot)
+                        await self._run_blocking(partial(self._write, snapshot))
                     self.commits += 1
                     if self._failing:
                         log.info("realtime checkpoint written again after %d failure(s)", self._failing)

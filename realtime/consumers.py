@@ -2,8 +2,8 @@
 
 A consumer (of one group, for one subject) is in memory while it is alive or
 holds hand-outs; otherwise its state waits in lmdb and is loaded on its next
-request (a PULL creates it if lmdb has none). Loads run in a worker thread, one
-per consumer at a time: a second request for the same consumer waits for the
+request (a PULL creates it if lmdb has none). Loads run in a worker thread
+(``run_blocking``), one per consumer at a time: a second request for the same consumer waits for the
 first load instead of starting another. Each consumer's pull log file records
 the consume-log sequences it was handed; the pull logs written since the last
 checkpoint are fsynced by the next one.
@@ -27,6 +27,7 @@ from delaymq.realtime.redelivery import RedeliverySweeper
 from delaymq.realtime.requests import PullRequest
 from delaymq.storage.errors import storage_refusal
 from delaymq.storage.state import StateStore
+from delaymq.storage.threads import RunBlocking
 from delaymq.wheel.clock import Clock
 
 
@@ -47,8 +48,10 @@ class Consumers:
         pull_dir: Path,
         clock: Clock,
         sweeper: RedeliverySweeper,
+        run_blocking: RunBlocking,
     ) -> None:
         self._groups = groups
+        self._run_blocking = run_blocking
         self._indexer = indexer
         self._store = store
         self._pull_dir = pull_dir
@@ -106,7 +109,7 @@ class Consumers:
             pull_log.truncate(record["length"])
             return record, pull_log.read(record["acked"], record["length"])
 
-        record, (sequences, redeliveries) = await trio.to_thread.run_sync(load)
+        record, (sequences, redeliveries) = await self._run_blocking(load)
         now = self._clock.monotonic_ms()
         if record is None and create is None:
             return None

@@ -2,7 +2,7 @@
 
 Per request the work is one read of consume-log entries (``pick``: given-back
 entries first, then new ones, by tag bitmask) and one read of the records in a
-worker thread (a record that does not check, in a damaged message log, is
+worker thread (``run_blocking``) (a record that does not check, in a damaged message log, is
 left out and logged). With nothing to hand out the pull parks on its subject
 until an entry arrives or is given back, or its ``timeout_ms`` passes; a
 consumer in a long poll counts as alive. What is handed out goes into the
@@ -13,6 +13,7 @@ is due back by the ack timeout.
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any
 
 import trio
@@ -28,6 +29,7 @@ from delaymq.realtime.parked import ParkedPulls
 from delaymq.realtime.redelivery import RedeliverySweeper
 from delaymq.realtime.requests import parse_pull
 from delaymq.storage.log import SegmentedLog
+from delaymq.storage.threads import RunBlocking
 from delaymq.wheel.clock import Clock
 
 log = logging.getLogger(__name__)
@@ -47,8 +49,10 @@ class PullHandler:
         message_log: SegmentedLog,
         clock: Clock,
         limits: Limits,
+        run_blocking: RunBlocking,
     ) -> None:
         self._consumers = consumers
+        self._run_blocking = run_blocking
         self._groups = groups
         self._indexer = indexer
         self._parked = parked
@@ -90,7 +94,7 @@ class PullHandler:
         # In the pull log before the answer: after a crash, recovery knows what went out.
         start = self._consumers.record_pull(consumer, picked, now)
         self._sweeper.poke()
-        kept, body, bad = await trio.to_thread.run_sync(read_intact, self._log, picked)
+        kept, body, bad = await self._run_blocking(partial(read_intact, self._log, picked))
         if bad:
             log.warning(
                 "realtime: group %r on %r: %d record(s) at message-log offsets %s do not check "

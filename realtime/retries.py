@@ -14,6 +14,7 @@ scheduler to take them they go back to the group at once.
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import trio
 
@@ -30,6 +31,7 @@ from delaymq.realtime.index import REPLAY_LIMITS, Indexer
 from delaymq.realtime.requests import AckRequest
 from delaymq.realtime.send import SendHandler
 from delaymq.storage.log import SegmentedLog
+from delaymq.storage.threads import RunBlocking
 from delaymq.wheel.clock import Clock
 
 log = logging.getLogger(__name__)
@@ -64,9 +66,17 @@ class Retries:
     """Places the messages of a NACK's claim: with a scheduler, or in this server's log."""
 
     def __init__(
-        self, *, groups: Groups, indexer: Indexer, message_log: SegmentedLog, sender: SendHandler, clock: Clock
+        self,
+        *,
+        groups: Groups,
+        indexer: Indexer,
+        message_log: SegmentedLog,
+        sender: SendHandler,
+        clock: Clock,
+        run_blocking: RunBlocking,
     ) -> None:
         self._groups = groups
+        self._run_blocking = run_blocking
         self._indexer = indexer
         self._log = message_log
         self._sender = sender
@@ -118,7 +128,7 @@ class Retries:
         for sequence, redeliveries in claim.entries:
             entry = consume_log.entry(sequence)
             picked.append((sequence, redeliveries, entry.offset, entry.size))
-        return await trio.to_thread.run_sync(read_records, self._log, picked)
+        return await self._run_blocking(partial(read_records, self._log, picked))
 
     async def _schedule(self, body: bytes, count: int, subject: str) -> bool:
         """Hand retries to a scheduler; False (logged) when none took them."""

@@ -16,6 +16,7 @@ now waits for that append: it is a duplicate only once the first is stored.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import trio
@@ -28,6 +29,7 @@ from delaymq.realtime.dedup import DedupWindow, dedup_keys
 from delaymq.realtime.index import Indexer, batch_items
 from delaymq.storage.errors import StorageError, storage_refusal
 from delaymq.storage.state import StateStore
+from delaymq.storage.threads import RunBlocking
 from delaymq.storage.writer import LogWriter
 from delaymq.wheel.clock import Clock
 
@@ -36,9 +38,17 @@ class SendHandler:
     """Answers SEND, and stores checked batches for the rest of the server (``append``)."""
 
     def __init__(
-        self, *, clock: Clock, limits: Limits, store: StateStore, indexer: Indexer, dedup: DedupWindow
+        self,
+        *,
+        clock: Clock,
+        limits: Limits,
+        store: StateStore,
+        indexer: Indexer,
+        dedup: DedupWindow,
+        run_blocking: RunBlocking,
     ) -> None:
         self._clock = clock
+        self._run_blocking = run_blocking
         self._limits = limits
         self._store = store
         self._indexer = indexer
@@ -65,8 +75,8 @@ class SendHandler:
             unsure = dedup.to_look_up(ids, now)
             stored: set[str] = set()
             if unsure:
-                stored = await trio.to_thread.run_sync(
-                    dedup_store.lookup_stored, self._store, unsure, now - dedup.window_ms
+                stored = await self._run_blocking(
+                    partial(dedup_store.lookup_stored, self._store, unsure, now - dedup.window_ms)
                 )
                 now = self._clock.now_ms()
             busy = next((appending[i] for i in ids if i in appending), None) if appending else None

@@ -2,8 +2,10 @@
 
 ``open_realtime_server`` opens the data folder (``recovery.open_storage``),
 catches the consume logs up with the message log, then serves until its block
-ends. Start-up and shutdown order follow the nesting: the log writer outlives
-the handlers, and a last checkpoint is written after both.
+ends (``delaymq.protocol.serving``). Start-up and shutdown order follow the
+nesting: the log writer outlives the handlers, and a last checkpoint is written
+after both. Every blocking call (fsync, lmdb, reads) goes through the
+``run_blocking`` it is given.
 
 ``RealtimeServer`` puts the parts together, each in a module of its own:
 
@@ -32,6 +34,7 @@ from delaymq.client.routes import RouteClient, meta_addresses
 from delaymq.protocol.commands import Command
 from delaymq.protocol.limits import DEFAULT_LIMITS, Limits
 from delaymq.protocol.routes import ServerKind
+from delaymq.protocol.serving import serve_frames
 from delaymq.protocol.transport import FrameServer, Peers, split_listen
 from delaymq.realtime.acks import AckHandler
 from delaymq.realtime.checkpoint import Committer, Snapshot, encode_consumer, encode_share, write_snapshot
@@ -47,6 +50,7 @@ from delaymq.realtime.retries import Retries
 from delaymq.realtime.send import SendHandler
 from delaymq.storage.log import DEFAULT_SEGMENT_SIZE, SegmentedLog, check_max_record
 from delaymq.storage.state import StateStore
+from delaymq.storage.threads import RunBlocking, open_blocking, run_in_thread
 from delaymq.storage.writer import FlushPolicy, open_log_writer
 from delaymq.wheel.clock import Clock
 
@@ -98,6 +102,7 @@ class RealtimeServer:
         pull_dir: Path,
         consume_dir: Path,
         dedup_buckets: list[int],
+        run_blocking: RunBlocking,
         checkpoint_interval_ms: int = 1000,
     ) -> None:
         self.group = group
@@ -117,7 +122,13 @@ class RealtimeServer:
         self.parked = ParkedPulls()
         self.sweeper = RedeliverySweeper(groups=groups, clock=clock, parked=self.parked)
         self.consumers = Consumers(
-            groups=groups, indexer=indexer, store=store, pull_dir=pull_dir, clock=clock, sweeper=self.sweeper
+            groups=groups,
+            indexer=indexer,
+            store=store,
+            pull_dir=pull_dir,
+            clock=clock,
+            sweeper=self.sweeper,
+            run_blocking=run_blocking,
         )
         self.committer = Committer(
             take=self._take_snapshot,
@@ -125,8 +136,11 @@ class RealtimeServer:
             done=self._snapshot_done,
             failed=self._snapshot_failed,
             interval_ms=checkpoint_interval_ms,
+            run_blocking=run_blocking,
         )
-        self.send_handler = SendHandler(clock=clock, limits=limits, store=store, indexer=indexer, dedup=dedup)
+        self.send_handler = SendHandler(
+            clock=clock, limits=limits, store=store, indexer=indexer, dedup=dedup, run_blocking=run_blocking
+        )
         self.pull_handler = PullHandler(
             consumers=self.consumers,
             groups=groups,
@@ -136,9 +150,15 @@ class RealtimeServer:
             message_log=message_log,
             clock=clock,
             limits=limits,
+            run_blocking=run_blocking,
         )
         self.retries = Retries(
-            groups=groups, indexer=indexer, message_log=message_log, sender=self.send_handler, clock=clock
+            groups=groups,
+            indexer=indexer,
+            message_log=message_log,
+            sender=self.send_handler,
+            clock=clock,
+            run_blocking=run_blocking,
         )
         self.ack_handler = AckHandler(
             consumers=self.consumers,
@@ -274,6 +294,7 @@ async def open_realtime_server(
     consumer_timeout_ms: int = 30_000,
     checkpoint_interval_ms: int = 1000,
     segment_size: int = DEFAULT_SEGMENT_SIZE,
+    run_blocking: RunBlocking = run_in_thread,
 ) -> AsyncIterator[RealtimeServer]:
     """Open the data folder, catch up, serve on ``listen`` until the block ends.
 
@@ -282,21 +303,26 @@ async def open_realtime_server(
     ``meta_address`` (one or several) registers the server with a metaserver as
     ``advertise_address`` (default: the bound address, ``server.address``);
     ``server.registration`` then holds the metaserver's latest word.
+    ``run_blocking`` runs the disk work (default: a worker thread; ``run_inline``
+    for autojump tests).
     """
     check_max_record(limits.max_record)
     if checkpoint_interval_ms <= 0:
         raise ValueError(f"checkpoint_interval_ms must be positive, got {checkpoint_interval_ms}")
-    host, port = split_listen(listen)
+    bind = split_listen(listen)
     root = Path(data_dir)
     groups = Groups(ack_timeout_ms=ack_timeout_ms, consumer_timeout_ms=consumer_timeout_ms)
     start_ms = clock.now_ms()
     dedup = DedupWindow(window_ms=dedup_window_ms, memory_ids=dedup_memory_ids, covers_from=start_ms)
 
-    storage = await trio.to_thread.run_sync(partial(open_storage, root, segment_size=segment_size))
-    message_log = storage.message_log
-    indexer: Indexer | None = None
-    try:
-        recovered, dedup_buckets, in_flight = await trio.to_thread.run_sync(
+    indexer: Indexer | None = None  # known once recovered; closed with the storage (read at close time)
+    async with open_blocking(
+        partial(open_storage, root, segment_size=segment_size),
+        lambda storage: storage.close(indexer),
+        run_blocking=run_blocking,
+    ) as storage:
+        message_log = storage.message_log
+        recovered, dedup_buckets, in_flight = await run_blocking(
             lambda: recover(
                 message_log=message_log,
                 store=storage.store,
@@ -308,7 +334,7 @@ async def open_realtime_server(
                 found=storage.found,
             )
         )
-        indexer = recovered  # known from here on: closed below if start-up fails
+        indexer = recovered
         server = RealtimeServer(
             group=group,
             clock=clock,
@@ -321,48 +347,57 @@ async def open_realtime_server(
             pull_dir=storage.pull_folder.path,
             consume_dir=storage.consume_folder.path,
             dedup_buckets=dedup_buckets,
+            run_blocking=run_blocking,
             checkpoint_interval_ms=checkpoint_interval_ms,
         )
         now = clock.monotonic_ms()  # the groups' timeouts are intervals: a wall-clock step must not fire them
         for consumer, pull_log in in_flight:
             server.consumers.adopt(consumer, pull_log, now)
+
+        async def register(nursery: trio.Nursery, address: str) -> None:
+            """Retries go to a scheduler the metaserver routes to; the server registers with it."""
+            assert meta_address is not None
+            server.scheduler_routes = RouteClient(
+                Peers(nursery, limits=limits), meta_addresses(meta_address), clock=clock
+            )
+            server.registration = await start_registration(
+                nursery,
+                Peers(nursery),
+                group=group,
+                kind=ServerKind.REALTIME,
+                address=address,
+                meta_address=meta_address,
+                clock=clock,
+            )
+
         body_error: Exception | None = None
-        async with open_log_writer(message_log, flush=flush) as writer:
+        async with open_log_writer(message_log, flush=flush, run_blocking=run_blocking) as writer:
             server.send_handler.writer = writer
-            async with trio.open_nursery() as nursery:
-                server._life = nursery.cancel_scope
-                await nursery.start(server.committer.run)
-                await nursery.start(server.sweeper.run)
-                await nursery.start(partial(recovered.run, clock=clock))  # retries a stalled index step
-                server.address = await nursery.start(server.frame_server.serve, host, port)
-                if meta_address is not None:
-                    server.scheduler_routes = RouteClient(
-                        Peers(nursery, limits=limits), meta_addresses(meta_address), clock=clock
-                    )
-                    server.registration = await start_registration(
-                        nursery,
-                        Peers(nursery),
-                        group=group,
-                        kind=ServerKind.REALTIME,
-                        address=advertise_address or server.address,
-                        meta_address=meta_address,
-                        clock=clock,
-                    )
-                log.info("realtime server %s serving on %s (data %s)", group, server.address, root)
-                try:
-                    yield server
-                except Exception as error:
-                    body_error = error  # raised below, not inside an ExceptionGroup
-                finally:
-                    nursery.cancel_scope.cancel()
+            # The crash scope sits inside the writer: a SEND's shielded append still gets its answer.
+            with trio.CancelScope() as life:
+                server._life = life
+                async with serve_frames(
+                    server.frame_server,
+                    bind=bind,
+                    advertise_address=advertise_address,
+                    tasks=[
+                        server.committer.run,
+                        server.sweeper.run,
+                        partial(recovered.run, clock=clock),  # retries a stalled index step
+                    ],
+                    register=register if meta_address is not None else None,
+                ) as address:
+                    server.address = address
+                    log.info("realtime server %s serving on %s (data %s)", group, server.address, root)
+                    try:
+                        yield server
+                    except Exception as error:
+                        body_error = error  # raised after the last checkpoint
         if not server.crashed:
             with trio.CancelScope(shield=True):
                 await server.committer.commit_now()
         if body_error is not None:
             raise body_error
-    finally:
-        with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(storage.close, indexer)
 
 
 __all__ = ["RealtimeServer", "RealtimeStatistics", "open_realtime_server"]

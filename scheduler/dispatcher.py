@@ -13,7 +13,7 @@ every disk read or write runs through ``run_blocking`` (a worker thread):
   (``dispatch_batch`` records, ``dispatch_bytes`` bytes) through ``deliver`` (SEND
   on the ``scheduler-delivery`` route: a realtime group for the subject, other groups
   tried per call). A failed batch stays at the head of its lane and is retried with
-  a doubling backoff (capped; an interval of the monotonic clock), logged once per
+  a growing backoff with jitter (capped; an interval of the monotonic clock), logged once per
   outage: nothing is dropped and order within a subject holds. A batch is never sent
   before the wall clock reads its messages' ``deliver_at``, even if the clock stepped
   back after they fired;
@@ -32,22 +32,21 @@ from collections.abc import Awaitable, Callable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, TypeVar
 
 import trio
 
+from delaymq.protocol.backoff import Backoff, BackoffRun, RandomSource
 from delaymq.protocol.records import record_subject
 from delaymq.scheduler.alarm import Alarm
 from delaymq.scheduler.delayindex import Heads
 from delaymq.scheduler.hourlog import HourLog
 from delaymq.scheduler.schedulelog import ScheduleStore
 from delaymq.scheduler.wheelset import Due, Load, WheelSet
+from delaymq.storage.threads import RunBlocking
 from delaymq.wheel.clock import Clock
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-RunBlocking = Callable[[Callable[[], T]], Awaitable[T]]
 #: Hands one batch (records end to end) of one subject to a realtime server; returns
 #: the per-record results once accepted, raises when it was not.
 Deliver = Callable[[str, bytes], Awaitable[list[str]]]
@@ -99,13 +98,14 @@ class Dispatcher:
         wheels: WheelSet,
         deliver: Deliver,
         clock: Clock,
-        run_blocking: RunBlocking[Any],
+        run_blocking: RunBlocking,
         dispatch_batch: int = DEFAULT_DISPATCH_BATCH,
         dispatch_bytes: int = DEFAULT_DISPATCH_BYTES,
         max_cached_bytes: int = DEFAULT_MAX_CACHED_BYTES,
         max_sends: int = DEFAULT_MAX_SENDS,
         backoff_ms: int = DEFAULT_BACKOFF_MS,
         max_backoff_ms: int = DEFAULT_MAX_BACKOFF_MS,
+        random: RandomSource | None = None,
     ) -> None:
         for name, value in (
             ("dispatch_batch", dispatch_batch),
@@ -126,8 +126,11 @@ class Dispatcher:
         self._batch_bytes = dispatch_bytes
         self._max_cached_bytes = max_cached_bytes
         self._sends = trio.CapacityLimiter(max_sends)
-        self._backoff_ms = backoff_ms
-        self._max_backoff_ms = max_backoff_ms
+        # "equal" jitter: a lane's retry waits at least half its ceiling (never a tight
+        # loop against a realtime server that is down), while the lanes that failed
+        # together come back spread out. ``random`` is its source (tests fix it).
+        self._backoff = Backoff(initial_ms=backoff_ms, maximum_ms=max_backoff_ms, jitter="equal")
+        self._random = random
         self.load_alarm = Alarm(clock)
         self.fire_alarm = Alarm(clock)
         self._confirm_alarm = Alarm(clock)
@@ -324,7 +327,7 @@ class Dispatcher:
     async def _run_lane(self, lane: _Lane) -> None:
         """Send the lane's records in order until it is empty; retry failures, never drop."""
         items = lane.items
-        backoff = self._backoff_ms
+        backoff = BackoffRun(self._backoff, random=self._random)
         try:
             while items:
                 batch: list[tuple[int, int, int, bytes]] = []
@@ -352,12 +355,12 @@ class Dispatcher:
                         raise ValueError(f"realtime answered {len(results)} results for {count} records")
                 except Exception as error:  # anything: the batch stays and is sent again
                     self._send_failed(lane, error)
-                    await self._clock.sleep_ms(backoff)  # an interval: a wall-clock step must not stretch it
-                    backoff = min(backoff * 2, self._max_backoff_ms)
+                    # An interval: a wall-clock step must not stretch it.
+                    await self._clock.sleep_ms(backoff.next_delay_ms())
                     continue
                 for _ in range(count):
                     items.popleft()
-                backoff = self._backoff_ms
+                backoff.reset()
                 self._accepted(batch)
                 self._send_succeeded(lane)
         finally:
@@ -396,7 +399,7 @@ class Dispatcher:
                 lane.name,
                 type(error).__name__,
                 error,
-                self._max_backoff_ms,
+                self._backoff.maximum_ms,
             )
         else:
             log.debug("delivery of subject %r failed again: %s", lane.name, error)
@@ -475,5 +478,4 @@ __all__ = [
     "Deliver",
     "Dispatcher",
     "DispatcherStatistics",
-    "RunBlocking",
 ]

@@ -10,7 +10,7 @@ journal in one lmdb transaction, then the heads tables.
 
 Idempotent: a crash anywhere in a step leaves the checkpoint where it was; the next
 step reads the same records again and the store skips each one its hour already
-holds. Blocking: the server runs steps in ``trio.to_thread.run_sync``, one at a time.
+holds. Blocking: the server runs steps through its ``run_blocking``, one at a time.
 """
 
 from __future__ import annotations

@@ -40,9 +40,10 @@ from delaymq.protocol.errors import RemoteProtocolError
 from delaymq.protocol.limits import DEFAULT_LIMITS, Limits
 from delaymq.protocol.records import rewrite_delivery, scan_batch
 from delaymq.protocol.routes import ServerKind
+from delaymq.protocol.serving import serve_frames
 from delaymq.protocol.transport import AsyncCaller, FrameServer, Request, open_peers, split_listen
 from delaymq.scheduler.alarm import Alarm
-from delaymq.scheduler.dispatcher import DEFAULT_DISPATCH_BATCH, Deliver, Dispatcher, RunBlocking
+from delaymq.scheduler.dispatcher import DEFAULT_DISPATCH_BATCH, Deliver, Dispatcher
 from delaymq.scheduler.hours import DEFAULT_RETENTION_MS, MAX_DELIVER_AT, ScheduleError, hour_name
 from delaymq.scheduler.replay import DEFAULT_STEP_BYTES, replay_step, replay_until_caught_up
 from delaymq.scheduler.schedulelog import ScheduleStore
@@ -51,7 +52,7 @@ from delaymq.scheduler.wheelset import DEFAULT_HOUR_PRELOAD_MS, DEFAULT_LOAD_AHE
 from delaymq.storage.errors import StorageError, storage_refusal
 from delaymq.storage.log import DEFAULT_SEGMENT_SIZE, SegmentedLog, check_max_record
 from delaymq.storage.state import StateStore
-from delaymq.storage.threads import run_in_thread
+from delaymq.storage.threads import RunBlocking, open_blocking, run_in_thread
 from delaymq.storage.writer import FlushPolicy, LogWriter, open_log_writer
 from delaymq.wheel.clock import Clock
 
@@ -77,7 +78,7 @@ class Scheduler:
         store: ScheduleStore,
         wheels: WheelSet,
         dispatcher: Dispatcher,
-        run_blocking: RunBlocking[Any],
+        run_blocking: RunBlocking,
         retention_ms: int,
         cleanup_interval_ms: int,
         pending: int,
@@ -303,7 +304,7 @@ async def open_scheduler(
     replay_bytes: int = DEFAULT_STEP_BYTES,
     send_timeout: float = 10.0,
     segment_size: int = DEFAULT_SEGMENT_SIZE,
-    run_blocking: RunBlocking[Any] = run_in_thread,
+    run_blocking: RunBlocking = run_in_thread,
     peers: AsyncCaller | None = None,
 ) -> AsyncIterator[Scheduler]:
     """Open the data folder, catch up, schedule and dispatch until the block ends.
@@ -326,14 +327,15 @@ async def open_scheduler(
         raise ValueError(f"send_timeout must be positive, got {send_timeout}")
     if replay_bytes < 1:
         raise ValueError(f"replay_bytes must be at least 1, got {replay_bytes}")
-    host, port = split_listen(listen) if listen is not None else ("", 0)
+    bind = split_listen(listen) if listen is not None else None
     if listen is None and meta_address is not None and advertise_address is None:
         raise ValueError("listen=None with a meta_address needs an advertise_address to register")
     # Check the wheel settings before touching the data folder.
     WheelSet(load_ahead_ms=load_ahead_ms, hour_preload_ms=hour_preload_ms, max_loaded=max_loaded)
     root = Path(data_dir)
-    message_log, state, store = await run_blocking(partial(_open_storage, root, segment_size))
-    try:
+    async with open_blocking(
+        partial(_open_storage, root, segment_size), lambda opened: _close_storage(*opened), run_blocking=run_blocking
+    ) as (message_log, _state, store):
         hours, pending = await run_blocking(partial(_catch_up, message_log, store))
         wheels = WheelSet(hours, load_ahead_ms=load_ahead_ms, hour_preload_ms=hour_preload_ms, max_loaded=max_loaded)
         async with AsyncExitStack() as stack:
@@ -366,41 +368,34 @@ async def open_scheduler(
                     "scheduler %s: %d message(s) to deliver in %d hour(s), from %s", group, pending, len(hours),
                     hour_name(hours[0]),
                 )  # fmt: skip
-            body_error: Exception | None = None
+
+            async def register(nursery: trio.Nursery, address: str) -> None:
+                assert meta_address is not None
+                scheduler.registration = await start_registration(
+                    nursery,
+                    peers,
+                    group=group,
+                    kind=ServerKind.SCHEDULER,
+                    address=address,
+                    meta_address=meta_address,
+                    clock=clock,
+                )
+
+            # The crash scope holds the writer too: nothing more is written on the way out.
             with trio.CancelScope() as life:
                 scheduler._life = life
-                async with open_log_writer(message_log, flush=flush) as writer:
+                async with open_log_writer(message_log, flush=flush, run_blocking=run_blocking) as writer:
                     scheduler._writer = writer
-                    async with trio.open_nursery() as nursery:
-                        await nursery.start(scheduler.dispatcher.run)
-                        await nursery.start(scheduler._replay_loop)
-                        await nursery.start(scheduler._cleanup_loop)
-                        if listen is not None:
-                            scheduler.address = await nursery.start(scheduler.frame_server.serve, host, port)
-                        else:
-                            scheduler.address = advertise_address or ""
-                        if meta_address is not None:
-                            scheduler.registration = await start_registration(
-                                nursery,
-                                peers,
-                                group=group,
-                                kind=ServerKind.SCHEDULER,
-                                address=advertise_address or scheduler.address,
-                                meta_address=meta_address,
-                                clock=clock,
-                            )
+                    async with serve_frames(
+                        scheduler.frame_server,
+                        bind=bind,
+                        advertise_address=advertise_address,
+                        tasks=[scheduler.dispatcher.run, scheduler._replay_loop, scheduler._cleanup_loop],
+                        register=register if meta_address is not None else None,
+                    ) as address:
+                        scheduler.address = address
                         log.info("scheduler %s serving on %s (data %s)", group, scheduler.address or "-", root)
-                        try:
-                            yield scheduler
-                        except Exception as error:
-                            body_error = error  # raised below, not inside an ExceptionGroup
-                        finally:
-                            nursery.cancel_scope.cancel()
-            if body_error is not None:
-                raise body_error
-    finally:
-        with trio.CancelScope(shield=True):
-            await run_blocking(partial(_close_storage, message_log, state, store))
+                        yield scheduler
 
 
 def _delivery(

@@ -16,8 +16,9 @@ reopened or its owner cuts the unflushed tail (``drop_unflushed``).
 Threads: one thread appends and flushes while readers run in others (the event
 loop included). ``end_offset`` moves only after a write has returned, so a reader
 never sees a half-written record; the segment index is replaced, never mutated,
-so a reader's snapshot of it stays consistent. Blocking calls are meant to run in
-``trio.to_thread.run_sync``; ``delaymq.storage.writer`` does that for appends.
+so a reader's snapshot of it stays consistent. Blocking calls are meant to run
+through a ``run_blocking`` (``delaymq.storage.threads``); ``delaymq.storage.writer``
+does that for appends.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ doubling the map size and replaying the batch, so ``MapFullError`` never reaches
 caller. A write the disk cannot take (full, or an I/O error) raises ``StoreIOError``
 with the ``OSError`` behind it; nothing of the batch is written and the store
 stays usable, so the same write succeeds once space is freed.
-Every call blocks; trio code calls it through ``trio.to_thread.run_sync``.
+Every call blocks; trio code calls it through a ``run_blocking`` (``delaymq.storage.threads``).
 """
 
 from __future__ import annotations

@@ -1,24 +1,33 @@
 """Where blocking work (fsync, lmdb, large reads) runs: a worker thread, or inline in tests.
 
-A server that takes a ``run_blocking`` gets ``run_in_thread`` by default, so its
-event loop never waits on the disk; tests under ``autojump_clock`` pass
-``run_inline``.
+Every server, and the log writer, takes a keyword ``run_blocking`` and runs its
+blocking calls only through it: ``run_in_thread`` by default, so its event loop
+never waits on the disk; tests under ``autojump_clock`` pass ``run_inline``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import Protocol, TypeVar
 
 import trio
 
 T = TypeVar("T")
-#: How blocking calls are run: ``run_in_thread`` or ``run_inline``.
-RunBlocking = Callable[[Callable[[], T]], Awaitable[T]]
+
+
+class RunBlocking(Protocol):
+    """How blocking calls are run: ``run_in_thread`` or ``run_inline``."""
+
+    def __call__(self, function: Callable[[], T], /) -> Awaitable[T]: ...
 
 
 async def run_in_thread(function: Callable[[], T]) -> T:
-    """The default ``RunBlocking``: a worker thread, so the event loop never waits on the disk."""
+    """The default ``RunBlocking``: a worker thread, so the event loop never waits on the disk.
+
+    Not abandoned on cancel: a started call finishes, and its caller learns its result.
+    """
     return await trio.to_thread.run_sync(function)
 
 
@@ -33,4 +42,22 @@ async def run_inline(function: Callable[[], T]) -> T:
     return function()
 
 
-__all__ = ["RunBlocking", "run_in_thread", "run_inline"]
+@asynccontextmanager
+async def open_blocking(
+    open_: Callable[[], T], close: Callable[[T], object], *, run_blocking: RunBlocking = run_in_thread
+) -> AsyncIterator[T]:
+    """What ``open_()`` returns, for the block; passed to ``close`` however the block ends.
+
+    Both are blocking calls (a data folder's files and lmdb) run through
+    ``run_blocking``. The close is shielded, so a cancelled server still releases
+    its folder (and the folder's lock) before it returns.
+    """
+    opened = await run_blocking(open_)
+    try:
+        yield opened
+    finally:
+        with trio.CancelScope(shield=True):
+            await run_blocking(partial(close, opened))
+
+
+__all__ = ["RunBlocking", "open_blocking", "run_in_thread", "run_inline"]

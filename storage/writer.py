@@ -2,10 +2,11 @@
 
 Appenders never touch the disk themselves. They join the open *group* (a list of
 batches waiting to be written) and wait; one committer task takes a whole group,
-writes it with one ``pwrite`` in a worker thread and, under the ``sync`` policy,
-fsyncs it in the same thread call before waking every appender of the group. While
-that thread works the next group fills up, so the more appenders arrive together,
-the fewer writes and fsyncs each costs (RocketMQ's GroupCommitService, in one task).
+writes it with one ``pwrite`` in a worker thread (``run_blocking``) and, under the
+``sync`` policy, fsyncs it in the same call before waking every appender of the
+group. While that thread works the next group fills up, so the more appenders
+arrive together, the fewer writes and fsyncs each costs (RocketMQ's
+GroupCommitService, in one task).
 
 Under ``async`` an append returns once written, and a background task fsyncs
 every ``flush_interval_ms`` and once more on close.
@@ -26,6 +27,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 import trio
@@ -33,6 +35,7 @@ import trio
 from delaymq.protocol.envelope import encode
 from delaymq.storage.errors import AppendFailed, LogClosed, RecordTooLarge, StorageError, describe
 from delaymq.storage.log import SegmentedLog
+from delaymq.storage.threads import RunBlocking, run_in_thread
 
 _logger = logging.getLogger(__name__)
 
@@ -73,8 +76,17 @@ class _Group:
 class LogWriter:
     """Appends to a ``SegmentedLog`` from trio tasks. Build it with ``open_log_writer``."""
 
-    def __init__(self, log: SegmentedLog, *, policy: FlushPolicy, flush_interval_ms: int, max_group_bytes: int) -> None:
+    def __init__(
+        self,
+        log: SegmentedLog,
+        *,
+        policy: FlushPolicy,
+        flush_interval_ms: int,
+        max_group_bytes: int,
+        run_blocking: RunBlocking,
+    ) -> None:
         self._log = log
+        self._run_blocking = run_blocking
         self._policy = policy
         self._interval = flush_interval_ms / 1000
         self._max_group_bytes = max_group_bytes
@@ -174,7 +186,7 @@ class LogWriter:
             try:
                 # Not abandoned on cancel: the thread finishes and the group learns
                 # its fate either way.
-                group.base = await trio.to_thread.run_sync(write, data)
+                group.base = await self._run_blocking(partial(write, data))
             except Exception as error:
                 group.error = error
                 self._failed_appends += group.count
@@ -241,7 +253,7 @@ class LogWriter:
         if self._failure is not None or log.flushed_offset >= log.end_offset:
             return
         try:
-            await trio.to_thread.run_sync(log.flush)
+            await self._run_blocking(log.flush)
         except Exception as error:
             self._failure = error
         else:
@@ -259,12 +271,14 @@ async def open_log_writer(
     flush: FlushPolicy = "sync",
     flush_interval_ms: int = 100,
     max_group_bytes: int = DEFAULT_MAX_GROUP_BYTES,
+    run_blocking: RunBlocking = run_in_thread,
 ) -> AsyncIterator[LogWriter]:
     """Run a ``LogWriter`` over ``log`` for the duration of the block.
 
     ``flush="sync"``: each append returns after the fsync covering it (group
     commit). ``flush="async"``: after the write; fsync every ``flush_interval_ms``.
     ``max_group_bytes`` caps one write (a single bigger batch still goes alone).
+    ``run_blocking`` runs the writes and fsyncs (default: a worker thread).
     On exit, waiting appends are written and, under ``async``, flushed. The log
     stays open: its owner closes it.
     """
@@ -274,7 +288,13 @@ async def open_log_writer(
         raise ValueError(f"flush_interval_ms must be positive, got {flush_interval_ms}")
     if max_group_bytes <= 0:
         raise ValueError(f"max_group_bytes must be positive, got {max_group_bytes}")
-    writer = LogWriter(log, policy=flush, flush_interval_ms=flush_interval_ms, max_group_bytes=max_group_bytes)
+    writer = LogWriter(
+        log,
+        policy=flush,
+        flush_interval_ms=flush_interval_ms,
+        max_group_bytes=max_group_bytes,
+        run_blocking=run_blocking,
+    )
     body_error: Exception | None = None
     async with trio.open_nursery() as nursery:
         nursery.start_soon(writer._commit_loop)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import random
 from typing import Any
 
 import pytest
@@ -240,6 +241,31 @@ def test_route_changes_start_and_stop_groups() -> None:
     assert consumer.links["rt2"].address == "127.0.0.1:3"
     assert consumer.statistics().server_groups == ("rt2",)
     assert consumer.update_route([("rt1", "127.0.0.1:1"), ("rt2", "127.0.0.1:3")]) == (["rt1"], [])
+
+
+#: The ceilings of the waits after 1, 2, ... failed pulls in a row: 200 ms doubling to 5 s.
+PULL_CEILINGS_MS = [200, 400, 800, 1_600, 3_200, 5_000, 5_000]
+
+
+def test_consumers_that_lost_a_group_together_pull_it_again_spread_out_never_in_a_tight_loop() -> None:
+    rng = random.Random(5)
+    consumers = [core(random=rng.random) for _ in range(40)]
+    waits = [[consumer.pull_failed("rt1") for _ in PULL_CEILINGS_MS] for consumer in consumers]
+    for n, ceiling in enumerate(PULL_CEILINGS_MS):
+        nth = [each[n] for each in waits]
+        assert all(ceiling // 2 <= wait <= ceiling for wait in nth), (n, nth)  # the floor, the cap
+        assert len(set(nth)) > 20, (n, nth)  # not in lockstep
+    assert consumers[0].statistics().pull_failures == len(PULL_CEILINGS_MS)
+
+
+def test_failed_pulls_wait_at_least_half_the_ceiling_per_subject_and_start_over_on_an_answer() -> None:
+    floor = core(random=lambda: 0.0)
+    assert [floor.pull_failed("rt1") for _ in PULL_CEILINGS_MS] == [c // 2 for c in PULL_CEILINGS_MS]
+    assert floor.pull_failed("rt1", retry=True) == 100  # the retry subject's pulls back off on their own
+    floor.accept_pull("rt1", *answer(0, []), T0)
+    assert floor.pull_failed("rt1") == 100  # an answer starts the backoff over
+    top = core(random=lambda: 1 - 1e-9)
+    assert [top.pull_failed("rt1") for _ in PULL_CEILINGS_MS] == [c - 1 for c in PULL_CEILINGS_MS]
 
 
 def test_pull_requests_say_what_the_consumer_is() -> None:

@@ -22,7 +22,7 @@ import trio.testing
 
 from delaymq.client import BlockingProducer, CallFailed, PeerError, open_consumer, open_producer
 from delaymq.client.routes import CallTimedOut
-from delaymq.metaserver.server import open_metaserver, run_inline
+from delaymq.metaserver.server import open_metaserver
 from delaymq.protocol.commands import Command
 from delaymq.protocol.frames import Frame
 from delaymq.protocol.limits import Limits
@@ -31,6 +31,7 @@ from delaymq.protocol.testing import MemoryNetwork
 from delaymq.protocol.transport import PeerUnavailable
 from delaymq.realtime.server import RealtimeServer, open_realtime_server
 from delaymq.scheduler.server import open_scheduler
+from delaymq.storage.threads import run_inline
 from delaymq.wheel.clock import SystemClock, TrioClock
 
 EPOCH = 1_767_225_600_000
@@ -38,17 +39,6 @@ META = "meta.test:20880"
 REALTIME = "rt1.test:20881"
 SCHEDULER = "sched1.test:20890"
 OUTAGE = 0.8  # seconds the only group is away
-
-
-@pytest.fixture
-def inline_threads(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Blocking calls (fsync, lmdb, reads) inline: a worker thread would let the mock clock jump."""
-
-    async def run_inline_sync(sync_fn: Callable[..., Any], *args: Any, **_options: Any) -> Any:
-        await trio.lowlevel.checkpoint()
-        return sync_fn(*args)
-
-    monkeypatch.setattr(trio.to_thread, "run_sync", run_inline_sync)
 
 
 class Slot:
@@ -116,7 +106,7 @@ async def open_cluster(
         stack.push_async_callback(_stop_all, servers)
         realtime = Slot(servers, network, REALTIME, lambda: open_realtime_server(
             data_dir=tmp_path / "rt1", clock=clock, group="rt1", meta_address=META, advertise_address=REALTIME,
-            limits=limits or Limits(),
+            limits=limits or Limits(), run_blocking=run_inline,
         ))  # fmt: skip
         scheduler = Slot(servers, network, SCHEDULER, lambda: open_scheduler(
             data_dir=tmp_path / "sched1", clock=clock, group="sched1", listen=None, meta_address=META,
@@ -191,7 +181,6 @@ class LosingAnswers:
 # ------------------------------------------------------------------- restarts
 
 
-@pytest.mark.usefixtures("inline_threads")
 @pytest.mark.parametrize("delayed", [False, True], ids=["immediate", "delayed"])
 @pytest.mark.parametrize("batch", [False, True], ids=["send", "send_batch"])
 async def test_a_restart_of_the_only_group_is_invisible_to_the_producer(
@@ -225,7 +214,6 @@ async def test_a_restart_of_the_only_group_is_invisible_to_the_producer(
         assert sorted(await consumed(cluster, "orders", 1 + len(ids))) == sorted([before, *ids])  # each once
 
 
-@pytest.mark.usefixtures("inline_threads")
 @pytest.mark.parametrize("delayed", [False, True], ids=["immediate", "delayed"])
 async def test_a_retry_of_a_stored_batch_whose_answer_was_lost_is_success(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock, delayed: bool
@@ -248,7 +236,6 @@ async def test_a_retry_of_a_stored_batch_whose_answer_was_lost_is_success(
         assert sorted(await consumed(cluster, "orders", 3)) == sorted(m.id for m in [*first, third])
 
 
-@pytest.mark.usefixtures("inline_threads")
 async def test_after_send_timeout_the_error_says_what_was_tried(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock
 ) -> None:
@@ -276,7 +263,6 @@ async def test_after_send_timeout_the_error_says_what_was_tried(
         assert "route lookup: " in message and "last error: no realtime group in RW" in message
 
 
-@pytest.mark.usefixtures("inline_threads")
 async def test_a_refusal_of_the_request_itself_fails_at_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock
 ) -> None:

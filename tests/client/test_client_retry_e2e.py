@@ -10,7 +10,7 @@ consumer's test runs on loopback with the real clock (delay 0 retries only).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -22,10 +22,11 @@ import trio
 import trio.testing
 
 from delaymq.client import BlockingConsumer, BlockingProducer, ReceivedMessage, open_consumer, open_producer
-from delaymq.metaserver.server import open_metaserver, run_inline
+from delaymq.metaserver.server import open_metaserver
 from delaymq.protocol.testing import MemoryNetwork
 from delaymq.realtime.server import RealtimeServer, open_realtime_server
 from delaymq.scheduler.server import Scheduler, open_scheduler
+from delaymq.storage.threads import run_inline
 from delaymq.wheel.clock import SystemClock, TrioClock
 
 EPOCH = 1_767_225_600_000
@@ -33,17 +34,6 @@ META = "meta.test:20880"
 SCHEDULER = "scheduler.test:20890"
 SECOND = 1000
 WAIT = 20.0  # seconds the real-clock test may wait for a message
-
-
-@pytest.fixture
-def inline_threads(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Blocking calls (fsync, lmdb, reads) inline: a worker thread would let the mock clock jump."""
-
-    async def run_inline_sync(sync_fn: Callable[..., Any], *args: Any, **_options: Any) -> Any:
-        await trio.lowlevel.checkpoint()
-        return sync_fn(*args)
-
-    monkeypatch.setattr(trio.to_thread, "run_sync", run_inline_sync)
 
 
 @dataclass
@@ -67,7 +57,9 @@ async def open_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, sched
         )
         network.serve(META, meta.serve_stream)
         realtime = await stack.enter_async_context(
-            open_realtime_server(data_dir=tmp_path / "rt1", clock=clock, group="rt1", meta_address=META)
+            open_realtime_server(
+                data_dir=tmp_path / "rt1", clock=clock, group="rt1", meta_address=META, run_blocking=run_inline
+            )
         )
         network.serve(realtime.address, realtime.serve_stream)
         delay_server = None
@@ -115,7 +107,6 @@ async def run_group(
         await consumer.run(handler)
 
 
-@pytest.mark.usefixtures("inline_threads")
 async def test_immediate_retries_then_the_dead_letter_subject_without_a_scheduler(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock
 ) -> None:
@@ -141,7 +132,6 @@ async def test_immediate_retries_then_the_dead_letter_subject_without_a_schedule
         nursery.cancel_scope.cancel()
 
 
-@pytest.mark.usefixtures("inline_threads")
 async def test_nacks_come_back_on_the_backoff_schedule_then_land_in_the_dead_letters(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock
 ) -> None:
@@ -178,7 +168,6 @@ async def test_nacks_come_back_on_the_backoff_schedule_then_land_in_the_dead_let
         nursery.cancel_scope.cancel()
 
 
-@pytest.mark.usefixtures("inline_threads")
 async def test_the_default_policy_retries_after_5_s_10_s_and_30_s(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock
 ) -> None:

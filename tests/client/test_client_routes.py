@@ -26,11 +26,12 @@ from delaymq.client.routes import (
     RouteClient,
     RouteTable,
 )
-from delaymq.metaserver.server import open_metaserver, run_inline
+from delaymq.metaserver.server import open_metaserver
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError, RemoteProtocolError
 from delaymq.protocol.testing import MemoryNetwork, ServeStream
 from delaymq.protocol.transport import FrameServer, Request
+from delaymq.storage.threads import run_inline
 from delaymq.wheel.clock import TrioClock
 
 T0 = 1_700_000_000_000
@@ -268,6 +269,25 @@ async def test_no_route_error_says_what_is_missing_and_what_was_answered(
             "no scheduler group in RW serves delayed producers; no metaserver answered: "
             "metaserver 127.0.0.1:1: cannot connect to 127.0.0.1:1: it is down"
         )
+
+
+async def test_a_route_answered_empty_is_asked_again_soon_and_a_group_that_registers_is_used(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    async with world(tmp_path) as w:
+        client = w.client(refresh_interval_ms=30_000)  # meta_retry_ms: 1 s
+        with pytest.raises(NoRouteError):
+            await send(client)
+        await w.register("rt1")  # a group registers (again, say, after it was evicted while down)
+        with pytest.raises(NoRouteError):
+            await send(client)  # not asked again at every call...
+        assert client.statistics().fetches == 1
+        await trio.sleep(1)
+        assert await send(client) == "rt1"  # ...but after meta_retry_ms, not the refresh interval
+        assert client.statistics().fetches == 2
+        await trio.sleep(10)
+        await send(client)
+        assert client.statistics().fetches == 2  # a route with groups keeps the refresh interval
 
 
 def test_route_table_refuses_bad_routes_by_name() -> None:

@@ -121,23 +121,6 @@ async def wait_until(predicate: Callable[[], bool], *, seconds: float = 10) -> N
 
 
 @pytest.fixture
-def inline_threads(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Run the server's blocking calls (fsync, lmdb, reads) inline instead of in threads.
-
-    With ``autojump_clock`` a task waiting for a worker thread looks idle, so the
-    clock would jump (past request and consumer timeouts) while an fsync runs.
-    Inline, the disk work happens between scheduling rounds and virtual time only
-    moves when every task truly waits for time.
-    """
-
-    async def run_inline(sync_fn: Callable[..., Any], *args: Any, **_options: Any) -> Any:
-        await trio.lowlevel.checkpoint()
-        return sync_fn(*args)
-
-    monkeypatch.setattr(trio.to_thread, "run_sync", run_inline)
-
-
-@pytest.fixture
 def rt() -> SimpleNamespace:
     return SimpleNamespace(
         Client=Client,

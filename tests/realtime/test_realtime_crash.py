@@ -25,6 +25,7 @@ from delaymq.realtime.checkpoint import decode_share, encode_share
 from delaymq.realtime.consumelog import ENTRY_SIZE, subject_stem
 from delaymq.realtime.groups import ConsumerState, Share
 from delaymq.realtime.handouts import Member, reconcile
+from delaymq.storage.threads import run_inline
 from delaymq.wheel.clock import TrioClock
 
 pytestmark = pytest.mark.slow
@@ -136,13 +137,12 @@ async def collect(client: Any, want: set[str], *, poll_ms: int = 60_000) -> dict
     return got
 
 
-@pytest.mark.usefixtures("inline_threads")
 async def test_after_a_crash_what_was_handed_out_comes_back_marked_and_late_acks_still_count(
     tmp_path: Path, rt: SimpleNamespace, autojump_clock: trio.testing.MockClock
 ) -> None:
     clock = TrioClock(EPOCH)
     options: dict[str, Any] = dict(
-        data_dir=tmp_path, clock=clock, checkpoint_interval_ms=3_600_000, ack_timeout_ms=5_000
+        data_dir=tmp_path, clock=clock, checkpoint_interval_ms=3_600_000, ack_timeout_ms=5_000, run_blocking=run_inline
     )
     sent = rt.messages(30)
     ids = [m.id for m in sent]
@@ -243,14 +243,13 @@ def test_reconcile_starts_a_share_the_checkpoint_missed_at_its_first_hand_out() 
     assert share.position == 41 and share.skip == {42}
 
 
-@pytest.mark.usefixtures("inline_threads")
 async def test_a_tag_filtered_group_after_a_crash_neither_repeats_nor_skips_its_messages(
     tmp_path: Path, rt: SimpleNamespace, autojump_clock: trio.testing.MockClock
 ) -> None:
     assert tags_mask(["paid"]) != tags_mask(["free"])  # the server's filter tells them apart
     clock = TrioClock(EPOCH)
     options: dict[str, Any] = dict(
-        data_dir=tmp_path, clock=clock, checkpoint_interval_ms=3_600_000, ack_timeout_ms=5_000
+        data_dir=tmp_path, clock=clock, checkpoint_interval_ms=3_600_000, ack_timeout_ms=5_000, run_blocking=run_inline
     )
     sent = [Message(f"m{i:02d}", "orders", tags=("paid" if i % 2 == 0 else "free",)) for i in range(12)]
     paid = [m.id for m in sent if "paid" in m.tags]

@@ -23,12 +23,12 @@ import trio.testing
 from delaymq.protocol.records import Message, decode_batch
 from delaymq.realtime import open_realtime_server
 from delaymq.storage.log import SegmentedLog, segment_name
+from delaymq.storage.threads import run_inline
 from delaymq.wheel.clock import TrioClock
 
 EPOCH = 1_700_000_000_000
 BATCHES, PER_BATCH = 6, 10
 SMALL_SEGMENTS = 4096  # one batch of ten ~270-byte records per segment
-pytestmark = pytest.mark.usefixtures("inline_threads")
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,9 @@ async def test_damage_below_the_checkpoint_loses_only_what_follows_it(
     segment_size: int,
 ) -> None:
     clock = TrioClock(EPOCH)
-    options: dict[str, Any] = dict(data_dir=tmp_path, clock=clock, segment_size=segment_size, ack_timeout_ms=5_000)
+    options: dict[str, Any] = dict(
+        data_dir=tmp_path, clock=clock, run_blocking=run_inline, segment_size=segment_size, ack_timeout_ms=5_000
+    )
     sent = [Message(f"m{i:03d}", "orders", body=f"body {i} ".encode() * 24) for i in range(BATCHES * PER_BATCH)]
     total = len(sent)
     async with open_realtime_server(**options) as server:
@@ -222,7 +224,7 @@ async def test_a_flipped_byte_in_an_older_segment_costs_that_record_only(
 ) -> None:
     """Not looked for at start (that would read the whole log): found when a PULL reads it."""
     clock = TrioClock(EPOCH)
-    options: dict[str, Any] = dict(data_dir=tmp_path, clock=clock, segment_size=SMALL_SEGMENTS)
+    options: dict[str, Any] = dict(data_dir=tmp_path, clock=clock, run_blocking=run_inline, segment_size=SMALL_SEGMENTS)
     sent = [Message(f"m{i:03d}", "orders", body=f"body {i} ".encode() * 24) for i in range(BATCHES * PER_BATCH)]
     async with open_realtime_server(**options) as server:
         async with rt.memory_client(server) as client:

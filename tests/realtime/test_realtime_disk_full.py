@@ -24,10 +24,10 @@ from delaymq.protocol.records import Message
 from delaymq.realtime import open_realtime_server
 from delaymq.realtime.consumelog import subject_stem
 from delaymq.storage.testing import FullDisk
+from delaymq.storage.threads import run_inline
 from delaymq.wheel.clock import TrioClock
 
 EPOCH = 1_700_000_000_000
-pytestmark = pytest.mark.usefixtures("inline_threads")
 
 
 @pytest.fixture
@@ -77,7 +77,7 @@ async def test_a_full_message_log_refuses_the_send_as_unavailable_and_its_retry_
 ) -> None:
     clock = TrioClock(EPOCH)
     first, refused = rt.messages(5, prefix="a"), rt.messages(5, prefix="b")
-    async with open_realtime_server(data_dir=tmp_path, clock=clock) as server:
+    async with open_realtime_server(data_dir=tmp_path, clock=clock, run_blocking=run_inline) as server:
         async with rt.memory_client(server) as client:
             await client.pull(timeout_ms=0)  # joins the group
             assert await client.send(first) == ["stored"] * 5
@@ -98,7 +98,7 @@ async def test_a_full_message_log_refuses_the_send_as_unavailable_and_its_retry_
             assert server.statistics().duplicates == 0
     assert len(complaints(caplog)) == 1, complaints(caplog)  # one line for the outage
     assert not tracebacks(caplog)
-    async with open_realtime_server(data_dir=tmp_path, clock=clock) as server:
+    async with open_realtime_server(data_dir=tmp_path, clock=clock, run_blocking=run_inline) as server:
         # The log reopens whole: every record once, the later ones right after the earlier.
         assert await everything(server, rt) == [m.id for m in first + refused]
 
@@ -108,7 +108,7 @@ async def test_a_send_of_an_id_being_appended_waits_for_it_and_is_no_false_dupli
 ) -> None:
     clock = TrioClock(EPOCH)
     batch = rt.messages(3)
-    async with open_realtime_server(data_dir=tmp_path, clock=clock) as server:
+    async with open_realtime_server(data_dir=tmp_path, clock=clock, run_blocking=run_inline) as server:
         async with rt.memory_client(server) as first, rt.memory_client(server) as second:
             full_disk.fill(tmp_path / "messages")
             answers: list[str] = []
@@ -142,7 +142,7 @@ async def test_a_failed_consume_log_write_is_retried_and_nothing_waits_behind_it
     clock = TrioClock(EPOCH)
     mixed = [Message("o1", "orders"), Message("p1", "payments"), Message("o2", "orders")]
     later = rt.messages(20, prefix="late")
-    async with open_realtime_server(data_dir=tmp_path, clock=clock) as server:
+    async with open_realtime_server(data_dir=tmp_path, clock=clock, run_blocking=run_inline) as server:
         async with rt.memory_client(server) as orders, rt.memory_client(server, subject="payments") as payments:
             await orders.pull(timeout_ms=0)
             await payments.pull(timeout_ms=0)
@@ -168,7 +168,7 @@ async def test_a_failed_consume_log_write_is_retried_and_nothing_waits_behind_it
     assert [r.levelno for r in index_lines] == [logging.WARNING, logging.INFO], index_lines
     assert "disk is full" in index_lines[0].getMessage()
     assert len(complaints(caplog)) == 1 and not tracebacks(caplog)
-    async with open_realtime_server(data_dir=tmp_path, clock=clock) as server:
+    async with open_realtime_server(data_dir=tmp_path, clock=clock, run_blocking=run_inline) as server:
         # What the checkpoints committed during the outage is consistent: each entry once.
         assert await everything(server, rt) == ["o1", "o2"] + [m.id for m in later]
         assert await everything(server, rt, "payments") == ["p1"]
@@ -183,7 +183,7 @@ async def test_a_full_state_store_delays_checkpoints_only(
 ) -> None:
     clock = TrioClock(EPOCH)
     first, second = rt.messages(3, prefix="a"), rt.messages(3, prefix="b")
-    async with open_realtime_server(data_dir=tmp_path, clock=clock) as server:
+    async with open_realtime_server(data_dir=tmp_path, clock=clock, run_blocking=run_inline) as server:
         async with rt.memory_client(server) as client:
             await client.pull(timeout_ms=0)
             assert await client.send(first) == ["stored"] * 3
@@ -202,7 +202,7 @@ async def test_a_full_state_store_delays_checkpoints_only(
             assert await client.ack(pulled.start, pulled.end) == pulled.end
     assert len(complaints(caplog)) == 1, complaints(caplog)
     assert not tracebacks(caplog)
-    async with open_realtime_server(data_dir=tmp_path, clock=clock) as server:
+    async with open_realtime_server(data_dir=tmp_path, clock=clock, run_blocking=run_inline) as server:
         async with rt.memory_client(server) as client:
             # The dedup ids and the acks of the outage were committed after it.
             assert await client.send(second) == ["duplicate"] * 3
@@ -220,7 +220,7 @@ async def test_a_minute_of_full_disk_then_every_acknowledged_message_is_delivere
     clock = TrioClock(EPOCH)
     acknowledged: list[str] = []
     refusals = 0
-    async with open_realtime_server(data_dir=tmp_path, clock=clock) as server:
+    async with open_realtime_server(data_dir=tmp_path, clock=clock, run_blocking=run_inline) as server:
         async with rt.memory_client(server) as consumer:
             await consumer.pull(timeout_ms=0)
 
@@ -268,7 +268,7 @@ async def test_a_pull_whose_pull_log_cannot_be_written_is_refused_and_hands_out_
 ) -> None:
     clock = TrioClock(EPOCH)
     batch = rt.messages(4)
-    async with open_realtime_server(data_dir=tmp_path, clock=clock) as server:
+    async with open_realtime_server(data_dir=tmp_path, clock=clock, run_blocking=run_inline) as server:
         async with rt.memory_client(server) as client:
             await client.pull(timeout_ms=0)  # joins the group; its pull log exists
             assert await client.send(batch) == ["stored"] * 4
@@ -282,6 +282,8 @@ async def test_a_pull_whose_pull_log_cannot_be_written_is_refused_and_hands_out_
             assert got.ids == [m.id for m in batch] and [m.attempts for m in got.messages] == [0] * 4
             await client.ack(got.start, got.end)
     assert not tracebacks(caplog)
-    async with open_realtime_server(data_dir=tmp_path, clock=clock) as server:  # and it reopens cleanly
+    async with open_realtime_server(
+        data_dir=tmp_path, clock=clock, run_blocking=run_inline
+    ) as server:  # and it reopens cleanly
         async with rt.memory_client(server) as client:
             assert (await client.pull(10, timeout_ms=0)).count == 0

@@ -12,17 +12,17 @@ import trio.testing
 from delaymq.protocol.errors import PeerError
 from delaymq.protocol.records import Message
 from delaymq.realtime import open_realtime_server
+from delaymq.storage.threads import run_inline
 from delaymq.wheel.clock import TrioClock
 
 EPOCH = 1_700_000_000_000
-pytestmark = pytest.mark.usefixtures("inline_threads")
 
 
 async def test_a_consumer_that_died_has_its_messages_handed_to_another(
     tmp_path: Path, rt: SimpleNamespace, autojump_clock: trio.testing.MockClock
 ) -> None:
     clock = TrioClock(EPOCH)
-    async with open_realtime_server(data_dir=tmp_path, clock=clock) as server:
+    async with open_realtime_server(data_dir=tmp_path, clock=clock, run_blocking=run_inline) as server:
         async with (
             rt.memory_client(server, consumer="doomed") as doomed,
             rt.memory_client(server, consumer="survivor") as survivor,
@@ -58,7 +58,9 @@ async def test_unacked_messages_come_back_after_the_ack_timeout(
     tmp_path: Path, rt: SimpleNamespace, autojump_clock: trio.testing.MockClock
 ) -> None:
     clock = TrioClock(EPOCH)
-    async with open_realtime_server(data_dir=tmp_path, clock=clock, ack_timeout_ms=5_000) as server:
+    async with open_realtime_server(
+        data_dir=tmp_path, clock=clock, run_blocking=run_inline, ack_timeout_ms=5_000
+    ) as server:
         async with rt.memory_client(server) as client:
             await client.send(rt.messages(3))
             first = await client.pull(10, **{"from": "earliest"})
@@ -83,7 +85,7 @@ async def test_nack_hands_the_message_back_at_once(
     tmp_path: Path, rt: SimpleNamespace, autojump_clock: trio.testing.MockClock
 ) -> None:
     clock = TrioClock(EPOCH)
-    async with open_realtime_server(data_dir=tmp_path, clock=clock) as server:
+    async with open_realtime_server(data_dir=tmp_path, clock=clock, run_blocking=run_inline) as server:
         async with rt.memory_client(server, consumer="a") as a, rt.memory_client(server, consumer="b") as b:
             await a.send(rt.messages(2))
             taken = await a.pull(10, **{"from": "earliest"})
@@ -99,7 +101,7 @@ async def test_out_of_order_acks_merge_and_repeats_are_harmless(
     tmp_path: Path, rt: SimpleNamespace, autojump_clock: trio.testing.MockClock
 ) -> None:
     clock = TrioClock(EPOCH)
-    async with open_realtime_server(data_dir=tmp_path, clock=clock) as server:
+    async with open_realtime_server(data_dir=tmp_path, clock=clock, run_blocking=run_inline) as server:
         async with rt.memory_client(server) as client:
             await client.send(rt.messages(6))
             pulled = await client.pull(6, **{"from": "earliest"})
@@ -122,11 +124,15 @@ async def test_dedup_window_survives_a_restart_and_then_expires(
 ) -> None:
     clock = TrioClock(EPOCH)
     window = 60_000
-    async with open_realtime_server(data_dir=tmp_path, clock=clock, dedup_window_ms=window) as server:
+    async with open_realtime_server(
+        data_dir=tmp_path, clock=clock, run_blocking=run_inline, dedup_window_ms=window
+    ) as server:
         async with rt.memory_client(server) as client:
             assert await client.send([Message("once", "orders")]) == ["stored"]
     await trio.sleep(10)
-    async with open_realtime_server(data_dir=tmp_path, clock=clock, dedup_window_ms=window) as server:
+    async with open_realtime_server(
+        data_dir=tmp_path, clock=clock, run_blocking=run_inline, dedup_window_ms=window
+    ) as server:
         async with rt.memory_client(server) as client:
             assert await client.send([Message("once", "orders")]) == ["duplicate"]
             await trio.sleep(window / 1000)
@@ -140,7 +146,7 @@ async def test_dedup_memory_cap_falls_back_to_lmdb(
 ) -> None:
     clock = TrioClock(EPOCH)
     async with open_realtime_server(
-        data_dir=tmp_path, clock=clock, dedup_memory_ids=10, checkpoint_interval_ms=100
+        data_dir=tmp_path, clock=clock, dedup_memory_ids=10, checkpoint_interval_ms=100, run_blocking=run_inline
     ) as server:
         async with rt.memory_client(server) as client:
             sent = rt.messages(50)
@@ -149,7 +155,9 @@ async def test_dedup_memory_cap_falls_back_to_lmdb(
             assert server.statistics().dedup_ids_in_memory <= 10
             assert await client.send(sent[:3]) == ["duplicate"] * 3
     # After a restart memory is loaded with the newest ids only; lmdb answers for the rest.
-    async with open_realtime_server(data_dir=tmp_path, clock=clock, dedup_memory_ids=10) as server:
+    async with open_realtime_server(
+        data_dir=tmp_path, clock=clock, run_blocking=run_inline, dedup_memory_ids=10
+    ) as server:
         assert server.statistics().dedup_ids_in_memory <= 10
         async with rt.memory_client(server) as client:
             assert await client.send([sent[0], sent[49], Message("fresh", "orders")]) == [
@@ -166,7 +174,7 @@ async def test_a_thousand_parked_pulls_wait_idle_and_one_message_goes_to_one(
     tmp_path: Path, rt: SimpleNamespace, autojump_clock: trio.testing.MockClock
 ) -> None:
     clock = TrioClock(EPOCH)
-    async with open_realtime_server(data_dir=tmp_path, clock=clock) as server:
+    async with open_realtime_server(data_dir=tmp_path, clock=clock, run_blocking=run_inline) as server:
         async with rt.memory_client(server) as client:
             got: list[tuple[str, list[str]]] = []
 
@@ -195,7 +203,9 @@ async def test_a_wall_clock_step_neither_fires_nor_postpones_the_ack_timeout(
     tmp_path: Path, rt: SimpleNamespace, autojump_clock: trio.testing.MockClock, step_ms: int
 ) -> None:
     clock = TrioClock(EPOCH)
-    async with open_realtime_server(data_dir=tmp_path, clock=clock, ack_timeout_ms=5_000) as server:
+    async with open_realtime_server(
+        data_dir=tmp_path, clock=clock, run_blocking=run_inline, ack_timeout_ms=5_000
+    ) as server:
         async with rt.memory_client(server) as client:
             await client.send(rt.messages(2))
             first = await client.pull(10, **{"from": "earliest"})

@@ -18,7 +18,7 @@ import trio
 import trio.testing
 
 from delaymq.client.routes import RouteClient
-from delaymq.metaserver.server import open_metaserver, run_inline
+from delaymq.metaserver.server import open_metaserver
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError, RemoteProtocolError
 from delaymq.protocol.records import Message, decode_batch, encode_batch
@@ -30,12 +30,12 @@ from delaymq.realtime.index import Indexer
 from delaymq.realtime.retries import SCHEDULE_DEADLINE_S
 from delaymq.realtime.server import RealtimeServer
 from delaymq.storage.log import SegmentedLog
+from delaymq.storage.threads import run_inline
 from delaymq.wheel.clock import TrioClock
 
 EPOCH = 1_700_000_000_000
 META = "meta:20880"
 SCHEDULER = "scheduler-1:20890"
-pytestmark = pytest.mark.usefixtures("inline_threads")
 
 
 @dataclass
@@ -85,7 +85,7 @@ async def world(
         open_metaserver(
             listen=None, data_dir=tmp_path / "meta", clock=clock, run_blocking=run_inline, evict_after_ms=3_600_000
         ) as meta,
-        open_realtime_server(data_dir=tmp_path / "rt", clock=clock, **options) as server,
+        open_realtime_server(data_dir=tmp_path / "rt", clock=clock, run_blocking=run_inline, **options) as server,
     ):
         async with trio.open_nursery() as nursery:
             network = MemoryNetwork(nursery)

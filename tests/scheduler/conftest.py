@@ -2,7 +2,7 @@
 
 Every server is the real one; only the network is replaced by ``MemoryNetwork``
 (``trio.testing.memory_stream_pair`` per connection), and every blocking call runs
-inline, so the tests run under ``autojump_clock``: a two-year schedule takes
+inline (``run_blocking=run_inline``), so the tests run under ``autojump_clock``: a two-year schedule takes
 milliseconds, and time moves only when every task waits for it.
 """
 
@@ -23,7 +23,7 @@ import trio.testing
 from delaymq.client.producer import Producer
 from delaymq.client.registration import run_registration
 from delaymq.client.routes import RouteClient
-from delaymq.metaserver.server import open_metaserver, run_inline
+from delaymq.metaserver.server import open_metaserver
 from delaymq.protocol import testing
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError
@@ -33,6 +33,7 @@ from delaymq.protocol.records import encode_message, scan_batch
 from delaymq.protocol.transport import TransportError
 from delaymq.realtime.server import RealtimeServer, open_realtime_server
 from delaymq.scheduler.server import Scheduler, open_scheduler
+from delaymq.storage.threads import run_inline
 from delaymq.wheel.clock import Clock, TrioClock
 
 META = "meta.test:1"
@@ -40,18 +41,6 @@ SCHEDULER = "scheduler.test:1"
 #: 2025-06-15 14:00:00 UTC, an hour boundary: tests start here.
 EPOCH_MS = 1_749_996_000_000
 DAY_MS = 86_400_000
-
-
-@pytest.fixture
-def inline_threads(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Run ``trio.to_thread.run_sync`` calls inline: under autojump a task waiting on a
-    worker thread looks idle, and the clock would jump past deadlines meanwhile."""
-
-    async def run_now(sync_fn: Callable[..., Any], *args: Any, **_options: Any) -> Any:
-        await trio.lowlevel.checkpoint()
-        return sync_fn(*args)
-
-    monkeypatch.setattr(trio.to_thread, "run_sync", run_now)
 
 
 class MemoryNetwork(testing.MemoryNetwork):
@@ -167,7 +156,11 @@ class Cluster:
 
     async def start_realtime(self, name: str = "rt1", **options: Any) -> RealtimeServer:
         """A realtime server registered under ``NAME.test:1`` (restarted on the same data)."""
-        settings = {"checkpoint_interval_ms": self.options.get("rt_checkpoint_ms", 60_000), **options}
+        settings = {
+            "checkpoint_interval_ms": self.options.get("rt_checkpoint_ms", 60_000),
+            "run_blocking": run_inline,
+            **options,
+        }
         started: RealtimeServer = await self.nursery.start(partial(self._run_realtime, name, settings))
         return started
 
@@ -247,7 +240,7 @@ def message(name: str, deliver_at: int, *, subject: str = "orders", created_at: 
 
 
 @pytest.fixture
-def sched(inline_threads: None) -> SimpleNamespace:
+def sched() -> SimpleNamespace:
     """The helpers above, for the scheduler's tests."""
     return SimpleNamespace(
         open_cluster=open_cluster, message=message, EPOCH_MS=EPOCH_MS, DAY_MS=DAY_MS, SCHEDULER=SCHEDULER

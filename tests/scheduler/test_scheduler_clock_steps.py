@@ -22,7 +22,6 @@ import pytest
 import trio
 import trio.testing
 
-from delaymq.metaserver.server import run_inline
 from delaymq.protocol.records import encode_message, scan_batch
 from delaymq.scheduler.dispatcher import Deliver, Dispatcher
 from delaymq.scheduler.replay import replay_until_caught_up
@@ -30,6 +29,7 @@ from delaymq.scheduler.schedulelog import ScheduleStore
 from delaymq.scheduler.wheelset import WheelSet
 from delaymq.storage.log import SegmentedLog
 from delaymq.storage.state import StateStore
+from delaymq.storage.threads import run_inline
 from delaymq.wheel.clock import WALL_RECHECK_MS, Clock, SystemClock, TrioClock
 
 EPOCH_MS = 1_749_996_000_000  # 2025-06-15 14:00 UTC

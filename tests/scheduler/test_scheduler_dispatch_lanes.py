@@ -6,14 +6,17 @@ Under ``autojump_clock`` with disk work inline, so backoffs and due times cost n
 from __future__ import annotations
 
 import logging
+import random
+from collections import defaultdict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
 
-from delaymq.metaserver.server import run_inline
+from delaymq.protocol.backoff import RandomSource
 from delaymq.protocol.records import encode_message, scan_batch
 from delaymq.scheduler.dispatcher import Deliver, Dispatcher
 from delaymq.scheduler.replay import replay_until_caught_up
@@ -21,6 +24,7 @@ from delaymq.scheduler.schedulelog import ScheduleStore
 from delaymq.scheduler.wheelset import WheelSet
 from delaymq.storage.log import SegmentedLog
 from delaymq.storage.state import StateStore
+from delaymq.storage.threads import run_inline
 from delaymq.wheel import HOUR_MS
 from delaymq.wheel.clock import TrioClock
 
@@ -29,7 +33,7 @@ EPOCH_MS = 1_749_996_000_000  # 2025-06-15 14:00 UTC
 
 @asynccontextmanager
 async def running(
-    tmp_path: Path, records: list[bytes], deliver: Deliver, **options: int
+    tmp_path: Path, records: list[bytes], deliver: Deliver, **options: Any
 ) -> AsyncIterator[tuple[Dispatcher, TrioClock]]:
     clock = TrioClock(EPOCH_MS)
     with (
@@ -89,6 +93,54 @@ async def test_a_failing_subject_is_retried_in_order_while_others_go_on_time(
     outage = [r.getMessage() for r in caplog.records]
     assert len(outage) == 2  # once when it began, once when it ended
     assert "retrying with backoff" in outage[0] and "works again after 4 failed" in outage[1]
+
+
+#: The lanes' retry waits below: ``backoff_ms=100`` doubling to ``max_backoff_ms=800``.
+LANE_CEILINGS_MS = [100, 200, 400, 800, 800]
+
+
+async def lane_waits_while_down(tmp_path: Path, lanes: int, source: RandomSource) -> list[list[int]]:
+    """Each subject's waits (ms) between its SEND attempts, realtime refusing the first ones of all."""
+    attempts: defaultdict[str, list[float]] = defaultdict(list)
+    delivered: set[str] = set()
+    all_in = trio.Event()
+
+    async def deliver(subject: str, body: bytes) -> list[str]:
+        attempts[subject].append(trio.current_time())
+        if len(attempts[subject]) <= len(LANE_CEILINGS_MS):
+            raise ConnectionError("realtime is down")
+        delivered.add(subject)
+        if len(delivered) == lanes:
+            all_in.set()
+        return ["stored"] * len(scan_batch(body))
+
+    records = [message(f"s{n}-0", f"s{n}", EPOCH_MS + 1_000) for n in range(lanes)]  # all due at once
+    async with running(tmp_path, records, deliver, backoff_ms=100, max_backoff_ms=800, random=source):
+        with trio.fail_after(60):  # on the mock clock: the waits add up to under 3 s
+            await all_in.wait()
+    return [[round((b - a) * 1000) for a, b in zip(at, at[1:])] for at in attempts.values()]
+
+
+async def test_lanes_that_failed_together_retry_spread_out_never_in_a_tight_loop(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    waits = await lane_waits_while_down(tmp_path, 16, random.Random(9).random)
+    assert len(waits) == 16
+    for n, ceiling in enumerate(LANE_CEILINGS_MS):
+        nth = [each[n] for each in waits]
+        assert all(ceiling // 2 <= wait <= ceiling for wait in nth), (n, nth)  # the floor, the cap
+        assert len(set(nth)) > 8, (n, nth)  # not in lockstep
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [(lambda: 0.0, [c // 2 for c in LANE_CEILINGS_MS]), (lambda: 1 - 1e-9, [c - 1 for c in LANE_CEILINGS_MS])],
+    ids=["floor", "ceiling"],
+)
+async def test_the_extremes_of_the_random_source_give_the_floor_and_the_ceiling(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock, source: RandomSource, expected: list[int]
+) -> None:
+    assert await lane_waits_while_down(tmp_path, 2, source) == [expected, expected]
 
 
 async def test_an_overdue_backlog_goes_oldest_first_within_the_memory_budget(

@@ -185,7 +185,7 @@ async def test_unreachable_peer_backs_off_then_reconnects() -> None:
     port = listener.getsockname()[1]
     listener.close()  # nothing listens on this port now
     address = f"127.0.0.1:{port}"
-    async with open_peers(backoff_initial=30) as peers:
+    async with open_peers(backoff_initial=30, backoff_max=60) as peers:
         with pytest.raises(PeerUnavailable, match="cannot connect"):
             await peers.call(address, Command.PING)
         with pytest.raises(PeerUnavailable, match="next attempt in"):
