@@ -36,6 +36,8 @@ pytestmark = pytest.mark.faults
 MiB = 1024 * 1024
 FLOOD = 1_224
 FILE_LIMIT = 1_024
+IDLE_TIMEOUT_S = 3.0
+FRAME_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -57,8 +59,8 @@ class ServerProcess:
 
 
 @asynccontextmanager
-async def realtime_process(data: Path, *options: str) -> AsyncIterator[ServerProcess]:
-    """``delaymq realtime`` in a child process whose open-file limit is ``FILE_LIMIT``."""
+async def realtime_process(data: Path, *options: str) -> AsyncIterator[tuple[ServerProcess, RealClient]]:
+    """``delaymq realtime`` in a child process whose open-file limit is ``FILE_LIMIT``, and a real client of it."""
 
     def lower_file_limit() -> None:
         _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -90,7 +92,7 @@ async def realtime_process(data: Path, *options: str) -> AsyncIterator[ServerPro
             with trio.fail_after(30):
                 await started.wait()
             assert server.address, "the server did not start:\n" + "\n".join(server.log)
-            yield server
+            yield server, RealClient(server.address)
         finally:
             process.kill()
             await process.wait()
@@ -153,9 +155,8 @@ class RealClient:
 
 async def test_idle_flood_from_one_address_leaves_new_clients_served(tmp_path: Path, fault_report: Any) -> None:
     """The issue's flood (1,224 idle connections, limit 1,024) with every default."""
-    async with realtime_process(tmp_path / "realtime") as server:
+    async with realtime_process(tmp_path / "realtime") as (server, client):
         baseline_mb = server.status_mb("VmRSS")
-        client = RealClient(server.address)
         flood: list[trio.SocketStream] = []
         with trio.fail_after(120):
             async with open_peers() as established:
@@ -200,9 +201,7 @@ async def test_idle_flood_from_many_addresses_is_refused_promptly_then_closed_id
     tmp_path: Path, fault_report: Any
 ) -> None:
     """Past the file limit every newcomer gets a prompt ``unavailable``; idle connections go after the idle timeout."""
-    idle_timeout = 3.0
-    async with realtime_process(tmp_path / "realtime", "--idle-timeout", f"{idle_timeout:g}s") as server:
-        client = RealClient(server.address)
+    async with realtime_process(tmp_path / "realtime", "--idle-timeout", f"{IDLE_TIMEOUT_S:g}s") as (server, client):
         flood: list[trio.SocketStream] = []
         refusal_ms: list[float] = []
         with trio.fail_after(120):
@@ -233,7 +232,7 @@ async def test_idle_flood_from_many_addresses_is_refused_promptly_then_closed_id
         assert max(refusal_ms) < 1000
         assert set(refused) == {"file_descriptors"}
         assert closed_idle + len(refused) == FLOOD  # none still held: idle ones were closed
-        assert idle_timeout <= recovered_after < idle_timeout + 30
+        assert IDLE_TIMEOUT_S <= recovered_after < IDLE_TIMEOUT_S + 30
         assert client.successes == client.sent - len(refusal_ms)
         assert server.log_count("Traceback") == 0
         fault_report.record(
@@ -254,9 +253,7 @@ async def test_half_sent_frames_cannot_take_the_server_past_its_buffer_budget(
     tmp_path: Path, fault_report: Any
 ) -> None:
     """8 connections each send 60 MiB of a 64 MiB frame: the budget (128 MiB) holds, the rest are closed."""
-    frame_timeout = 5.0
-    async with realtime_process(tmp_path / "realtime", "--frame-timeout", f"{frame_timeout:g}s") as server:
-        client = RealClient(server.address)
+    async with realtime_process(tmp_path / "realtime", "--frame-timeout", f"{FRAME_TIMEOUT_S:g}s") as (server, client):
         baseline_mb = server.status_mb("VmRSS")
         declared = 64 * MiB - FRAME_HEADER_SIZE
         header = struct.pack(">2sBBHIII", b"DQ", 1, 0, Command.SEND, 7, 0, declared)

@@ -18,15 +18,13 @@ restarted, must then deliver every acknowledged message: none lost, none twice.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
-from contextlib import ExitStack, asynccontextmanager
+from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -45,43 +43,6 @@ ROOM = 1 << 20  # what the filler leaves free in the data tmpfs: the load fills 
 CONSUME_ROOM = 8 << 10  # ... and in the consume-log tmpfs
 BODY = b"x" * 900
 PRODUCERS = 4
-
-SERVER = """
-import logging, sys, trio
-from delaymq.realtime import open_realtime_server
-from delaymq.wheel.clock import SystemClock
-
-logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s %(message)s")
-
-async def main():
-    async with open_realtime_server(data_dir=sys.argv[1], clock=SystemClock(), ack_timeout_ms=5000) as server:
-        print(server.address, flush=True)
-        await trio.sleep_forever()
-
-trio.run(main)
-"""
-
-
-@asynccontextmanager
-async def server_process(data_dir: Path, log_file: Path) -> AsyncIterator[tuple[str, trio.Process]]:
-    """A realtime server in a child process (its log in ``log_file``); yields its address."""
-    with open(log_file, "wb") as log:
-        process = await trio.lowlevel.open_process(
-            [sys.executable, "-P", "-c", SERVER, str(data_dir)], stdout=subprocess.PIPE, stderr=log
-        )
-    try:
-        assert process.stdout is not None
-        line = b""
-        with trio.fail_after(30):
-            while not line.endswith(b"\n"):
-                chunk = await process.stdout.receive_some(1024)
-                assert chunk, f"the server exited with {await process.wait()} before printing its address"
-                line += chunk
-        yield line.decode().strip(), process
-    finally:
-        if process.returncode is None:
-            process.send_signal(signal.SIGKILL)
-        await process.wait()
 
 
 @dataclass
@@ -136,14 +97,23 @@ async def call(peers: Peers, address: str, command: int, metadata: dict[str, Any
     indirect=["disk"],
 )
 async def test_a_full_disk_then_every_acknowledged_message_is_delivered_without_restart(
-    disk: Disk, tmp_path: Path, fault_report: Any, subjects: int, batch_size: int, most_batches: int | None
+    disk: Disk,
+    tmp_path: Path,
+    fault_report: Any,
+    server_processes: SimpleNamespace,
+    subjects: int,
+    batch_size: int,
+    most_batches: int | None,
 ) -> None:
     log_file = tmp_path / "server.log"
     tally = Tally()
     consumers = [{"group": "g", "consumer": "c", "subject": f"orders-{n}"} for n in range(subjects)]
     missing_found = ""
     with trio.fail_after(HOLD_S + 180):
-        async with open_peers() as peers, server_process(disk.data, log_file) as (address, process):
+        async with (
+            open_peers() as peers,
+            server_processes.realtime(disk.data, log_file=log_file, ack_timeout_ms=5000) as (address, process),
+        ):
             for consumer in consumers:  # join
                 await call(peers, address, Command.PULL, {**consumer, "max": 1, "timeout_ms": 0})
             fill_up(disk.filler)

@@ -15,13 +15,10 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -40,51 +37,12 @@ KILLS = int(os.environ.get("DELAYMQ_REALTIME_KILLS", "4"))
 MESSAGES = 14_020
 BATCH = 20
 
-SERVER = """
-import logging, sys, trio
-from delaymq.realtime import open_realtime_server
-from delaymq.wheel.clock import SystemClock
-
-logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s %(message)s")
-
-async def main():
-    meta = sys.argv[3] or None
-    async with open_realtime_server(
-        data_dir=sys.argv[1], listen=sys.argv[2], meta_address=meta, clock=SystemClock(), ack_timeout_ms=3000
-    ) as server:
-        print(server.address, flush=True)
-        await trio.sleep_forever()
-
-trio.run(main)
-"""
-
-
-@asynccontextmanager
-async def server_process(
-    data_dir: Path, log_file: Path, *, listen: str = "127.0.0.1:0", meta: str = ""
-) -> AsyncIterator[tuple[str, trio.Process]]:
-    """A realtime server in a child process (its log appended to ``log_file``); yields its address."""
-    with open(log_file, "ab") as log:
-        process = await trio.lowlevel.open_process(
-            [sys.executable, "-P", "-c", SERVER, str(data_dir), listen, meta], stdout=subprocess.PIPE, stderr=log
-        )
-    try:
-        assert process.stdout is not None
-        line = b""
-        with trio.fail_after(30):
-            while not line.endswith(b"\n"):
-                chunk = await process.stdout.receive_some(1024)
-                assert chunk, f"the server exited with {await process.wait()} before printing its address"
-                line += chunk
-        yield line.decode().strip(), process
-    finally:
-        if process.returncode is None:
-            process.send_signal(signal.SIGKILL)
-        await process.wait()
+#: The child server's options (``open_realtime_server``).
+SERVER_OPTIONS = {"ack_timeout_ms": 3000}
 
 
 async def test_sigkill_under_load_loses_nothing_and_marks_every_message_handed_out_again(
-    tmp_path: Path, fault_report: Any
+    tmp_path: Path, fault_report: Any, server_processes: SimpleNamespace
 ) -> None:
     data, log_file = tmp_path / "realtime", tmp_path / "server.log"
     deliveries: defaultdict[str, list[int]] = defaultdict(list)  # id -> attempts of each delivery
@@ -100,7 +58,9 @@ async def test_sigkill_under_load_loses_nothing_and_marks_every_message_handed_o
 
     with trio.fail_after(300):
         async with open_metaserver(data_dir=tmp_path / "meta", clock=SystemClock()) as meta:
-            async with server_process(data, log_file, meta=meta.address) as (address, process):
+            async with server_processes.realtime(
+                data, log_file=log_file, meta_address=meta.address, **SERVER_OPTIONS
+            ) as (address, process):
                 current = [process]
 
                 async def produce() -> None:
@@ -143,10 +103,9 @@ async def test_sigkill_under_load_loses_nothing_and_marks_every_message_handed_o
                         async def run_again(
                             killed_at: float = killed_at, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                         ) -> None:
-                            async with server_process(data, log_file, listen=address, meta=meta.address) as (
-                                _address,
-                                again,
-                            ):
+                            async with server_processes.realtime(
+                                data, log_file=log_file, listen=address, meta_address=meta.address, **SERVER_OPTIONS
+                            ) as (_address, again):
                                 current[0] = again
                                 restarts_ms.append((time.monotonic() - killed_at) * 1000)
                                 task_status.started()
@@ -179,14 +138,14 @@ async def test_sigkill_under_load_loses_nothing_and_marks_every_message_handed_o
 
 
 async def test_a_killed_server_whose_message_log_is_cut_below_its_checkpoint_starts_and_serves_the_rest(
-    tmp_path: Path, fault_report: Any
+    tmp_path: Path, fault_report: Any, server_processes: SimpleNamespace
 ) -> None:
     data, log_file = tmp_path / "realtime", tmp_path / "server.log"
     consumer = {"subject": "orders", "max": 1000, "timeout_ms": 0}
     sent = [Message(f"m{i:05d}", "orders", body=b"x" * 200) for i in range(2000)]
     with trio.fail_after(120):
         async with open_peers() as peers:
-            async with server_process(data, log_file) as (address, process):
+            async with server_processes.realtime(data, log_file=log_file, **SERVER_OPTIONS) as (address, process):
                 for first in range(0, len(sent), 100):
                     frame = await peers.call(
                         address, Command.SEND, {}, encode_batch(sent[first : first + 100]), timeout=30
@@ -213,7 +172,7 @@ async def test_a_killed_server_whose_message_log_is_cut_below_its_checkpoint_sta
             os.truncate(segment, size // 2)
             intact = sent[: size // 2 // (size // len(sent))]
             started = time.monotonic()
-            async with server_process(data, log_file) as (address, process):
+            async with server_processes.realtime(data, log_file=log_file, **SERVER_OPTIONS) as (address, process):
                 restart_ms = (time.monotonic() - started) * 1000
                 got: list[Message] = []
                 while True:

@@ -10,50 +10,23 @@ the deposed one, if still running, is refused and never takes them back.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from functools import partial
-from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 import trio.testing
 
-from delaymq.client.registration import Registration, run_registration
-from delaymq.metaserver.server import Metaserver, open_metaserver
+from delaymq.client.registration import Registration
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError
 from delaymq.protocol.testing import MemoryNetwork
-from delaymq.storage.threads import run_inline
-from delaymq.wheel.clock import TrioClock
 
-T0 = 1_700_000_000_000
 META = "meta:20880"
 MINUTE_MS = 60_000
 
 
-@asynccontextmanager
-async def metaserver_on_network(
-    data: Path, clock: TrioClock
-) -> AsyncIterator[tuple[Metaserver, MemoryNetwork, trio.Nursery]]:
-    async with open_metaserver(listen=None, data_dir=data, clock=clock, run_blocking=run_inline) as meta:
-        async with trio.open_nursery() as nursery:
-            network = MemoryNetwork(nursery)
-            network.serve(META, meta.serve_stream)
-            yield meta, network, nursery
-            nursery.cancel_scope.cancel()
-
-
 def info(address: str = "10.0.0.1:20881", group: str = "rt1") -> dict[str, str]:
     return {"group": group, "kind": "realtime", "role": "master", "address": address, "version": "0.1.0"}
-
-
-async def agent(
-    network: MemoryNetwork, clock: TrioClock, address: str, *, task_status: trio.TaskStatus[Registration]
-) -> None:
-    """One server's registration, as a restart would run it (a new incarnation each time)."""
-    await run_registration(network, meta_address=META, info=info(address), clock=clock, task_status=task_status)
 
 
 async def masters(network: MemoryNetwork) -> list[str]:
@@ -70,14 +43,13 @@ def step_warnings(caplog: pytest.LogCaptureFixture) -> int:
 
 @pytest.mark.parametrize("step_ms", [-10 * MINUTE_MS, 10 * MINUTE_MS])
 async def test_heartbeats_go_on_and_nobody_is_evicted_across_a_ten_minute_step(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path, caplog: pytest.LogCaptureFixture, step_ms: int
+    autojump_clock: trio.testing.MockClock, metaservers: Any, caplog: pytest.LogCaptureFixture, step_ms: int
 ) -> None:
-    clock = TrioClock(T0)
-    async with metaserver_on_network(tmp_path, clock) as (meta, network, nursery):
-        registration: Registration = await nursery.start(partial(agent, network, clock, "10.0.0.1:20881"))
+    async with metaservers.on_network() as (meta, network, nursery):
+        registration: Registration = await metaservers.start_agent(nursery, network, info("10.0.0.1:20881"))
         await trio.sleep(7)
         beats = registration.statistics().heartbeats
-        clock.step(step_ms)
+        metaservers.clock.step(step_ms)
         for _ in range(4 * 30):  # four eviction timeouts, looked at every second
             await trio.sleep(1)
             assert await masters(network) == ["10.0.0.1:20881"]
@@ -91,15 +63,12 @@ async def test_heartbeats_go_on_and_nobody_is_evicted_across_a_ten_minute_step(
 
 @pytest.mark.parametrize("step_ms", [-10 * MINUTE_MS, 10 * MINUTE_MS])
 async def test_a_dead_server_is_evicted_on_time_whichever_way_the_clock_steps(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path, step_ms: int
+    autojump_clock: trio.testing.MockClock, metaservers: Any, step_ms: int
 ) -> None:
-    clock = TrioClock(T0)
-    async with metaserver_on_network(tmp_path, clock) as (meta, network, nursery):
-        async with trio.open_nursery() as server:
-            await server.start(partial(agent, network, clock, "10.0.0.1:20881"))
-            server.cancel_scope.cancel()  # it dies right after registering
+    async with metaservers.on_network() as (meta, network, nursery):
+        await metaservers.register_then_die(network, info("10.0.0.1:20881"))  # it dies right after registering
         died = trio.current_time()
-        clock.step(step_ms)
+        metaservers.clock.step(step_ms)
         while await masters(network):
             await trio.sleep(0.5)
         assert 30 <= trio.current_time() - died <= 31.5  # evict_after, by the monotonic clock
@@ -109,16 +78,13 @@ async def test_a_dead_server_is_evicted_on_time_whichever_way_the_clock_steps(
 
 
 async def test_a_master_restarted_on_a_new_port_takes_the_routes_at_once(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    autojump_clock: trio.testing.MockClock, metaservers: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="delaymq.metaserver")
-    clock = TrioClock(T0)
-    async with metaserver_on_network(tmp_path, clock) as (meta, network, nursery):
-        async with trio.open_nursery() as old:
-            await old.start(partial(agent, network, clock, "127.0.0.1:4001"))
-            old.cancel_scope.cancel()  # SIGKILLed
+    async with metaservers.on_network() as (meta, network, nursery):
+        await metaservers.register_then_die(network, info("127.0.0.1:4001"))  # SIGKILLed
         await trio.sleep(2)
-        await nursery.start(partial(agent, network, clock, "127.0.0.1:4002"))  # restarted on another port
+        await metaservers.start_agent(nursery, network, info("127.0.0.1:4002"))  # restarted on another port
         assert await masters(network) == ["127.0.0.1:4002"]  # at once, not after 30 s of eviction
         rows = (await network.call(META, Command.STATUS)).metadata["rows"]
         assert [row["address"] for row in rows] == ["127.0.0.1:4002"]
@@ -126,13 +92,12 @@ async def test_a_master_restarted_on_a_new_port_takes_the_routes_at_once(
 
 
 async def test_a_deposed_master_still_running_is_refused_and_never_takes_the_group_back(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    autojump_clock: trio.testing.MockClock, metaservers: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    clock = TrioClock(T0)
-    async with metaserver_on_network(tmp_path, clock) as (meta, network, nursery):
-        first: Registration = await nursery.start(partial(agent, network, clock, "10.0.0.1:1"))
+    async with metaservers.on_network() as (meta, network, nursery):
+        first: Registration = await metaservers.start_agent(nursery, network, info("10.0.0.1:1"))
         await trio.sleep(1)
-        second: Registration = await nursery.start(partial(agent, network, clock, "10.0.0.2:1"))
+        second: Registration = await metaservers.start_agent(nursery, network, info("10.0.0.2:1"))
         assert await masters(network) == ["10.0.0.2:1"]
         for _ in range(12):  # a minute of both running: no flapping
             await trio.sleep(5)
@@ -148,41 +113,36 @@ async def test_a_deposed_master_still_running_is_refused_and_never_takes_the_gro
 
 
 async def test_the_deposed_master_restarted_supersedes_in_turn(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path
+    autojump_clock: trio.testing.MockClock, metaservers: Any
 ) -> None:
-    clock = TrioClock(T0)
-    async with metaserver_on_network(tmp_path, clock) as (meta, network, nursery):
+    async with metaservers.on_network() as (meta, network, nursery):
         async with trio.open_nursery() as old:
-            await old.start(partial(agent, network, clock, "10.0.0.1:1"))
-            await nursery.start(partial(agent, network, clock, "10.0.0.2:1"))
+            await metaservers.start_agent(old, network, info("10.0.0.1:1"))
+            await metaservers.start_agent(nursery, network, info("10.0.0.2:1"))
             old.cancel_scope.cancel()
-        await nursery.start(partial(agent, network, clock, "10.0.0.1:1"))  # restarted: a new incarnation
+        await metaservers.start_agent(nursery, network, info("10.0.0.1:1"))  # restarted: a new incarnation
         assert await masters(network) == ["10.0.0.1:1"]
 
 
 async def test_a_server_restarting_on_its_own_address_is_routed_at_its_registration(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path
+    autojump_clock: trio.testing.MockClock, metaservers: Any
 ) -> None:
-    clock = TrioClock(T0)
-    async with metaserver_on_network(tmp_path, clock) as (meta, network, nursery):
-        async with trio.open_nursery() as old:
-            await old.start(partial(agent, network, clock, "10.0.0.1:1"))
-            old.cancel_scope.cancel()
+    async with metaservers.on_network() as (meta, network, nursery):
+        await metaservers.register_then_die(network, info("10.0.0.1:1"))
         await trio.sleep(45)  # down past its eviction
         assert await masters(network) == []
-        await nursery.start(partial(agent, network, clock, "10.0.0.1:1"))
+        await metaservers.start_agent(nursery, network, info("10.0.0.1:1"))
         assert await masters(network) == ["10.0.0.1:1"]
 
 
 async def test_superseded_masters_are_remembered_across_a_metaserver_restart(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path
+    autojump_clock: trio.testing.MockClock, metaservers: Any
 ) -> None:
-    clock = TrioClock(T0)
     old_info: dict[str, Any] = {**info("10.0.0.1:1"), "incarnation": "first-run"}
-    async with metaserver_on_network(tmp_path, clock) as (meta, network, nursery):
+    async with metaservers.on_network() as (meta, network, nursery):
         await network.call(META, Command.REGISTER, old_info)
         await network.call(META, Command.REGISTER, {**info("10.0.0.2:1"), "incarnation": "other"})
-    async with metaserver_on_network(tmp_path, clock) as (meta, network, nursery):
+    async with metaservers.on_network() as (meta, network, nursery):
         with pytest.raises(PeerError) as refused:
             await network.call(META, Command.REGISTER, old_info)
         assert refused.value.code == "superseded"

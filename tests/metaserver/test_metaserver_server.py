@@ -10,8 +10,7 @@ from __future__ import annotations
 import logging
 import socket
 import struct
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ from delaymq.client.registration import (
     software_version,
     start_registration,
 )
-from delaymq.metaserver.server import Metaserver, open_metaserver
+from delaymq.metaserver.server import open_metaserver
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError
 from delaymq.protocol.frames import Frame, FrameDecoder, encode_frame, request
@@ -34,28 +33,10 @@ from delaymq.protocol.limits import Limits
 from delaymq.protocol.routes import ServerKind
 from delaymq.protocol.testing import MemoryNetwork
 from delaymq.protocol.transport import open_peers
-from delaymq.storage.threads import run_inline
-from delaymq.wheel.clock import SystemClock, TrioClock
+from delaymq.wheel.clock import SystemClock
 
 T0 = 1_700_000_000_000
 META = "meta:20880"
-
-
-@asynccontextmanager
-async def memory_metaserver(data: Path, clock: TrioClock, **options: Any) -> AsyncIterator[Metaserver]:
-    async with open_metaserver(listen=None, data_dir=data, clock=clock, run_blocking=run_inline, **options) as meta:
-        yield meta
-
-
-@asynccontextmanager
-async def metaserver_on_network(
-    data: Path, clock: TrioClock, **options: Any
-) -> AsyncIterator[tuple[Metaserver, MemoryNetwork, trio.Nursery]]:
-    """A metaserver reachable at ``META`` on an in-memory network, and the network's nursery."""
-    async with memory_metaserver(data, clock, **options) as meta, trio.open_nursery() as nursery:
-        network = MemoryNetwork(nursery)
-        network.serve(META, meta.serve_stream)
-        yield meta, network, nursery
 
 
 def server_info(
@@ -79,15 +60,10 @@ async def routed(network: MemoryNetwork, name: str, subject: str | None = None) 
 
 
 async def test_agent_registers_and_heartbeats_keep_its_group_routed(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path
+    autojump_clock: trio.testing.MockClock, metaservers: Any
 ) -> None:
-    clock = TrioClock(T0)
-    async with metaserver_on_network(tmp_path, clock) as (meta, network, nursery):
-        registration: Registration = await nursery.start(
-            lambda task_status: run_registration(
-                network, meta_address=META, info=server_info(), clock=clock, task_status=task_status
-            )
-        )
+    async with metaservers.on_network() as (meta, network, nursery):
+        registration: Registration = await metaservers.start_agent(nursery, network, server_info())
         assert (registration.state, registration.master, registration.is_master) == ("RW", "10.0.0.1:20881", True)
         assert registration.heartbeat_interval_ms == 5_000
         answer = await route(network, "immediate-producer")
@@ -99,17 +75,15 @@ async def test_agent_registers_and_heartbeats_keep_its_group_routed(
         stats = registration.statistics()
         assert stats.registrations == 1 and stats.heartbeats == 24 and stats.failures == 0
         assert meta.statistics().registry.servers == 1
-        nursery.cancel_scope.cancel()
 
 
 async def test_start_registration_registers_a_master_with_the_software_version(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path
+    autojump_clock: trio.testing.MockClock, metaservers: Any
 ) -> None:
-    clock = TrioClock(T0)
-    async with metaserver_on_network(tmp_path, clock) as (meta, network, nursery):
+    async with metaservers.on_network() as (meta, network, nursery):
         registration = await start_registration(
             nursery, network, group="s1", kind=ServerKind.SCHEDULER, address="10.0.0.2:20882",
-            meta_address=[META], clock=clock,
+            meta_address=[META], clock=metaservers.clock,
         )  # fmt: skip
         assert registration.registered and registration.is_master
         status = (await network.call(META, Command.STATUS)).metadata
@@ -117,24 +91,24 @@ async def test_start_registration_registers_a_master_with_the_software_version(
             ("s1", "scheduler", "master", "10.0.0.2:20882", software_version())
         ]
         assert software_version()
-        nursery.cancel_scope.cancel()
 
 
 async def test_silent_master_is_evicted_on_time_and_back_when_it_heartbeats(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    autojump_clock: trio.testing.MockClock, metaservers: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="delaymq.metaserver")
-    clock = TrioClock(T0)
-    async with metaserver_on_network(tmp_path, clock) as (meta, network, nursery):
+    async with metaservers.on_network() as (meta, network, nursery):
         async with trio.open_nursery() as agent:
-            agent.start_soon(lambda: run_registration(network, meta_address=META, info=server_info(), clock=clock))
+            agent.start_soon(
+                partial(run_registration, network, meta_address=META, info=server_info(), clock=metaservers.clock)
+            )
             await trio.sleep(12)
             agent.cancel_scope.cancel()
         # The agent beat at +0, +5, +10 s; it is silent from +10 s on.
         version = (await route(network, "consumer"))["version"]
-        await clock.sleep_until_ms(T0 + 10_000 + 29_999)
+        await metaservers.clock.sleep_until_ms(T0 + 10_000 + 29_999)
         assert await routed(network, "consumer") == ["rt1"]
-        await clock.sleep_until_ms(T0 + 10_000 + 30_000)
+        await metaservers.clock.sleep_until_ms(T0 + 10_000 + 30_000)
         evicted = await route(network, "consumer")
         assert evicted["groups"] == [] and evicted["version"] > version
         await trio.sleep(1.5)  # the periodic check logs it
@@ -143,24 +117,18 @@ async def test_silent_master_is_evicted_on_time_and_back_when_it_heartbeats(
         (row,) = status["rows"]
         assert row["evicted"] is True and row["seconds_since_heartbeat"] >= 30
 
-        registration = await nursery.start(
-            lambda task_status: run_registration(
-                network, meta_address=META, info=server_info(), clock=clock, task_status=task_status
-            )
-        )
+        registration = await metaservers.start_agent(nursery, network, server_info())
         back = await route(network, "consumer")
         assert [g["group"] for g in back["groups"]] == ["rt1"] and back["version"] > evicted["version"]
         assert "group rt1 is back: its master 10.0.0.1:20881 heartbeats" in caplog.text
         assert registration.state == "RW"
-        nursery.cancel_scope.cancel()
 
 
 async def test_read_only_group_is_left_out_for_producers_and_kept_for_consumers(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    autojump_clock: trio.testing.MockClock, metaservers: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="delaymq.metaserver")
-    clock = TrioClock(T0)
-    async with metaserver_on_network(tmp_path, clock) as (meta, network, nursery):
+    async with metaservers.on_network() as (meta, network, nursery):
         agents = {}
         for info in (
             server_info("rt1", "r1:1"),
@@ -168,11 +136,7 @@ async def test_read_only_group_is_left_out_for_producers_and_kept_for_consumers(
             server_info("rt2", "r2b:1", role="slave"),
             server_info("sched1", "s1:1", kind="scheduler"),
         ):
-            agents[info["address"]] = await nursery.start(
-                lambda task_status, info=info: run_registration(
-                    network, meta_address=META, info=info, clock=clock, task_status=task_status
-                )
-            )
+            agents[info["address"]] = await metaservers.start_agent(nursery, network, info)
         answer = (await network.call(META, Command.SET_STATE, {"group": "rt2", "state": "R"})).metadata
         assert answer == {"state": "R", "previous": "RW"}
         assert "group rt2 state changed RW -> R" in caplog.text
@@ -189,12 +153,12 @@ async def test_read_only_group_is_left_out_for_producers_and_kept_for_consumers(
         assert agents["r2:1"].state == "R" and agents["r2b:1"].state == "R"
         assert agents["r2b:1"].master == "r2:1" and not agents["r2b:1"].is_master
         assert agents["r1:1"].state == "RW"
-        nursery.cancel_scope.cancel()
 
 
-async def test_route_version_moves_only_when_routes_do(autojump_clock: trio.testing.MockClock, tmp_path: Path) -> None:
-    clock = TrioClock(T0)
-    async with metaserver_on_network(tmp_path, clock) as (meta, network, nursery):
+async def test_route_version_moves_only_when_routes_do(
+    autojump_clock: trio.testing.MockClock, metaservers: Any
+) -> None:
+    async with metaservers.on_network() as (meta, network, nursery):
         first = (await network.call(META, Command.REGISTER, server_info("rt1", "r1:1"))).metadata
         answer = await route(network, "immediate-producer")
         assert answer["version"] == first["route_version"]
@@ -208,17 +172,13 @@ async def test_route_version_moves_only_when_routes_do(autojump_clock: trio.test
         changed = await route(network, "immediate-producer", known_version=answer["version"])
         assert changed["version"] > answer["version"]
         assert [g["group"] for g in changed["groups"]] == ["rt1", "rt2"]
-        nursery.cancel_scope.cancel()
 
 
 async def test_restarted_metaserver_answers_routes_at_once_from_its_data_folder(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path
+    autojump_clock: trio.testing.MockClock, metaservers: Any
 ) -> None:
-    clock = TrioClock(T0)
-    async with trio.open_nursery() as nursery:
-        network = MemoryNetwork(nursery)
-        async with memory_metaserver(tmp_path, clock) as meta:
-            network.serve(META, meta.serve_stream)
+    async with metaservers.network() as (network, nursery):
+        async with metaservers.serving(network) as meta:
             await network.call(META, Command.REGISTER, server_info("rt1", "r1:1"))
             await network.call(META, Command.REGISTER, server_info("rt2", "r2:1"))
             await network.call(META, Command.REGISTER, server_info("sched1", "s1:1", kind="scheduler"))
@@ -226,8 +186,7 @@ async def test_restarted_metaserver_answers_routes_at_once_from_its_data_folder(
             before = await route(network, "consumer")
             assert meta.statistics().snapshots_written == 4
         await trio.sleep(600)  # down for ten minutes: longer than any eviction
-        async with memory_metaserver(tmp_path, clock) as meta:
-            network.serve(META, meta.serve_stream)
+        async with metaservers.serving(network) as meta:
             after = await route(network, "consumer")
             assert after["groups"] == before["groups"]  # at once, state R kept
             assert after["version"] > before["version"]
@@ -240,26 +199,18 @@ async def test_restarted_metaserver_answers_routes_at_once_from_its_data_folder(
             # ...and those that never come back drop out after one eviction timeout.
             await trio.sleep(15)
             assert await routed(network, "consumer") == ["rt1"]
-        nursery.cancel_scope.cancel()
 
 
 # -- the agent through outages and refusals ---------------------------------------------------
 
 
 async def test_agent_rides_out_an_outage_logging_once_and_registers_again(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    autojump_clock: trio.testing.MockClock, metaservers: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="delaymq.client.registration")
-    clock = TrioClock(T0)
-    async with trio.open_nursery() as nursery:
-        network = MemoryNetwork(nursery)
-        async with memory_metaserver(tmp_path / "a", clock) as meta:
-            network.serve(META, meta.serve_stream)
-            registration: Registration = await nursery.start(
-                lambda task_status: run_registration(
-                    network, meta_address=META, info=server_info(), clock=clock, task_status=task_status
-                )
-            )
+    async with metaservers.network() as (network, nursery):
+        async with metaservers.serving(network, "a"):
+            registration: Registration = await metaservers.start_agent(nursery, network, server_info())
         network.take_down(META)
         calls_before = network.calls[META]
         await trio.sleep(60)
@@ -268,55 +219,38 @@ async def test_agent_rides_out_an_outage_logging_once_and_registers_again(
         assert stats.outages == 1 and stats.failures > 10 and not stats.registered
         assert caplog.text.count("metaserver meta:20880 unreachable") == 1  # ...and said so once
         # The metaserver comes back without its data: the agent registers again.
-        async with memory_metaserver(tmp_path / "b", clock) as meta:
-            network.serve(META, meta.serve_stream)
+        async with metaservers.serving(network, "b"):
             await trio.sleep(6)
             assert registration.registered and registration.statistics().registrations == 2
             assert "metaserver meta:20880 answers again after" in caplog.text
             assert await routed(network, "consumer") == ["rt1"]
             network.take_down(META)
-        nursery.cancel_scope.cancel()
 
 
 async def test_metaserver_that_forgot_the_server_gets_it_registered_again(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path
+    autojump_clock: trio.testing.MockClock, metaservers: Any
 ) -> None:
-    clock = TrioClock(T0)
-    async with trio.open_nursery() as nursery:
-        network = MemoryNetwork(nursery)
-        async with memory_metaserver(tmp_path / "a", clock) as meta:
-            network.serve(META, meta.serve_stream)
-            registration: Registration = await nursery.start(
-                lambda task_status: run_registration(
-                    network, meta_address=META, info=server_info(), clock=clock, task_status=task_status
-                )
-            )
+    async with metaservers.network() as (network, nursery):
+        async with metaservers.serving(network, "a"):
+            registration: Registration = await metaservers.start_agent(nursery, network, server_info())
             with pytest.raises(PeerError) as unknown:
                 await network.call(META, Command.HEARTBEAT, {"group": "rt1", "address": "10.9.9.9:1"})
             assert unknown.value.code == "register_first" and unknown.value.field == "address"
-        async with memory_metaserver(tmp_path / "b", clock) as meta:  # swapped with no outage
-            network.serve(META, meta.serve_stream)
+        async with metaservers.serving(network, "b"):  # swapped with no outage
             await trio.sleep(6)  # its next heartbeat (+5 s) is answered register_first
             stats = registration.statistics()
             assert stats.registrations == 2 and stats.failures == 0 and stats.outages == 0
             assert await routed(network, "consumer") == ["rt1"]
             network.take_down(META)
-        nursery.cancel_scope.cancel()
 
 
 async def test_first_registration_refused_stops_the_server(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path
+    autojump_clock: trio.testing.MockClock, metaservers: Any
 ) -> None:
-    clock = TrioClock(T0)
-    async with metaserver_on_network(tmp_path, clock) as (meta, network, nursery):
+    async with metaservers.on_network() as (meta, network, nursery):
         await network.call(META, Command.REGISTER, server_info("g1", "a:1", kind="scheduler"))
         with pytest.raises(RegistrationRefused, match="group 'g1' is a scheduler group"):
-            await nursery.start(
-                lambda task_status: run_registration(
-                    network, meta_address=META, info=server_info("g1", "b:1"), clock=clock, task_status=task_status
-                )
-            )
-        nursery.cancel_scope.cancel()
+            await metaservers.start_agent(nursery, network, server_info("g1", "b:1"))
 
 
 # -- refusals ---------------------------------------------------------------------------
@@ -343,22 +277,20 @@ async def test_first_registration_refused_stops_the_server(
 )
 async def test_bad_requests_are_refused_naming_the_field(
     autojump_clock: trio.testing.MockClock,
-    tmp_path: Path,
+    metaservers: Any,
     command: int,
     metadata: dict[str, Any],
     code: str,
     field: str,
     words: str,
 ) -> None:
-    clock = TrioClock(T0)
-    async with metaserver_on_network(tmp_path, clock) as (meta, network, nursery):
+    async with metaservers.on_network() as (meta, network, nursery):
         await network.call(META, Command.REGISTER, server_info())
         with pytest.raises(PeerError) as refused:
             await network.call(META, command, metadata)
         assert (refused.value.code, refused.value.field) == (code, field)
         assert words in str(refused.value)
         assert await routed(network, "consumer") == ["rt1"]  # and it goes on serving
-        nursery.cancel_scope.cancel()
 
 
 def _raw_exchange(address: str, data: bytes) -> tuple[list[Frame], bool]:

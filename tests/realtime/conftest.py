@@ -1,10 +1,12 @@
-"""A tiny frame-speaking client for the realtime tests (the real Consumer is built elsewhere)."""
+"""A tiny frame-speaking client for the realtime tests (the real Consumer is built elsewhere), and
+realtime servers run in the test process on the trio clock."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -17,8 +19,12 @@ from delaymq.protocol.frames import Frame
 from delaymq.protocol.limits import Limits
 from delaymq.protocol.records import Message, decode_batch, encode_batch
 from delaymq.protocol.transport import Connection
+from delaymq.realtime import RealtimeServer, open_realtime_server
+from delaymq.storage.threads import run_inline
+from delaymq.wheel.clock import TrioClock
 
 Call = Callable[[int, dict[str, Any], bytes], Awaitable[Frame]]
+EPOCH = 1_700_000_000_000
 
 
 @dataclass
@@ -129,3 +135,21 @@ def rt() -> SimpleNamespace:
         memory_client=memory_client,
         wait_until=wait_until,
     )
+
+
+@dataclass
+class LocalServers:
+    """Realtime servers on one data folder, in the test process: a ``TrioClock`` at ``EPOCH``, disk work inline."""
+
+    data: Path
+    clock: TrioClock
+
+    def server(self, **options: Any) -> AbstractAsyncContextManager[RealtimeServer]:
+        """A server on ``data`` (open it again to restart it); ``options`` go to ``open_realtime_server``."""
+        return open_realtime_server(data_dir=self.data, clock=self.clock, run_blocking=run_inline, **options)
+
+
+@pytest.fixture
+async def local(tmp_path: Path) -> LocalServers:
+    """Tests name ``autojump_clock`` too: pytest-trio runs with a clock among the test's arguments."""
+    return LocalServers(tmp_path, TrioClock(EPOCH))

@@ -4,11 +4,6 @@ acknowledged send and ack, and marks what it hands out again (``attempts`` raise
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -30,50 +25,18 @@ from delaymq.wheel.clock import TrioClock
 
 pytestmark = pytest.mark.slow
 
-SERVER = """
-import sys, trio
-from delaymq.realtime import open_realtime_server
-from delaymq.wheel.clock import SystemClock
-
-async def main():
-    async with open_realtime_server(
-        data_dir=sys.argv[1], clock=SystemClock(), ack_timeout_ms=1000, checkpoint_interval_ms=600_000
-    ) as server:
-        print(server.address, flush=True)
-        await trio.sleep_forever()
-
-trio.run(main)
-"""
+SERVER_OPTIONS = {"ack_timeout_ms": 1000, "checkpoint_interval_ms": 600_000}
 
 
-@asynccontextmanager
-async def server_process(data_dir: Path) -> AsyncIterator[str]:
-    """A server in a child process; yields its address (read from its first line)."""
-    process = await trio.lowlevel.open_process(
-        [sys.executable, "-P", "-c", SERVER, str(data_dir)], stdout=subprocess.PIPE, cwd=data_dir.parent
-    )
-    try:
-        assert process.stdout is not None
-        line = b""
-        with trio.fail_after(30):
-            while not line.endswith(b"\n"):
-                chunk = await process.stdout.receive_some(1024)
-                assert chunk, f"the server exited with {await process.wait()} before printing its address"
-                line += chunk
-        yield line.decode().strip()
-    finally:
-        if process.returncode is None:
-            process.send_signal(signal.SIGKILL)
-        await process.wait()
-
-
-async def test_sigkill_and_restart_lose_no_acknowledged_send_or_ack(tmp_path: Path, rt: SimpleNamespace) -> None:
+async def test_sigkill_and_restart_lose_no_acknowledged_send_or_ack(
+    tmp_path: Path, rt: SimpleNamespace, server_processes: SimpleNamespace
+) -> None:
     data = tmp_path / "realtime"
     first = rt.messages(20, prefix="a")
     second = rt.messages(20, prefix="b")
     with trio.fail_after(60):
         async with open_peers() as peers:
-            async with server_process(data) as address:
+            async with server_processes.realtime(data, **SERVER_OPTIONS) as (address, _):
                 producer = rt.peers_client(peers, address)
                 c1 = rt.peers_client(peers, address, consumer="c1")
                 assert await producer.send(first) == ["stored"] * 20
@@ -91,7 +54,7 @@ async def test_sigkill_and_restart_lose_no_acknowledged_send_or_ack(tmp_path: Pa
                 file.seek(30 * ENTRY_SIZE + 3)
                 file.write(b"\xff\xff")
 
-            async with server_process(data) as address:
+            async with server_processes.realtime(data, **SERVER_OPTIONS) as (address, _):
                 producer = rt.peers_client(peers, address)
                 everything = await rt.peers_client(peers, address, group="g2").pull(100, **{"from": "earliest"})
                 assert everything.ids == [m.id for m in first + second]

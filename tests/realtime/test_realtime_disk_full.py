@@ -10,7 +10,9 @@ nothing. A real full tmpfs is in tests/faults/test_faults_disk_full.py.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -21,28 +23,46 @@ import trio.testing
 
 from delaymq.protocol.errors import PeerError
 from delaymq.protocol.records import Message
-from delaymq.realtime import open_realtime_server
+from delaymq.realtime import RealtimeServer
 from delaymq.realtime.consumelog import subject_stem
 from delaymq.storage.testing import FullDisk
-from delaymq.storage.threads import run_inline
-from delaymq.wheel.clock import TrioClock
 
-EPOCH = 1_700_000_000_000
+
+@dataclass
+class Outage:
+    """In-process servers (``local``) whose data folder is on a disk that fills (``disk``), and what they logged."""
+
+    local: Any  # LocalServers, tests/realtime/conftest.py
+    disk: FullDisk
+    caplog: pytest.LogCaptureFixture
+
+    @property
+    def data(self) -> Path:
+        return self.local.data
+
+    def server(self) -> AbstractAsyncContextManager[RealtimeServer]:
+        """The server on ``data`` (opened again, it reads what the outage left)."""
+        return self.local.server()
+
+    @asynccontextmanager
+    async def joined(self, rt: SimpleNamespace) -> AsyncIterator[tuple[RealtimeServer, Any]]:
+        """The server, and a client of it that joined its group (so its pull log exists)."""
+        async with self.server() as server, rt.memory_client(server) as client:
+            await client.pull(timeout_ms=0)
+            yield server, client
+
+    def complaints(self) -> list[logging.LogRecord]:
+        """What the servers logged at WARNING or above."""
+        return [r for r in self.caplog.records if r.levelno >= logging.WARNING and r.name.startswith("delaymq")]
+
+    def tracebacks(self) -> list[logging.LogRecord]:
+        return [r for r in self.caplog.records if r.exc_info and r.name.startswith("delaymq")]
 
 
 @pytest.fixture
-def full_disk() -> Iterator[FullDisk]:
+async def outage(local: Any, caplog: pytest.LogCaptureFixture) -> AsyncIterator[Outage]:
     with FullDisk() as disk:
-        yield disk
-
-
-def complaints(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
-    """What the servers logged at WARNING or above."""
-    return [r for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("delaymq")]
-
-
-def tracebacks(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.exc_info and r.name.startswith("delaymq")]
+        yield Outage(local, disk, caplog)
 
 
 async def receive(client: Any, count: int, *, seconds: float = 30) -> list[Message]:
@@ -69,48 +89,40 @@ async def everything(server: Any, rt: SimpleNamespace, subject: str = "orders") 
 
 
 async def test_a_full_message_log_refuses_the_send_as_unavailable_and_its_retry_is_stored(
-    tmp_path: Path,
-    rt: SimpleNamespace,
-    full_disk: FullDisk,
-    caplog: pytest.LogCaptureFixture,
-    autojump_clock: trio.testing.MockClock,
+    rt: SimpleNamespace, outage: Outage, autojump_clock: trio.testing.MockClock
 ) -> None:
-    clock = TrioClock(EPOCH)
     first, refused = rt.messages(5, prefix="a"), rt.messages(5, prefix="b")
-    async with open_realtime_server(data_dir=tmp_path, clock=clock, run_blocking=run_inline) as server:
-        async with rt.memory_client(server) as client:
-            await client.pull(timeout_ms=0)  # joins the group
-            assert await client.send(first) == ["stored"] * 5
-            end = server.statistics().message_log_end
-            # The disk fills during the write: half the batch reaches the segment.
-            full_disk.fill(tmp_path / "messages", partial=True)
-            for _ in range(3):  # the producer retries while it stays full for a minute
-                with pytest.raises(PeerError) as error:
-                    await client.send(refused)
-                assert error.value.code == "unavailable"
-                assert "disk is full" in str(error.value)
-                await trio.sleep(20)
-            assert server.statistics().message_log_end == end  # no torn half-record left in the log
-            full_disk.free()
-            assert await client.send(refused) == ["stored"] * 5  # stored now, not a false "duplicate"
-            got = await receive(client, 10)
-            assert [m.id for m in got] == [m.id for m in first + refused]
-            assert server.statistics().duplicates == 0
-    assert len(complaints(caplog)) == 1, complaints(caplog)  # one line for the outage
-    assert not tracebacks(caplog)
-    async with open_realtime_server(data_dir=tmp_path, clock=clock, run_blocking=run_inline) as server:
+    async with outage.joined(rt) as (server, client):
+        assert await client.send(first) == ["stored"] * 5
+        end = server.statistics().message_log_end
+        # The disk fills during the write: half the batch reaches the segment.
+        outage.disk.fill(outage.data / "messages", partial=True)
+        for _ in range(3):  # the producer retries while it stays full for a minute
+            with pytest.raises(PeerError) as error:
+                await client.send(refused)
+            assert error.value.code == "unavailable"
+            assert "disk is full" in str(error.value)
+            await trio.sleep(20)
+        assert server.statistics().message_log_end == end  # no torn half-record left in the log
+        outage.disk.free()
+        assert await client.send(refused) == ["stored"] * 5  # stored now, not a false "duplicate"
+        got = await receive(client, 10)
+        assert [m.id for m in got] == [m.id for m in first + refused]
+        assert server.statistics().duplicates == 0
+    assert len(outage.complaints()) == 1, outage.complaints()  # one line for the outage
+    assert not outage.tracebacks()
+    async with outage.server() as server:
         # The log reopens whole: every record once, the later ones right after the earlier.
         assert await everything(server, rt) == [m.id for m in first + refused]
 
 
 async def test_a_send_of_an_id_being_appended_waits_for_it_and_is_no_false_duplicate(
-    tmp_path: Path, rt: SimpleNamespace, full_disk: FullDisk, autojump_clock: trio.testing.MockClock
+    rt: SimpleNamespace, outage: Outage, autojump_clock: trio.testing.MockClock
 ) -> None:
-    clock = TrioClock(EPOCH)
     batch = rt.messages(3)
-    async with open_realtime_server(data_dir=tmp_path, clock=clock, run_blocking=run_inline) as server:
+    async with outage.server() as server:
         async with rt.memory_client(server) as first, rt.memory_client(server) as second:
-            full_disk.fill(tmp_path / "messages")
+            outage.disk.fill(outage.data / "messages")
             answers: list[str] = []
 
             async def send(client: Any) -> None:
@@ -123,7 +135,7 @@ async def test_a_send_of_an_id_being_appended_waits_for_it_and_is_no_false_dupli
                 nursery.start_soon(send, first)
                 nursery.start_soon(send, second)
             assert answers == ["unavailable", "unavailable"]  # neither is told "duplicate"
-            full_disk.free()
+            outage.disk.free()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(send, first)
                 nursery.start_soon(send, second)
@@ -132,23 +144,18 @@ async def test_a_send_of_an_id_being_appended_waits_for_it_and_is_no_false_dupli
 
 
 async def test_a_failed_consume_log_write_is_retried_and_nothing_waits_behind_it(
-    tmp_path: Path,
-    rt: SimpleNamespace,
-    full_disk: FullDisk,
-    caplog: pytest.LogCaptureFixture,
-    autojump_clock: trio.testing.MockClock,
+    rt: SimpleNamespace, outage: Outage, autojump_clock: trio.testing.MockClock
 ) -> None:
-    caplog.set_level(logging.INFO)
-    clock = TrioClock(EPOCH)
+    outage.caplog.set_level(logging.INFO)
     mixed = [Message("o1", "orders"), Message("p1", "payments"), Message("o2", "orders")]
     later = rt.messages(20, prefix="late")
-    async with open_realtime_server(data_dir=tmp_path, clock=clock, run_blocking=run_inline) as server:
+    async with outage.server() as server:
         async with rt.memory_client(server) as orders, rt.memory_client(server, subject="payments") as payments:
             await orders.pull(timeout_ms=0)
             await payments.pull(timeout_ms=0)
             # Only the payments consume log is full: the orders entries of the same batch
             # are written, then the payments one fails.
-            full_disk.fill(tmp_path / "consume" / f"{subject_stem('payments')}.log")
+            outage.disk.fill(outage.data / "consume" / f"{subject_stem('payments')}.log")
             assert await orders.send(mixed) == ["stored"] * 3  # in the message log: it will be delivered
             for i in range(0, 20, 5):
                 assert await orders.send(later[i : i + 5]) == ["stored"] * 5
@@ -157,52 +164,45 @@ async def test_a_failed_consume_log_write_is_retried_and_nothing_waits_behind_it
             stats = server.statistics()
             assert stats.indexed_offset < stats.message_log_end and stats.checkpoints > 0
             # ... and delivered, in order, once space comes back: no restart.
-            full_disk.free()
+            outage.disk.free()
             got = await receive(orders, 22)
             assert [m.id for m in got] == ["o1", "o2"] + [m.id for m in later]
             assert [m.id for m in await receive(payments, 1)] == ["p1"]
             assert await orders.send(mixed) == ["duplicate"] * 3  # truly stored: the retry is one
             stats = server.statistics()
             assert stats.indexed_offset == stats.message_log_end
-    index_lines = [r for r in caplog.records if r.name == "delaymq.realtime.index"]
+    index_lines = [r for r in outage.caplog.records if r.name == "delaymq.realtime.index"]
     assert [r.levelno for r in index_lines] == [logging.WARNING, logging.INFO], index_lines
     assert "disk is full" in index_lines[0].getMessage()
-    assert len(complaints(caplog)) == 1 and not tracebacks(caplog)
-    async with open_realtime_server(data_dir=tmp_path, clock=clock, run_blocking=run_inline) as server:
+    assert len(outage.complaints()) == 1 and not outage.tracebacks()
+    async with outage.server() as server:
         # What the checkpoints committed during the outage is consistent: each entry once.
         assert await everything(server, rt) == ["o1", "o2"] + [m.id for m in later]
         assert await everything(server, rt, "payments") == ["p1"]
 
 
 async def test_a_full_state_store_delays_checkpoints_only(
-    tmp_path: Path,
-    rt: SimpleNamespace,
-    full_disk: FullDisk,
-    caplog: pytest.LogCaptureFixture,
-    autojump_clock: trio.testing.MockClock,
+    rt: SimpleNamespace, outage: Outage, autojump_clock: trio.testing.MockClock
 ) -> None:
-    clock = TrioClock(EPOCH)
     first, second = rt.messages(3, prefix="a"), rt.messages(3, prefix="b")
-    async with open_realtime_server(data_dir=tmp_path, clock=clock, run_blocking=run_inline) as server:
-        async with rt.memory_client(server) as client:
-            await client.pull(timeout_ms=0)
-            assert await client.send(first) == ["stored"] * 3
-            assert [m.id for m in await receive(client, 3)] == [m.id for m in first]
-            full_disk.fill(tmp_path / "state")
-            assert await client.send(second) == ["stored"] * 3  # SEND writes no lmdb
-            pulled = await client.pull(10, timeout_ms=1000)
-            assert pulled.ids == [m.id for m in second]
-            with pytest.raises(PeerError) as error:  # an ACK waits for a checkpoint
-                await client.ack(pulled.start, pulled.end)
-            assert error.value.code == "unavailable"
-            await trio.sleep(60)  # a minute of failing checkpoints
-            failures = server.statistics().checkpoint_failures
-            assert failures >= 2
-            full_disk.free()
-            assert await client.ack(pulled.start, pulled.end) == pulled.end
-    assert len(complaints(caplog)) == 1, complaints(caplog)
-    assert not tracebacks(caplog)
-    async with open_realtime_server(data_dir=tmp_path, clock=clock, run_blocking=run_inline) as server:
+    async with outage.joined(rt) as (server, client):
+        assert await client.send(first) == ["stored"] * 3
+        assert [m.id for m in await receive(client, 3)] == [m.id for m in first]
+        outage.disk.fill(outage.data / "state")
+        assert await client.send(second) == ["stored"] * 3  # SEND writes no lmdb
+        pulled = await client.pull(10, timeout_ms=1000)
+        assert pulled.ids == [m.id for m in second]
+        with pytest.raises(PeerError) as error:  # an ACK waits for a checkpoint
+            await client.ack(pulled.start, pulled.end)
+        assert error.value.code == "unavailable"
+        await trio.sleep(60)  # a minute of failing checkpoints
+        failures = server.statistics().checkpoint_failures
+        assert failures >= 2
+        outage.disk.free()
+        assert await client.ack(pulled.start, pulled.end) == pulled.end
+    assert len(outage.complaints()) == 1, outage.complaints()
+    assert not outage.tracebacks()
+    async with outage.server() as server:
         async with rt.memory_client(server) as client:
             # The dedup ids and the acks of the outage were committed after it.
             assert await client.send(second) == ["duplicate"] * 3
@@ -210,17 +210,12 @@ async def test_a_full_state_store_delays_checkpoints_only(
 
 
 async def test_a_minute_of_full_disk_then_every_acknowledged_message_is_delivered(
-    tmp_path: Path,
-    rt: SimpleNamespace,
-    full_disk: FullDisk,
-    caplog: pytest.LogCaptureFixture,
-    autojump_clock: trio.testing.MockClock,
+    rt: SimpleNamespace, outage: Outage, autojump_clock: trio.testing.MockClock
 ) -> None:
     """The issue's case: producers keep sending through a minute of full disk; nothing stuck after it."""
-    clock = TrioClock(EPOCH)
     acknowledged: list[str] = []
     refusals = 0
-    async with open_realtime_server(data_dir=tmp_path, clock=clock, run_blocking=run_inline) as server:
+    async with outage.server() as server:
         async with rt.memory_client(server) as consumer:
             await consumer.pull(timeout_ms=0)
 
@@ -242,48 +237,39 @@ async def test_a_minute_of_full_disk_then_every_acknowledged_message_is_delivere
                             break
                         await trio.sleep(0.5)
 
-            async def outage() -> None:
+            async def a_minute_full() -> None:
                 await trio.sleep(3)
-                full_disk.fill(tmp_path, partial=True)
+                outage.disk.fill(outage.data, partial=True)
                 await trio.sleep(60)
-                full_disk.free()
+                outage.disk.free()
 
             async with trio.open_nursery() as nursery:
                 for number in range(3):
                     nursery.start_soon(produce, number)
-                nursery.start_soon(outage)
+                nursery.start_soon(a_minute_full)
             got = await receive(consumer, len(acknowledged))
             assert sorted(m.id for m in got) == sorted(acknowledged)  # every one, once
             assert refusals > 0
-    assert not tracebacks(caplog)
-    assert len(complaints(caplog)) <= 2, complaints(caplog)  # the message log, the index step
+    assert not outage.tracebacks()
+    assert len(outage.complaints()) <= 2, outage.complaints()  # the message log, the index step
 
 
 async def test_a_pull_whose_pull_log_cannot_be_written_is_refused_and_hands_out_nothing(
-    tmp_path: Path,
-    rt: SimpleNamespace,
-    full_disk: FullDisk,
-    caplog: pytest.LogCaptureFixture,
-    autojump_clock: trio.testing.MockClock,
+    rt: SimpleNamespace, outage: Outage, autojump_clock: trio.testing.MockClock
 ) -> None:
-    clock = TrioClock(EPOCH)
     batch = rt.messages(4)
-    async with open_realtime_server(data_dir=tmp_path, clock=clock, run_blocking=run_inline) as server:
-        async with rt.memory_client(server) as client:
-            await client.pull(timeout_ms=0)  # joins the group; its pull log exists
-            assert await client.send(batch) == ["stored"] * 4
-            full_disk.fill(tmp_path / "pull")
-            with pytest.raises(PeerError) as error:
-                await client.pull(10)
-            assert error.value.code == "unavailable" and "disk is full" in str(error.value)
-            full_disk.free()
-            got = await client.pull(10)
-            # The same messages, in order, as first deliveries: the refused pull handed out nothing.
-            assert got.ids == [m.id for m in batch] and [m.attempts for m in got.messages] == [0] * 4
-            await client.ack(got.start, got.end)
-    assert not tracebacks(caplog)
-    async with open_realtime_server(
-        data_dir=tmp_path, clock=clock, run_blocking=run_inline
-    ) as server:  # and it reopens cleanly
+    async with outage.joined(rt) as (server, client):
+        assert await client.send(batch) == ["stored"] * 4
+        outage.disk.fill(outage.data / "pull")
+        with pytest.raises(PeerError) as error:
+            await client.pull(10)
+        assert error.value.code == "unavailable" and "disk is full" in str(error.value)
+        outage.disk.free()
+        got = await client.pull(10)
+        # The same messages, in order, as first deliveries: the refused pull handed out nothing.
+        assert got.ids == [m.id for m in batch] and [m.attempts for m in got.messages] == [0] * 4
+        await client.ack(got.start, got.end)
+    assert not outage.tracebacks()
+    async with outage.server() as server:  # and it reopens cleanly
         async with rt.memory_client(server) as client:
             assert (await client.pull(10, timeout_ms=0)).count == 0

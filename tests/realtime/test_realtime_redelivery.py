@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import trio
@@ -11,18 +11,12 @@ import trio.testing
 
 from delaymq.protocol.errors import PeerError
 from delaymq.protocol.records import Message
-from delaymq.realtime import open_realtime_server
-from delaymq.storage.threads import run_inline
-from delaymq.wheel.clock import TrioClock
-
-EPOCH = 1_700_000_000_000
 
 
 async def test_a_consumer_that_died_has_its_messages_handed_to_another(
-    tmp_path: Path, rt: SimpleNamespace, autojump_clock: trio.testing.MockClock
+    rt: SimpleNamespace, local: Any, autojump_clock: trio.testing.MockClock
 ) -> None:
-    clock = TrioClock(EPOCH)
-    async with open_realtime_server(data_dir=tmp_path, clock=clock, run_blocking=run_inline) as server:
+    async with local.server() as server:
         async with (
             rt.memory_client(server, consumer="doomed") as doomed,
             rt.memory_client(server, consumer="survivor") as survivor,
@@ -55,12 +49,9 @@ async def test_a_consumer_that_died_has_its_messages_handed_to_another(
 
 
 async def test_unacked_messages_come_back_after_the_ack_timeout(
-    tmp_path: Path, rt: SimpleNamespace, autojump_clock: trio.testing.MockClock
+    rt: SimpleNamespace, local: Any, autojump_clock: trio.testing.MockClock
 ) -> None:
-    clock = TrioClock(EPOCH)
-    async with open_realtime_server(
-        data_dir=tmp_path, clock=clock, run_blocking=run_inline, ack_timeout_ms=5_000
-    ) as server:
+    async with local.server(ack_timeout_ms=5_000) as server:
         async with rt.memory_client(server) as client:
             await client.send(rt.messages(3))
             first = await client.pull(10, **{"from": "earliest"})
@@ -82,10 +73,9 @@ async def test_unacked_messages_come_back_after_the_ack_timeout(
 
 
 async def test_nack_hands_the_message_back_at_once(
-    tmp_path: Path, rt: SimpleNamespace, autojump_clock: trio.testing.MockClock
+    rt: SimpleNamespace, local: Any, autojump_clock: trio.testing.MockClock
 ) -> None:
-    clock = TrioClock(EPOCH)
-    async with open_realtime_server(data_dir=tmp_path, clock=clock, run_blocking=run_inline) as server:
+    async with local.server() as server:
         async with rt.memory_client(server, consumer="a") as a, rt.memory_client(server, consumer="b") as b:
             await a.send(rt.messages(2))
             taken = await a.pull(10, **{"from": "earliest"})
@@ -98,10 +88,9 @@ async def test_nack_hands_the_message_back_at_once(
 
 
 async def test_out_of_order_acks_merge_and_repeats_are_harmless(
-    tmp_path: Path, rt: SimpleNamespace, autojump_clock: trio.testing.MockClock
+    rt: SimpleNamespace, local: Any, autojump_clock: trio.testing.MockClock
 ) -> None:
-    clock = TrioClock(EPOCH)
-    async with open_realtime_server(data_dir=tmp_path, clock=clock, run_blocking=run_inline) as server:
+    async with local.server() as server:
         async with rt.memory_client(server) as client:
             await client.send(rt.messages(6))
             pulled = await client.pull(6, **{"from": "earliest"})
@@ -120,19 +109,14 @@ async def test_out_of_order_acks_merge_and_repeats_are_harmless(
 
 
 async def test_dedup_window_survives_a_restart_and_then_expires(
-    tmp_path: Path, rt: SimpleNamespace, autojump_clock: trio.testing.MockClock
+    rt: SimpleNamespace, local: Any, autojump_clock: trio.testing.MockClock
 ) -> None:
-    clock = TrioClock(EPOCH)
     window = 60_000
-    async with open_realtime_server(
-        data_dir=tmp_path, clock=clock, run_blocking=run_inline, dedup_window_ms=window
-    ) as server:
+    async with local.server(dedup_window_ms=window) as server:
         async with rt.memory_client(server) as client:
             assert await client.send([Message("once", "orders")]) == ["stored"]
     await trio.sleep(10)
-    async with open_realtime_server(
-        data_dir=tmp_path, clock=clock, run_blocking=run_inline, dedup_window_ms=window
-    ) as server:
+    async with local.server(dedup_window_ms=window) as server:
         async with rt.memory_client(server) as client:
             assert await client.send([Message("once", "orders")]) == ["duplicate"]
             await trio.sleep(window / 1000)
@@ -142,12 +126,9 @@ async def test_dedup_window_survives_a_restart_and_then_expires(
 
 
 async def test_dedup_memory_cap_falls_back_to_lmdb(
-    tmp_path: Path, rt: SimpleNamespace, autojump_clock: trio.testing.MockClock
+    rt: SimpleNamespace, local: Any, autojump_clock: trio.testing.MockClock
 ) -> None:
-    clock = TrioClock(EPOCH)
-    async with open_realtime_server(
-        data_dir=tmp_path, clock=clock, dedup_memory_ids=10, checkpoint_interval_ms=100, run_blocking=run_inline
-    ) as server:
+    async with local.server(dedup_memory_ids=10, checkpoint_interval_ms=100) as server:
         async with rt.memory_client(server) as client:
             sent = rt.messages(50)
             await client.send(sent)
@@ -155,9 +136,7 @@ async def test_dedup_memory_cap_falls_back_to_lmdb(
             assert server.statistics().dedup_ids_in_memory <= 10
             assert await client.send(sent[:3]) == ["duplicate"] * 3
     # After a restart memory is loaded with the newest ids only; lmdb answers for the rest.
-    async with open_realtime_server(
-        data_dir=tmp_path, clock=clock, run_blocking=run_inline, dedup_memory_ids=10
-    ) as server:
+    async with local.server(dedup_memory_ids=10) as server:
         assert server.statistics().dedup_ids_in_memory <= 10
         async with rt.memory_client(server) as client:
             assert await client.send([sent[0], sent[49], Message("fresh", "orders")]) == [
@@ -171,10 +150,9 @@ async def test_dedup_memory_cap_falls_back_to_lmdb(
 
 
 async def test_a_thousand_parked_pulls_wait_idle_and_one_message_goes_to_one(
-    tmp_path: Path, rt: SimpleNamespace, autojump_clock: trio.testing.MockClock
+    rt: SimpleNamespace, local: Any, autojump_clock: trio.testing.MockClock
 ) -> None:
-    clock = TrioClock(EPOCH)
-    async with open_realtime_server(data_dir=tmp_path, clock=clock, run_blocking=run_inline) as server:
+    async with local.server() as server:
         async with rt.memory_client(server) as client:
             got: list[tuple[str, list[str]]] = []
 
@@ -200,17 +178,14 @@ async def test_a_thousand_parked_pulls_wait_idle_and_one_message_goes_to_one(
 
 @pytest.mark.parametrize("step_ms", [600_000, -600_000])
 async def test_a_wall_clock_step_neither_fires_nor_postpones_the_ack_timeout(
-    tmp_path: Path, rt: SimpleNamespace, autojump_clock: trio.testing.MockClock, step_ms: int
+    rt: SimpleNamespace, local: Any, autojump_clock: trio.testing.MockClock, step_ms: int
 ) -> None:
-    clock = TrioClock(EPOCH)
-    async with open_realtime_server(
-        data_dir=tmp_path, clock=clock, run_blocking=run_inline, ack_timeout_ms=5_000
-    ) as server:
+    async with local.server(ack_timeout_ms=5_000) as server:
         async with rt.memory_client(server) as client:
             await client.send(rt.messages(2))
             first = await client.pull(10, **{"from": "earliest"})
             pulled_at = trio.current_time()
-            clock.step(step_ms)  # ten minutes forward, or back: the ack timeout is an interval
+            local.clock.step(step_ms)  # ten minutes forward, or back: the ack timeout is an interval
             assert (await client.pull(10, timeout_ms=1_000)).count == 0  # not given back at once
             again = await client.pull(10, timeout_ms=20_000)
             assert 5 <= trio.current_time() - pulled_at < 6  # five seconds after the hand-out, as set

@@ -8,8 +8,8 @@ milliseconds, and time moves only when every task waits for it.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -32,7 +32,10 @@ from delaymq.protocol.limits import Limits
 from delaymq.protocol.records import encode_message, scan_batch
 from delaymq.protocol.transport import TransportError
 from delaymq.realtime.server import RealtimeServer, open_realtime_server
+from delaymq.scheduler.schedulelog import ScheduleStore
 from delaymq.scheduler.server import Scheduler, open_scheduler
+from delaymq.storage.log import DEFAULT_SEGMENT_SIZE, SegmentedLog
+from delaymq.storage.state import StateStore
 from delaymq.storage.threads import run_inline
 from delaymq.wheel.clock import Clock, TrioClock
 
@@ -235,6 +238,19 @@ async def open_cluster(
             nursery.cancel_scope.cancel()
 
 
+@contextmanager
+def schedule_folder(
+    root: Path, *, segment_size: int = DEFAULT_SEGMENT_SIZE, **store_options: Any
+) -> Iterator[tuple[SegmentedLog, ScheduleStore]]:
+    """A scheduler's data folder: its message log and its schedule store (on its own lmdb), closed in turn."""
+    with (
+        SegmentedLog.open(root / "messages", segment_size=segment_size) as log,
+        StateStore.open(root / "state") as state,
+        ScheduleStore.open(root / "schedule", state, **store_options) as store,
+    ):
+        yield log, store
+
+
 def message(name: str, deliver_at: int, *, subject: str = "orders", created_at: int = EPOCH_MS) -> bytes:
     return encode_message(name, subject, body=name.encode(), deliver_at=deliver_at, created_at=created_at)
 
@@ -243,5 +259,6 @@ def message(name: str, deliver_at: int, *, subject: str = "orders", created_at: 
 def sched() -> SimpleNamespace:
     """The helpers above, for the scheduler's tests."""
     return SimpleNamespace(
-        open_cluster=open_cluster, message=message, EPOCH_MS=EPOCH_MS, DAY_MS=DAY_MS, SCHEDULER=SCHEDULER
-    )
+        open_cluster=open_cluster, folder=schedule_folder, message=message,
+        EPOCH_MS=EPOCH_MS, DAY_MS=DAY_MS, SCHEDULER=SCHEDULER,
+    )  # fmt: skip

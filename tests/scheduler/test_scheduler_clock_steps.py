@@ -23,12 +23,9 @@ import trio
 import trio.testing
 
 from delaymq.protocol.records import encode_message, scan_batch
-from delaymq.scheduler.dispatcher import Deliver, Dispatcher
+from delaymq.scheduler.dispatcher import Dispatcher
 from delaymq.scheduler.replay import replay_until_caught_up
-from delaymq.scheduler.schedulelog import ScheduleStore
 from delaymq.scheduler.wheelset import WheelSet
-from delaymq.storage.log import SegmentedLog
-from delaymq.storage.state import StateStore
 from delaymq.storage.threads import run_inline
 from delaymq.wheel.clock import WALL_RECHECK_MS, Clock, SystemClock, TrioClock
 
@@ -125,28 +122,6 @@ async def test_a_message_scheduled_after_a_step_back_is_due_by_the_new_wall_cloc
 # -- the dispatcher's lanes -------------------------------------------------------------
 
 
-@asynccontextmanager
-async def dispatching(
-    tmp_path: Path, clock: Clock, records: list[bytes], deliver: Deliver
-) -> AsyncIterator[Dispatcher]:
-    with (
-        SegmentedLog.open(tmp_path / "messages") as log,
-        StateStore.open(tmp_path / "state") as state,
-        ScheduleStore.open(tmp_path / "schedule", state, fsync=False) as store,
-    ):
-        log.append(b"".join(records))
-        log.flush()
-        replay_until_caught_up(log, store)
-        dispatcher = Dispatcher(
-            store=store, wheels=WheelSet(store.undispatched_hours()), deliver=deliver, clock=clock,
-            run_blocking=run_inline, backoff_ms=100, max_backoff_ms=5_000,
-        )  # fmt: skip
-        async with trio.open_nursery() as nursery:
-            await nursery.start(dispatcher.run)
-            yield dispatcher
-            nursery.cancel_scope.cancel()
-
-
 class FlakyRealtime:
     """A ``deliver`` that fails while ``down``; records the wall time of each message taken."""
 
@@ -167,13 +142,31 @@ class FlakyRealtime:
         return ["stored"] * len(ids)
 
 
-async def test_a_step_back_does_not_stretch_a_delivery_backoff(
-    tmp_path: Path, autojump_clock: trio.testing.MockClock, clocks: SteppedClocks
-) -> None:
+DUE = EPOCH_MS + 10 * SECOND
+
+
+@asynccontextmanager
+async def flaky_delivery(sched: SimpleNamespace, tmp_path: Path, clocks: SteppedClocks) -> AsyncIterator[FlakyRealtime]:
+    """A dispatcher with one message due at ``DUE``, delivering to a realtime that is down until told otherwise."""
     realtime = FlakyRealtime(clocks.clock)
-    due = EPOCH_MS + 10 * SECOND
-    record = encode_message("m", "s", deliver_at=due, created_at=EPOCH_MS)
-    async with dispatching(tmp_path, clocks.clock, [record], realtime.deliver):
+    with sched.folder(tmp_path, fsync=False) as (log, store):
+        log.append(encode_message("m", "s", deliver_at=DUE, created_at=EPOCH_MS))
+        log.flush()
+        replay_until_caught_up(log, store)
+        dispatcher = Dispatcher(
+            store=store, wheels=WheelSet(store.undispatched_hours()), deliver=realtime.deliver, clock=clocks.clock,
+            run_blocking=run_inline, backoff_ms=100, max_backoff_ms=5_000,
+        )  # fmt: skip
+        async with trio.open_nursery() as nursery:
+            await nursery.start(dispatcher.run)
+            yield realtime
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_step_back_does_not_stretch_a_delivery_backoff(
+    sched: SimpleNamespace, tmp_path: Path, autojump_clock: trio.testing.MockClock, clocks: SteppedClocks
+) -> None:
+    async with flaky_delivery(sched, tmp_path, clocks) as realtime:
         await trio.sleep(5 * MINUTE / SECOND)  # due long ago; realtime down all along, backoff at its cap
         assert realtime.attempts > 10 and not realtime.got
         clocks.step(-2 * MINUTE)  # still past due by the new wall clock
@@ -186,12 +179,9 @@ async def test_a_step_back_does_not_stretch_a_delivery_backoff(
 
 
 async def test_a_message_waiting_for_a_retry_is_not_sent_before_its_time_after_a_step_back(
-    tmp_path: Path, autojump_clock: trio.testing.MockClock, clocks: SteppedClocks
+    sched: SimpleNamespace, tmp_path: Path, autojump_clock: trio.testing.MockClock, clocks: SteppedClocks
 ) -> None:
-    realtime = FlakyRealtime(clocks.clock)
-    due = EPOCH_MS + 10 * SECOND
-    record = encode_message("m", "s", deliver_at=due, created_at=EPOCH_MS)
-    async with dispatching(tmp_path, clocks.clock, [record], realtime.deliver):
+    async with flaky_delivery(sched, tmp_path, clocks) as realtime:
         await trio.sleep(11)  # fired at +10 s; realtime refused it
         assert realtime.attempts >= 1 and not realtime.got
         clocks.step(-10 * MINUTE)  # its moment is ten minutes away again by the wall clock
@@ -199,4 +189,4 @@ async def test_a_message_waiting_for_a_retry_is_not_sent_before_its_time_after_a
         with trio.fail_after(11 * 60):
             await realtime.arrived.wait()
         ((name, at),) = realtime.got
-        assert due <= at <= due + WALL_RECHECK_MS
+        assert DUE <= at <= DUE + WALL_RECHECK_MS

@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -40,28 +41,18 @@ def make_records(count: int) -> list[bytes]:
     ]
 
 
-@contextmanager
-def opened(root: Path) -> Iterator[tuple[SegmentedLog, ScheduleStore]]:
-    log = SegmentedLog.open(root / "messages", segment_size=SEGMENT_SIZE)
-    state = StateStore.open(root / "state")
-    try:
-        store = ScheduleStore.open(root / "schedule", state)
-    except BaseException:
-        state.close()
-        log.close()
-        raise
-    try:
-        yield log, store
-    finally:
-        store.close()
-        state.close()
-        log.close()
+@pytest.fixture
+def opened(sched: SimpleNamespace) -> Any:
+    """``opened(root)``: the message log (in ``SEGMENT_SIZE`` segments) and schedule store of a data folder."""
+    return partial(sched.folder, segment_size=SEGMENT_SIZE)
 
 
-def write_message_log(root: Path, records: list[bytes]) -> None:
+def write_message_log(root: Path, records: list[bytes]) -> list[bytes]:
+    """Append ``records`` to the message log in ``root`` (batches of 50); returns them."""
     with SegmentedLog.open(root / "messages", segment_size=SEGMENT_SIZE) as log:
         for i in range(0, len(records), 50):
             log.append(b"".join(records[i : i + 50]))
+    return records
 
 
 def record_ends(records: list[bytes]) -> list[int]:
@@ -128,9 +119,8 @@ def crash_replay(root: Path, crash_on_commit: int) -> None:
     assert result.returncode == 17, result.stderr.decode()
 
 
-def test_killed_after_writing_schedule_files_before_the_checkpoint(tmp_path: Path) -> None:
-    records = make_records(2_000)
-    write_message_log(tmp_path, records)
+def test_killed_after_writing_schedule_files_before_the_checkpoint(tmp_path: Path, opened: Any) -> None:
+    records = write_message_log(tmp_path, make_records(2_000))
     crash_replay(tmp_path, crash_on_commit=4)
     with opened(tmp_path) as (log, store):
         # Three steps were committed; the fourth wrote its files and died.
@@ -145,9 +135,8 @@ def test_killed_after_writing_schedule_files_before_the_checkpoint(tmp_path: Pat
 
 
 @pytest.mark.parametrize("cut", ["index", "log", "both"])
-def test_killed_then_torn_tails_are_cut_and_refiled(tmp_path: Path, cut: str) -> None:
-    records = make_records(2_000)
-    write_message_log(tmp_path, records)
+def test_killed_then_torn_tails_are_cut_and_refiled(tmp_path: Path, opened: Any, cut: str) -> None:
+    records = write_message_log(tmp_path, make_records(2_000))
     crash_replay(tmp_path, crash_on_commit=3)
     schedule = tmp_path / "schedule"
     # A torn write: the newest index entry of one hour cut mid-entry, the last record
@@ -165,9 +154,8 @@ def test_killed_then_torn_tails_are_cut_and_refiled(tmp_path: Path, cut: str) ->
         assert_filed_exactly_once(store, records)
 
 
-def test_damage_below_the_checkpoint_is_refiled_with_the_same_entry_numbers(tmp_path: Path) -> None:
-    records = make_records(3_000)
-    write_message_log(tmp_path, records)
+def test_damage_below_the_checkpoint_is_refiled_with_the_same_entry_numbers(tmp_path: Path, opened: Any) -> None:
+    records = write_message_log(tmp_path, make_records(3_000))
     with opened(tmp_path) as (log, store):
         replay_until_caught_up(log, store)
         checkpoint = store.checkpoint
@@ -193,7 +181,7 @@ def test_damage_below_the_checkpoint_is_refiled_with_the_same_entry_numbers(tmp_
     assert after == before
 
 
-def test_damage_whose_records_were_deleted_from_the_message_log_is_refused(tmp_path: Path) -> None:
+def test_damage_whose_records_were_deleted_from_the_message_log_is_refused(tmp_path: Path, opened: Any) -> None:
     records = make_records(400)
     with SegmentedLog.open(tmp_path / "messages", segment_size=SEGMENT_SIZE) as log:
         for record in records:
@@ -208,9 +196,8 @@ def test_damage_whose_records_were_deleted_from_the_message_log_is_refused(tmp_p
             replay_step(log, store)
 
 
-def test_an_uncommitted_new_hour_with_nothing_valid_is_removed(tmp_path: Path) -> None:
-    records = make_records(8)
-    write_message_log(tmp_path, records)
+def test_an_uncommitted_new_hour_with_nothing_valid_is_removed(tmp_path: Path, opened: Any) -> None:
+    records = write_message_log(tmp_path, make_records(8))
     crash_replay(tmp_path, crash_on_commit=1)
     schedule = tmp_path / "schedule"
     for index in schedule.glob("*" + INDEX_SUFFIX):
@@ -222,13 +209,14 @@ def test_an_uncommitted_new_hour_with_nothing_valid_is_removed(tmp_path: Path) -
         assert_filed_exactly_once(store, records)
 
 
-def test_in_process_crash_between_file_writes_and_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    records = make_records(500)
-    write_message_log(tmp_path, records)
+class Crash(BaseException):
+    """The process dies here: nothing below catches it, nothing is cleaned up."""
 
-    class Crash(BaseException):
-        pass
 
+def test_in_process_crash_between_file_writes_and_commit(
+    tmp_path: Path, opened: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    records = write_message_log(tmp_path, make_records(500))
     with opened(tmp_path) as (log, store):
         replay_step(log, store, max_bytes=10_000)
         monkeypatch.setattr(StateStore, "write", lambda self: (_ for _ in ()).throw(Crash()))
@@ -249,13 +237,9 @@ def table_heads_agree_with_index(store: ScheduleStore, hour: int) -> bool:
 
 
 def test_killed_while_writing_heads_tables_the_journal_is_written_again(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, opened: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    records = make_records(2_000)
-    write_message_log(tmp_path, records)
-
-    class Crash(BaseException):
-        pass
+    records = write_message_log(tmp_path, make_records(2_000))
 
     real_write = HeadsTables.write
 
@@ -281,9 +265,8 @@ def test_killed_while_writing_heads_tables_the_journal_is_written_again(
         assert_filed_exactly_once(store, records)
 
 
-def test_a_missing_or_cut_heads_table_is_rebuilt_from_the_index_on_open(tmp_path: Path) -> None:
-    records = make_records(400)
-    write_message_log(tmp_path, records)
+def test_a_missing_or_cut_heads_table_is_rebuilt_from_the_index_on_open(tmp_path: Path, opened: Any) -> None:
+    records = write_message_log(tmp_path, make_records(400))
     with opened(tmp_path) as (log, store):
         replay_until_caught_up(log, store)
         good = {hour: store.heads(hour) for hour in store.hours_with_messages()}
@@ -306,9 +289,8 @@ def lose_slot(store: ScheduleStore, hour: int, second: int) -> None:
         table.write(bytes(8))
 
 
-def test_rebuild_heads_repairs_lost_heads(tmp_path: Path) -> None:
-    records = make_records(400)
-    write_message_log(tmp_path, records)
+def test_rebuild_heads_repairs_lost_heads(tmp_path: Path, opened: Any) -> None:
+    records = write_message_log(tmp_path, make_records(400))
     with opened(tmp_path) as (log, store):
         replay_until_caught_up(log, store)
         good = store.heads(HOUR)
@@ -328,9 +310,8 @@ def test_rebuild_heads_repairs_lost_heads(tmp_path: Path) -> None:
         assert store.heads(HOUR) == good
 
 
-def test_a_failed_fsync_stops_filing_until_reopen(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    records = make_records(40)
-    write_message_log(tmp_path, records)
+def test_a_failed_fsync_stops_filing_until_reopen(tmp_path: Path, opened: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    records = write_message_log(tmp_path, make_records(40))
     with opened(tmp_path) as (log, store):
 
         def broken(fd: int) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -11,9 +12,7 @@ from delaymq.protocol.records import encode_message
 from delaymq.scheduler.dispatchlog import DispatchLog, read_delivered
 from delaymq.scheduler.hours import HOUR_MS, CorruptSchedule, ScheduleError
 from delaymq.scheduler.replay import replay_until_caught_up
-from delaymq.scheduler.schedulelog import DISPATCH_SUFFIX, ScheduleStore
-from delaymq.storage.log import SegmentedLog
-from delaymq.storage.state import StateStore
+from delaymq.scheduler.schedulelog import DISPATCH_SUFFIX
 
 BASE = 1_750_000_000_000 - 1_750_000_000_000 % HOUR_MS
 HOUR = BASE // HOUR_MS
@@ -78,43 +77,35 @@ def test_entry_numbers_outside_u32_are_refused(tmp_path: Path) -> None:
         assert log.count == 0
 
 
-def test_store_delivered_pending_and_complete(tmp_path: Path) -> None:
+def test_store_delivered_pending_and_complete(tmp_path: Path, sched: SimpleNamespace) -> None:
     records = [encode_message(f"m{i}", "s", deliver_at=BASE + i * 100, created_at=BASE) for i in range(50)]
     records += [encode_message("late", "s", deliver_at=BASE + HOUR_MS + 1, created_at=BASE)]
-    with (
-        SegmentedLog.open(tmp_path / "messages") as messages,
-        StateStore.open(tmp_path / "state") as state,
-    ):
+    with sched.folder(tmp_path) as (messages, store):
         messages.append(b"".join(records))
         messages.flush()
-        with ScheduleStore.open(tmp_path / "schedule", state) as store:
-            replay_until_caught_up(messages, store)
-            assert store.undispatched_hours() == [HOUR, HOUR + 1]
-            assert store.pending(HOUR) == 50 and not store.is_complete(HOUR)
-            assert store.delivered(HOUR) == set()
-            assert not store.path_of(HOUR, DISPATCH_SUFFIX).exists()  # asking creates nothing
-            assert store.record_dispatched(HOUR, range(0, 30)) == 30
-            assert store.record_dispatched(HOUR, [29, 30]) == 1
-            with pytest.raises(ScheduleError, match="entry_no 50 is outside 0..49"):
-                store.record_dispatched(HOUR, [49, 50])
-            store.flush_dispatched()
-            assert store.pending(HOUR) == 19 and store.dispatched_count(HOUR) == 31
-            assert store.is_complete(HOUR + 7)  # no entries, nothing to deliver
-        with ScheduleStore.open(tmp_path / "schedule", state) as store:
-            assert store.delivered(HOUR) == set(range(31))
-            store.record_dispatched(HOUR, range(31, 50))
-            store.record_dispatched(HOUR + 1, [0])
-            assert store.is_complete(HOUR) and store.is_complete(HOUR + 1)
-            assert store.undispatched_hours() == []
+        replay_until_caught_up(messages, store)
+        assert store.undispatched_hours() == [HOUR, HOUR + 1]
+        assert store.pending(HOUR) == 50 and not store.is_complete(HOUR)
+        assert store.delivered(HOUR) == set()
+        assert not store.path_of(HOUR, DISPATCH_SUFFIX).exists()  # asking creates nothing
+        assert store.record_dispatched(HOUR, range(0, 30)) == 30
+        assert store.record_dispatched(HOUR, [29, 30]) == 1
+        with pytest.raises(ScheduleError, match="entry_no 50 is outside 0..49"):
+            store.record_dispatched(HOUR, [49, 50])
+        store.flush_dispatched()
+        assert store.pending(HOUR) == 19 and store.dispatched_count(HOUR) == 31
+        assert store.is_complete(HOUR + 7)  # no entries, nothing to deliver
+    with sched.folder(tmp_path) as (_, store):
+        assert store.delivered(HOUR) == set(range(31))
+        store.record_dispatched(HOUR, range(31, 50))
+        store.record_dispatched(HOUR + 1, [0])
+        assert store.is_complete(HOUR) and store.is_complete(HOUR + 1)
+        assert store.undispatched_hours() == []
 
 
-def test_dispatch_logs_closed_to_bound_open_files_reopen_whole(tmp_path: Path) -> None:
+def test_dispatch_logs_closed_to_bound_open_files_reopen_whole(tmp_path: Path, sched: SimpleNamespace) -> None:
     records = [encode_message(f"m{h}", "s", deliver_at=BASE + h * HOUR_MS, created_at=BASE) for h in range(6)]
-    with (
-        SegmentedLog.open(tmp_path / "messages") as messages,
-        StateStore.open(tmp_path / "state") as state,
-        ScheduleStore.open(tmp_path / "schedule", state, max_open_dispatch_logs=2) as store,
-    ):
+    with sched.folder(tmp_path, max_open_dispatch_logs=2) as (messages, store):
         messages.append(b"".join(records))
         messages.flush()
         replay_until_caught_up(messages, store)

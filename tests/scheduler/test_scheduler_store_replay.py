@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -32,17 +33,10 @@ def message(i: int, deliver_at: int, *, created_at: int = BASE - 5_000, body: by
     return encode_message(f"m{i}", subject, deliver_at=deliver_at, created_at=created_at, body=body)
 
 
-@contextmanager
-def scheduler_folder(root: Path, **store_options: object) -> Iterator[tuple[SegmentedLog, ScheduleStore]]:
-    log = SegmentedLog.open(root / "messages", segment_size=1 << 20)
-    state = StateStore.open(root / "state")
-    store = ScheduleStore.open(root / "schedule", state, **store_options)  # type: ignore[arg-type]
-    try:
-        yield log, store
-    finally:
-        store.close()
-        state.close()
-        log.close()
+@pytest.fixture
+def scheduler_folder(sched: SimpleNamespace) -> Any:
+    """``scheduler_folder(root, **store_options)``: a data folder's message log (1 MiB segments) and store."""
+    return partial(sched.folder, segment_size=1 << 20)
 
 
 def append(log: SegmentedLog, records: list[bytes], batch: int = 100) -> list[int]:
@@ -70,7 +64,9 @@ def filed(store: ScheduleStore) -> dict[int, list[tuple[int, int, bytes]]]:
     return out
 
 
-def test_records_are_filed_into_their_hour_and_second_and_chains_walk_back(tmp_path: Path) -> None:
+def test_records_are_filed_into_their_hour_and_second_and_chains_walk_back(
+    tmp_path: Path, scheduler_folder: Any
+) -> None:
     deliver = [BASE + h * HOUR_MS + (i * 7_919) % HOUR_MS for h in range(6) for i in range(300)]
     deliver += [BASE + 12_345] * 50  # many in one millisecond
     records = [message(i, at) for i, at in enumerate(deliver)]
@@ -104,7 +100,7 @@ def test_records_are_filed_into_their_hour_and_second_and_chains_walk_back(tmp_p
         assert store.path_of(HOUR, LOG_SUFFIX).name == hour_name(HOUR) + ".log"
 
 
-def test_100k_messages_in_one_second(tmp_path: Path) -> None:
+def test_100k_messages_in_one_second(tmp_path: Path, scheduler_folder: Any) -> None:
     count = 100_000
     second = 1234
     records = [message(i, BASE + second * 1000 + i % 1000) for i in range(count)]
@@ -129,7 +125,7 @@ def test_100k_messages_in_one_second(tmp_path: Path) -> None:
     print(f"\n100k in one second: replay {count / replayed:,.0f} records/s, chain walk {count / walked:,.0f} entries/s")
 
 
-def test_past_and_immediate_deliver_at(tmp_path: Path) -> None:
+def test_past_and_immediate_deliver_at(tmp_path: Path, scheduler_folder: Any) -> None:
     past = BASE - 30 * 24 * HOUR_MS + 1_500  # a month ago: its own (past) hour
     created = BASE + 7_000
     records = [message(0, past), message(1, 0, created_at=created), message(2, -5, created_at=created)]
@@ -142,7 +138,7 @@ def test_past_and_immediate_deliver_at(tmp_path: Path) -> None:
         assert got[HOUR] == [(0, 7_000, records[1]), (1, 7_000, records[2])]
 
 
-def test_a_step_stops_at_the_flushed_offset_and_at_max_bytes(tmp_path: Path) -> None:
+def test_a_step_stops_at_the_flushed_offset_and_at_max_bytes(tmp_path: Path, scheduler_folder: Any) -> None:
     records = [message(i, BASE + i * 1000) for i in range(100)]
     with scheduler_folder(tmp_path) as (log, store):
         append(log, records[:60])
@@ -161,7 +157,7 @@ def test_a_step_stops_at_the_flushed_offset_and_at_max_bytes(tmp_path: Path) -> 
         assert store.entries(HOUR) == 100
 
 
-def test_a_step_touches_at_most_max_step_hours(tmp_path: Path) -> None:
+def test_a_step_touches_at_most_max_step_hours(tmp_path: Path, scheduler_folder: Any) -> None:
     records = [message(i, BASE + (i % 10) * HOUR_MS) for i in range(100)]
     with scheduler_folder(tmp_path, max_step_hours=3) as (log, store):
         append(log, records)
@@ -185,7 +181,7 @@ def test_a_step_touches_at_most_max_step_hours(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(_syncfs is None, reason="no syncfs(2) here")
-def test_a_step_filing_many_hours_syncs_the_file_system_once(tmp_path: Path) -> None:
+def test_a_step_filing_many_hours_syncs_the_file_system_once(tmp_path: Path, scheduler_folder: Any) -> None:
     records = [message(i, BASE + i * HOUR_MS) for i in range(40)]
     with scheduler_folder(tmp_path) as (log, store):
         append(log, records)
@@ -195,7 +191,7 @@ def test_a_step_filing_many_hours_syncs_the_file_system_once(tmp_path: Path) -> 
         assert (stats.syncfs, stats.fsyncs) == (1, 0)
 
 
-def test_records_of_other_kinds_are_skipped(tmp_path: Path) -> None:
+def test_records_of_other_kinds_are_skipped(tmp_path: Path, scheduler_folder: Any) -> None:
     with scheduler_folder(tmp_path) as (log, store):
         log.append(encode(RecordKind.STATE, b"not a message") + message(1, BASE + 5))
         log.flush()
@@ -204,7 +200,7 @@ def test_records_of_other_kinds_are_skipped(tmp_path: Path) -> None:
         assert store.checkpoint == log.end_offset
 
 
-def test_reading_records_decodes_and_checks(tmp_path: Path) -> None:
+def test_reading_records_decodes_and_checks(tmp_path: Path, scheduler_folder: Any) -> None:
     records = [message(i, BASE + 60_000, body=bytes([i]) * (i * 300)) for i in range(40)]
     with scheduler_folder(tmp_path) as (log, store):
         append(log, records, batch=7)
@@ -230,7 +226,7 @@ def test_reading_records_decodes_and_checks(tmp_path: Path) -> None:
                 reader.read_records([3])
 
 
-def test_chain_below_and_floor(tmp_path: Path) -> None:
+def test_chain_below_and_floor(tmp_path: Path, scheduler_folder: Any) -> None:
     records = [message(i, BASE + 3_000 + i) for i in range(10)]
     with scheduler_folder(tmp_path) as (log, store):
         append(log, records)
@@ -242,7 +238,7 @@ def test_chain_below_and_floor(tmp_path: Path) -> None:
             assert reader.chain(4) == []
 
 
-def test_deliver_at_past_year_9999_is_refused_naming_the_limit(tmp_path: Path) -> None:
+def test_deliver_at_past_year_9999_is_refused_naming_the_limit(tmp_path: Path, scheduler_folder: Any) -> None:
     with scheduler_folder(tmp_path) as (log, store):
         append(log, [message(0, BASE), message(1, 253_402_300_800_000)])  # 10000-01-01
         with pytest.raises(HourOutOfRange, match="deliver_at 253402300800000 is beyond 253402300799999"):
@@ -250,7 +246,7 @@ def test_deliver_at_past_year_9999_is_refused_naming_the_limit(tmp_path: Path) -
         assert store.checkpoint == 0 and store.hours_with_messages() == []
 
 
-def test_checkpoint_allows_deleting_replayed_segments(tmp_path: Path) -> None:
+def test_checkpoint_allows_deleting_replayed_segments(tmp_path: Path, scheduler_folder: Any) -> None:
     records = [message(i, BASE + i, body=b"x" * 20_000) for i in range(200)]
     with scheduler_folder(tmp_path) as (log, store):
         append(log, records, batch=10)
@@ -268,7 +264,7 @@ def test_checkpoint_allows_deleting_replayed_segments(tmp_path: Path) -> None:
         assert [record for _, _, record in filed(store)[HOUR]] == records
 
 
-def test_replay_refuses_a_gap_in_the_message_log(tmp_path: Path) -> None:
+def test_replay_refuses_a_gap_in_the_message_log(tmp_path: Path, scheduler_folder: Any) -> None:
     records = [message(i, BASE + i, body=b"x" * 20_000) for i in range(200)]
     with scheduler_folder(tmp_path) as (log, store):
         append(log, records, batch=10)
@@ -277,7 +273,7 @@ def test_replay_refuses_a_gap_in_the_message_log(tmp_path: Path) -> None:
             replay_step(log, store)
 
 
-def test_format_parameters_are_kept_and_refused_if_different(tmp_path: Path) -> None:
+def test_format_parameters_are_kept_and_refused_if_different(tmp_path: Path, scheduler_folder: Any) -> None:
     with scheduler_folder(tmp_path) as (log, store):
         append(log, [message(0, BASE)])
         replay_until_caught_up(log, store)
@@ -292,7 +288,7 @@ def test_format_parameters_are_kept_and_refused_if_different(tmp_path: Path) -> 
         state.close()
 
 
-def test_files_are_named_by_utc_hour(tmp_path: Path) -> None:
+def test_files_are_named_by_utc_hour(tmp_path: Path, scheduler_folder: Any) -> None:
     at = 1_735_689_600_000 + 5 * HOUR_MS  # 2025-01-01 05:00 UTC
     with scheduler_folder(tmp_path) as (log, store):
         append(log, [message(0, at + 59_999)])

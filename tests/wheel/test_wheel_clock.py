@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 import pytest
 import trio
@@ -97,6 +100,25 @@ def stepped_system_clock(epoch_ms: int) -> tuple[SystemClock, SteppedWall]:
     return SystemClock(wall_ns=wall.wall_ns, monotonic_ns=wall.monotonic_ns), wall
 
 
+@dataclass
+class Stepping:
+    """A clock at ``EPOCH``, and how to step its wall reading (trio's clock goes on)."""
+
+    clock: Clock
+    step: Callable[[int], None]
+
+
+@pytest.fixture(params=["trio", "system"])
+async def stepping(request: pytest.FixtureRequest) -> Stepping:
+    """A ``TrioClock``, or a ``SystemClock`` on a ``SteppedWall``. Tests name ``autojump_clock`` too: pytest-trio
+    runs with a clock among the test's arguments."""
+    if request.param == "trio":
+        clock = TrioClock(EPOCH)
+        return Stepping(clock, clock.step)
+    system, wall = stepped_system_clock(EPOCH)
+    return Stepping(system, wall.step)
+
+
 def step_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "stepped" in r.getMessage()]
 
@@ -120,74 +142,59 @@ async def test_trio_clock_step_moves_the_wall_reading_not_the_monotonic_one(
     ]
 
 
-async def wake_times(clock: Clock, target: int, woke: list[int], *, task_status: trio.TaskStatus[None]) -> None:
-    task_status.started()
-    await clock.sleep_until_ms(target)
-    woke.append(clock.now_ms())
+@asynccontextmanager
+async def waiting_until(clock: Clock, target: int) -> AsyncIterator[list[int]]:
+    """A task sleeping until the wall moment ``target``; yields the list it puts the reading it woke at in.
 
-
-@pytest.mark.parametrize("make", ["trio", "system"])
-async def test_a_wall_moment_wait_follows_a_step_back_and_its_correction(
-    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture, make: str
-) -> None:
-    if make == "trio":
-        clock: Clock = TrioClock(EPOCH)
-        step = clock.step  # type: ignore[attr-defined]
-    else:
-        clock, wall = stepped_system_clock(EPOCH)
-        step = wall.step
-    target = EPOCH + 10_000
+    The block ends once the task woke.
+    """
     woke: list[int] = []
+
+    async def wait(*, task_status: trio.TaskStatus[None]) -> None:
+        task_status.started()
+        await clock.sleep_until_ms(target)
+        woke.append(clock.now_ms())
+
     async with trio.open_nursery() as nursery:
-        await nursery.start(wake_times, clock, target, woke)
+        await nursery.start(wait)
+        yield woke
+
+
+async def test_a_wall_moment_wait_follows_a_step_back_and_its_correction(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture, stepping: Stepping
+) -> None:
+    target = EPOCH + 10_000
+    async with waiting_until(stepping.clock, target) as woke:
         await trio.sleep(5)
-        step(-10 * MINUTE_MS)  # the wall clock goes back ten minutes...
+        stepping.step(-10 * MINUTE_MS)  # the wall clock goes back ten minutes...
         await trio.sleep(20)
         assert woke == []  # ...so the moment has not come by it, though 25 s went by
-        step(10 * MINUTE_MS)  # corrected: now 25 s past the start, 15 s past the target
+        stepping.step(10 * MINUTE_MS)  # corrected: now 25 s past the start, 15 s past the target
         corrected = trio.current_time()
     assert woke and woke[0] >= target
     assert trio.current_time() - corrected <= WALL_RECHECK_MS / 1000
-    clock.now_ms()
+    stepping.clock.now_ms()
     assert len(step_warnings(caplog)) == 2  # each step once
 
 
-@pytest.mark.parametrize("make", ["trio", "system"])
 async def test_a_wall_moment_wait_after_a_step_back_ends_when_the_new_wall_clock_reads_it(
-    autojump_clock: trio.testing.MockClock, make: str
+    autojump_clock: trio.testing.MockClock, stepping: Stepping
 ) -> None:
-    if make == "trio":
-        clock: Clock = TrioClock(EPOCH)
-        step = clock.step  # type: ignore[attr-defined]
-    else:
-        clock, wall = stepped_system_clock(EPOCH)
-        step = wall.step
     target = EPOCH + 10_000
-    woke: list[int] = []
-    async with trio.open_nursery() as nursery:
-        await nursery.start(wake_times, clock, target, woke)
+    async with waiting_until(stepping.clock, target) as woke:
         await trio.sleep(5)
-        step(-2 * MINUTE_MS)
+        stepping.step(-2 * MINUTE_MS)
     assert woke[0] >= target  # never early by the wall clock
     assert woke[0] - target <= 1
     assert trio.current_time() == pytest.approx(5 + 120 + 5, abs=0.01)
 
 
-@pytest.mark.parametrize("make", ["trio", "system"])
 async def test_a_step_forward_wakes_a_wall_moment_wait_within_a_second(
-    autojump_clock: trio.testing.MockClock, make: str
+    autojump_clock: trio.testing.MockClock, stepping: Stepping
 ) -> None:
-    if make == "trio":
-        clock: Clock = TrioClock(EPOCH)
-        step = clock.step  # type: ignore[attr-defined]
-    else:
-        clock, wall = stepped_system_clock(EPOCH)
-        step = wall.step
-    woke: list[int] = []
-    async with trio.open_nursery() as nursery:
-        await nursery.start(wake_times, clock, EPOCH + 30 * MINUTE_MS, woke)
+    async with waiting_until(stepping.clock, EPOCH + 30 * MINUTE_MS) as woke:
         await trio.sleep(3)
-        step(45 * MINUTE_MS)
+        stepping.step(45 * MINUTE_MS)
         stepped = trio.current_time()
     assert woke[0] >= EPOCH + 30 * MINUTE_MS
     assert trio.current_time() - stepped <= WALL_RECHECK_MS / 1000

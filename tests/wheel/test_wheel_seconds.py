@@ -23,6 +23,14 @@ def wheel_with(entries: list[tuple[int, int]]) -> SecondWheel:
     return wheel
 
 
+def delivered_until(now_ms: int, entries: list[tuple[int, int]]) -> SecondWheel:
+    """``wheel_with(entries)``, with every entry due by ``now_ms`` fired and marked done."""
+    wheel = wheel_with(entries)
+    for at, e in wheel.pop_due(now_ms):
+        wheel.mark_done(at, e)
+    return wheel
+
+
 def test_empty_wheel_never_wakes_and_is_done():
     wheel = SecondWheel(HOUR)
     assert wheel.next_due_ms() is None
@@ -116,15 +124,11 @@ def test_tick_is_the_confirmed_prefix_in_firing_order():
 
 
 def test_tick_moves_back_for_a_late_link_until_it_is_confirmed():
-    wheel = wheel_with([(5_100, 0), (5_500, 1)])
-    for at, e in wheel.pop_due(START + 5_600):
-        wheel.mark_done(at, e)
+    wheel = delivered_until(START + 5_600, [(5_100, 0), (5_500, 1)])
     assert wheel.tick() == Tick(HOUR * 3600 + 3599, 0, 2)
     wheel.link(5, 5_300, 2)
     assert wheel.tick() == Tick(HOUR * 3600 + 5, 0, 3)  # second freed: claims less, safely
-    wheel2 = wheel_with([(5_100, 0), (5_500, 1), (6_000, 2)])
-    for at, e in wheel2.pop_due(START + 5_600):
-        wheel2.mark_done(at, e)
+    wheel2 = delivered_until(START + 5_600, [(5_100, 0), (5_500, 1), (6_000, 2)])
     assert wheel2.tick() == Tick(HOUR * 3600 + 6, 0, 3)
     wheel2.link(5, 5_300, 3)
     assert wheel2.tick() == Tick(HOUR * 3600 + 5, 0, 4)
@@ -135,9 +139,7 @@ def test_tick_moves_back_for_a_late_link_until_it_is_confirmed():
 
 
 def test_tick_moves_back_exactly_inside_a_second_still_in_memory():
-    wheel = wheel_with([(5_100, 0), (5_500, 1), (5_900, 2)])
-    for at, e in wheel.pop_due(START + 5_600):
-        wheel.mark_done(at, e)
+    wheel = delivered_until(START + 5_600, [(5_100, 0), (5_500, 1), (5_900, 2)])
     assert wheel.tick() == Tick(HOUR * 3600 + 5, 2, 3)
     wheel.link(5, 5_300, 3)
     assert wheel.tick() == Tick(HOUR * 3600 + 5, 1, 4)
@@ -175,9 +177,7 @@ def test_skip_to_ignores_done_when_this_index_lags_the_master():
 
 
 def test_a_done_hour_tick_does_not_cover_entries_filed_after_it():
-    master = wheel_with([(100, 0), (3_599_100, 1)])
-    for at, e in master.pop_due(START + HOUR_MS):
-        master.mark_done(at, e)
+    master = delivered_until(START + HOUR_MS, [(100, 0), (3_599_100, 1)])
     tick = master.tick()
     assert tick == Tick(HOUR * 3600 + 3599, 1, 2)
     slave = SecondWheel.from_counts(HOUR, counts_of(100, 3_599_100, 3_599_000, 50))
