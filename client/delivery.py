@@ -1,8 +1,8 @@
 """The consumer's sans-IO core: what to pull, what arrived, what to ack.
 
 ``ConsumerCore`` holds every decision of a consumer, fed PULL answers and
-times; ``Consumer`` (trio) and ``BlockingConsumer`` (threads) only move bytes
-around it, so both behave alike:
+times; ``Consumer`` (trio) only moves bytes around it (``BlockingConsumer``
+runs that same ``Consumer`` on a loop thread):
 
 - per realtime group and subject pulled (the subject, and the group's retry
   subject ``%retry%<group>%<subject>`` where nacked messages come back) an
