@@ -7,9 +7,8 @@ a low open-file limit, so the test process keeps its own descriptors.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import trio
 
@@ -56,21 +55,11 @@ trio.run(main)
 """
 
 
-async def test_out_of_descriptors_new_clients_are_refused_promptly_and_served_again_after(tmp_path: Path) -> None:
+async def test_out_of_descriptors_new_clients_are_refused_promptly_and_served_again_after(
+    tmp_path: Path, server_processes: SimpleNamespace
+) -> None:
     stderr_path = tmp_path / "server.log"
-    with open(stderr_path, "wb") as stderr:
-        process = await trio.lowlevel.open_process(
-            [sys.executable, "-P", "-c", SERVER, "64"], stdout=subprocess.PIPE, stderr=stderr
-        )
-    try:
-        assert process.stdout is not None
-        line = b""
-        with trio.fail_after(30):
-            while not line.endswith(b"\n"):
-                chunk = await process.stdout.receive_some(1024)
-                assert chunk, "the server exited before printing its address"
-                line += chunk
-        address = line.decode().strip()
+    async with server_processes.python(SERVER, "64", log_file=stderr_path) as (address, _process):
         with trio.fail_after(60):
             async with open_peers() as keeper:
                 await keeper.call(address, Command.PING)
@@ -89,9 +78,6 @@ async def test_out_of_descriptors_new_clients_are_refused_promptly_and_served_ag
                 await keeper.call(address, FREE)
             async with open_peers() as newcomer:
                 await newcomer.call(address, Command.PING, timeout=5)
-    finally:
-        process.kill()
-        await process.wait()
     log = stderr_path.read_text()
     assert "Traceback" not in log
     assert log.count("refusing connections") == 1, log  # one line for the episode, not one per client
