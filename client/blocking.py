@@ -290,6 +290,9 @@ class BlockingConsumer:
             loop = self._loop
         if loop is not None:
             loop.close()
+        # Received here and not handed out: the close gave them back to the group, so an
+        # ack of one could go nowhere. They are the group's again, not this consumer's.
+        self._ready.clear()
 
     def __enter__(self) -> Self:
         self.start()

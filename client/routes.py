@@ -590,7 +590,10 @@ class RouteClient:
             wait_ms = plan.ready_at_ms - self._clock.monotonic_ms()
             if wait_ms > 0:
                 await self._clock.sleep_ms(wait_ms)
-            await self._refresh_if_due(key)
+            # A metaserver that does not answer must not hold the call past its deadline.
+            left = plan.timeout_for(None, self._clock.monotonic_ms())
+            with trio.move_on_after(math.inf if left is None else left):
+                await self._refresh_if_due(key)
             now = self._clock.monotonic_ms()
             group = plan.next_group(now)
             if group is None:

@@ -646,7 +646,14 @@ class Connection:
     async def _send(self, data: bytes) -> None:
         try:
             async with self._send_lock:
-                await self._stream.send_all(data)
+                try:
+                    await self._stream.send_all(data)
+                except trio.Cancelled:
+                    # A frame cut off part way would run into the next request's bytes:
+                    # this connection can no longer be trusted (its callers retry).
+                    self.closed = True
+                    await trio.aclose_forcefully(self._stream)
+                    raise
         except (trio.BrokenResourceError, trio.ClosedResourceError) as error:
             self.closed = True
             if self.refusal is not None:
@@ -792,10 +799,19 @@ class Peers:
         """One request to ``address``; raises ``TransportError`` or ``PeerError``."""
         self._requests += 1
         timeout = self.request_timeout if timeout is None else timeout
-        connection = await self._connection(address)
-        return await connection.call(command, metadata, body, timeout=timeout)
+        # The timeout covers connecting too (a dial of a silent address, or waiting for
+        # another task's dial), so a caller's deadline holds whatever the network does.
+        deadline = trio.current_time() + timeout
+        with trio.move_on_at(deadline) as scope:
+            connection = await self._connection(address, connect_timeout=min(self._connect_timeout, timeout))
+        if scope.cancelled_caught:
+            raise RequestTimeout(
+                f"{command_name(command)} to {address}: no connection within {timeout:g} s", address=address
+            )
+        left = deadline - trio.current_time()
+        return await connection.call(command, metadata, body, timeout=max(0.001, round(left, 3)))
 
-    async def _connection(self, address: str) -> Connection:
+    async def _connection(self, address: str, *, connect_timeout: float) -> Connection:
         while True:
             connection = self._connections.get(address)
             if connection is not None and not connection.closed:
@@ -808,7 +824,7 @@ class Peers:
         done = self._dialing[address] = trio.Event()
         try:
             host, port = parse_address(address)
-            with trio.fail_after(self._connect_timeout):
+            with trio.fail_after(connect_timeout):
                 stream = await trio.open_tcp_stream(host, port)
         except (OSError, trio.TooSlowError, ValueError) as error:
             self._failures += 1

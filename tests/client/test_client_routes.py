@@ -29,8 +29,9 @@ from delaymq.client.routes import (
 from delaymq.metaserver.server import open_metaserver
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError, RemoteProtocolError
+from delaymq.protocol.frames import request, response_to
 from delaymq.protocol.testing import MemoryNetwork, ServeStream
-from delaymq.protocol.transport import FrameServer, Request
+from delaymq.protocol.transport import FrameServer, PeerUnavailable, Request, RequestTimeout
 from delaymq.storage.threads import run_inline
 from delaymq.wheel.clock import TrioClock
 
@@ -431,3 +432,31 @@ async def test_retry_for_must_be_a_positive_number_of_seconds(
         for bad in (0, -1, float("nan"), "30"):
             with pytest.raises(ValueError, match=f"retry_for is {bad!r}; it must be a number of seconds more than 0"):
                 await send(client, retry_for=bad)
+
+
+class SilentMetaservers:
+    """Metaservers that answer the first ROUTE (one group, which is down), then never again."""
+
+    def __init__(self) -> None:
+        self.route_calls = 0
+
+    async def call(
+        self, address: str, command: int, metadata: Any = None, body: bytes = b"", *, timeout: float | None = None
+    ) -> Any:
+        if command == Command.ROUTE:
+            self.route_calls += 1
+            if self.route_calls == 1:
+                group = {"group": "g1", "address": "g1:1", "slaves": [], "kind": "realtime", "state": "RW"}
+                return response_to(request(Command.ROUTE, 1, {}), {"version": 1, "groups": [group]})
+            await trio.sleep(timeout or 0)  # a metaserver whose packets are dropped
+            raise RequestTimeout("no answer", address=address)
+        await trio.lowlevel.checkpoint()
+        raise PeerUnavailable("down", address=address)
+
+
+async def test_silent_metaservers_do_not_hold_a_send_past_its_timeout(autojump_clock: trio.testing.MockClock) -> None:
+    client = RouteClient(SilentMetaservers(), ["m1:1", "m2:1"], clock=TrioClock(T0), meta_timeout=5.0)
+    started = trio.current_time()
+    with pytest.raises(CallTimedOut):
+        await client.call(PRODUCE, Command.SEND, {}, b"x", retry_for=2.0, timeout=1.0)
+    assert trio.current_time() - started <= 2.0  # each route lookup would take 2 x 5 s on its own
