@@ -11,6 +11,7 @@ checkpoint are fsynced by the next one.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -156,6 +157,10 @@ class Consumers:
             # The pull log first: a hand-out it cannot record (a full disk) is no hand-out.
             pull_log.write(consumer.length, encode_pull_entries(sequences, redeliveries))
         except OSError as error:
+            # Entries of a write cut short would read as hand-outs after a restart: cut them
+            # (shrinking a file needs no space).
+            with contextlib.suppress(OSError):
+                pull_log.truncate(consumer.length)
             # Back to the front of the share, with the counts they had: nobody received them.
             self._groups.put_back(consumer.share, list(zip(sequences, redeliveries, strict=True)))
             raise storage_refusal("PULL: the pull log could not record the hand-out", error) from error

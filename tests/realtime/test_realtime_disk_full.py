@@ -273,3 +273,20 @@ async def test_a_pull_whose_pull_log_cannot_be_written_is_refused_and_hands_out_
     async with outage.server() as server:  # and it reopens cleanly
         async with rt.memory_client(server) as client:
             assert (await client.pull(10, timeout_ms=0)).count == 0
+
+
+async def test_a_pull_log_write_cut_short_leaves_no_hand_out_for_a_restart_to_find(
+    rt: SimpleNamespace, outage: Outage, autojump_clock: trio.testing.MockClock
+) -> None:
+    batch = rt.messages(5)
+    async with outage.joined(rt) as (server, client):
+        assert await client.send(batch) == ["stored"] * 5
+        outage.disk.fill(outage.data / "pull", partial=True)  # half the entries reach the file
+        with pytest.raises(PeerError) as error:
+            await client.pull(10)
+        assert error.value.code == "unavailable"
+    outage.disk.free()
+    async with outage.server() as server, rt.memory_client(server, consumer="other") as other:
+        # Nobody was handed anything: another consumer of the group gets all five at once, as first deliveries.
+        got = await other.pull(10, timeout_ms=0)
+        assert got.ids == [m.id for m in batch] and [m.attempts for m in got.messages] == [0] * 5
