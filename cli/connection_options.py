@@ -51,19 +51,17 @@ def add_connection_options(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="connections open at once from one client address (default: %(default)s)",
     )
-    parser.add_argument(
+    options.add_duration(
+        parser,
         "--idle-timeout",
-        type=options.duration,
-        default=options.show_duration(round(defaults.idle_timeout * 1000)),
-        metavar="DURATION",
-        help="close a connection with no request in flight and nothing received this long (default: %(default)s)",
+        options.show_duration(round(defaults.idle_timeout * 1000)),
+        "close a connection with no request in flight and nothing received this long",
     )
-    parser.add_argument(
+    options.add_duration(
+        parser,
         "--frame-timeout",
-        type=options.duration,
-        default=options.show_duration(round(defaults.frame_timeout * 1000)),
-        metavar="DURATION",
-        help="close a connection whose request (or answer) takes longer than this to arrive (default: %(default)s)",
+        options.show_duration(round(defaults.frame_timeout * 1000)),
+        "close a connection whose request (or answer) takes longer than this to arrive",
     )
     parser.add_argument(
         "--max-buffered",

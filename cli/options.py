@@ -4,6 +4,7 @@ Each is an argparse ``type``: it turns the text into a value or raises
 ``ArgumentTypeError`` with a message saying what is accepted, which argparse
 prints after the option's name. Values set in a TOML config file pass through
 the same functions (strings) or ``duration_ms`` (plain numbers, in seconds).
+``add_duration`` declares a duration option the one way every command does.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ def delay(text: str) -> float:
     if stripped.startswith("-"):
         return -duration(stripped[1:])
     return duration(stripped)
+
+
+def add_duration(parser: argparse.ArgumentParser, flag: str, default: str, help: str) -> None:
+    """A duration option (``500ms``, ``30s``, ``2h``...) whose help ends with its default."""
+    parser.add_argument(flag, type=duration, default=default, metavar="DURATION", help=f"{help} (default: {default})")
 
 
 def duration_ms(value: float | int | str) -> int:
@@ -75,4 +81,4 @@ def listen_address(text: str) -> str:
     return _host_port(text, lowest_port=0)
 
 
-__all__ = ["address", "delay", "duration", "duration_ms", "listen_address", "show_duration"]
+__all__ = ["add_duration", "address", "delay", "duration", "duration_ms", "listen_address", "show_duration"]

@@ -12,7 +12,8 @@ import logging
 
 from delaymq.cli import options
 from delaymq.cli.connection_options import connection_limits
-from delaymq.cli.server_options import add_duration, add_server_options
+from delaymq.cli.options import add_duration
+from delaymq.cli.server_options import add_server_options
 from delaymq.cli.serving import fail, run_server, wait_for_stop_signal
 from delaymq.client.producer import DEFAULT_META
 from delaymq.protocol.limits import Limits

@@ -10,13 +10,6 @@ from delaymq.cli.connection_options import add_connection_options
 from delaymq.client.producer import DEFAULT_META
 
 
-def add_duration(parser: argparse.ArgumentParser, flag: str, default: str, help: str) -> None:
-    """A duration option (``500ms``, ``30s``, ``2h``...) whose help ends with its default."""
-    parser.add_argument(
-        flag, type=options.duration, default=default, metavar="DURATION", help=f"{help} (default: {default})"
-    )
-
-
 def add_server_options(parser: argparse.ArgumentParser, *, group: str) -> None:
     """The options every server process shares: where it listens, registers and keeps data."""
     parser.add_argument(
@@ -44,4 +37,4 @@ def add_server_options(parser: argparse.ArgumentParser, *, group: str) -> None:
     add_connection_options(parser)
 
 
-__all__ = ["add_duration", "add_server_options"]
+__all__ = ["add_server_options"]
