@@ -247,7 +247,6 @@ def _consumer_backlog(shares: DataFrame, unacked: DataFrame, stored: DataFrame, 
             F.max(F.col("broadcast_consumer") != "").alias("broadcast_share"),
         )
     )  # fmt: skip
-    base, is_retry = _base_subject("subject", "consumer_group")
     handed = (
         unacked.withColumn("retry", is_retry)
         .withColumn("subject", base)

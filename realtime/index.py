@@ -148,11 +148,6 @@ class Indexer:
         if self.stalled is None and base == self.indexed_offset:
             self._advance_or_stall()
 
-    def retry(self) -> bool:
-        """Try the stalled step again (and the batches behind it); True once the index keeps up."""
-        self._advance_or_stall()
-        return self.stalled is None
-
     async def run(self, *, clock: Clock, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Retry a stalled index step with backoff until it succeeds, for as long as the server runs."""
         task_status.started()
@@ -165,7 +160,7 @@ class Indexer:
             backoff = BackoffRun(RETRY_BACKOFF)
             while self.stalled is not None:
                 await clock.sleep_ms(backoff.next_delay_ms())
-                self.retry()
+                self._advance_or_stall()  # the stalled step again, and the batches behind it
             log.info(
                 "realtime: indexing goes on after %.1f s (%d retries); caught up to message-log offset %d",
                 (clock.monotonic_ms() - started) / 1000,

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,12 +46,10 @@ from delaymq.realtime.index import Indexer
 from delaymq.realtime.pulllog import PULL_FORMAT, PullLog, consumer_stem, list_pull_logs
 from delaymq.storage.folder import DataFolder, fsync_directory
 from delaymq.storage.format import ensure_format
-from delaymq.storage.log import DEFAULT_SEGMENT_SIZE, SEGMENT_NAME_DIGITS, SegmentedLog
+from delaymq.storage.log import DEFAULT_SEGMENT_SIZE, SegmentedLog, segment_bases, segment_name
 from delaymq.storage.state import StateStore
 
 log = logging.getLogger(__name__)
-
-_SEGMENT_NAME = re.compile(r"[0-9]{%d}" % SEGMENT_NAME_DIGITS)
 
 
 def open_folder(path: Path, what: str, params: dict[str, Any]) -> DataFolder:
@@ -86,11 +83,7 @@ def move_aside_after_gap(directory: Path) -> MessageFiles:
     """
     if not directory.is_dir():
         return MessageFiles(0)
-    segments = sorted(
-        (int(name), (directory / name).stat().st_size)
-        for name in os.listdir(directory)
-        if _SEGMENT_NAME.fullmatch(name)
-    )
+    segments = [(base, (directory / segment_name(base)).stat().st_size) for base in segment_bases(directory)]
     if not segments:
         return MessageFiles(0)
     disk_end = max(base + size for base, size in segments)
@@ -99,7 +92,7 @@ def move_aside_after_gap(directory: Path) -> MessageFiles:
         return MessageFiles(disk_end)
     moved: list[str] = []
     for base, _size in segments[hole + 1 :]:
-        name = f"{base:0{SEGMENT_NAME_DIGITS}d}"
+        name = segment_name(base)
         target = directory / f"{name}.lost"
         copy = 0
         while target.exists():

@@ -94,6 +94,11 @@ def segment_name(base: int) -> str:
     return f"{base:0{SEGMENT_NAME_DIGITS}d}"
 
 
+def segment_bases(directory: str | os.PathLike[str]) -> list[int]:
+    """The first offsets of the segment files in ``directory``, ascending (other files ignored)."""
+    return sorted(int(name) for name in os.listdir(directory) if _SEGMENT_NAME.match(name))
+
+
 class _Segment:
     """One segment file: its first offset, its length and an open descriptor.
 
@@ -178,7 +183,7 @@ class SegmentedLog:
             params[name] = value
         folder = DataFolder(directory, what="segmented log")
         try:
-            bases = sorted(int(n) for n in os.listdir(folder.path) if _SEGMENT_NAME.match(n))
+            bases = segment_bases(folder.path)
             ensure_format(folder.path, params, has_data=bool(bases))
             segments = _recover(folder, bases, max_record)
         except BaseException:
