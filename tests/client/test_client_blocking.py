@@ -148,6 +148,11 @@ async def test_close_ends_a_receive_waiting_in_another_thread_at_once(tmp_path: 
 
         def close() -> float:
             waiting.wait()
+            # The receive must really wait in the loop (a call in flight there), not start after the close.
+            deadline = time.monotonic() + WAIT
+            while not consumer._loop._calls:  # type: ignore[union-attr]
+                assert time.monotonic() < deadline, "the receive never reached the loop"
+                time.sleep(0.001)
             started = time.monotonic()
             consumer.close()
             return started

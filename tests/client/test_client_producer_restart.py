@@ -309,7 +309,9 @@ async def test_the_blocking_producer_rides_out_a_real_server_restart(tmp_path: P
             with trio.fail_after(20):
                 async with trio.open_nursery() as sending:
                     sending.start_soon(send_during)
-                    await trio.sleep(OUTAGE)  # the outage itself
+                    while producer.statistics().routes.unanswered < 1:  # it has met the stopped server
+                        await trio.sleep(0.01)
+                    await trio.sleep(OUTAGE)  # and the outage goes on a while
                     again = await nursery.start(run_realtime, first.address)
             stats = producer.statistics()
         finally:

@@ -28,7 +28,7 @@ async def test_a_dial_that_hangs_is_bounded_by_the_request_timeout(
         # A second caller waiting on that same dial is bounded by its own timeout too.
         async with trio.open_nursery() as nursery:
             nursery.start_soon(lambda: _swallow(peers.call("10.255.255.1:9", Command.PING, timeout=3)))
-            await trio.sleep(0.1)
+            await trio.testing.wait_all_tasks_blocked()  # the first caller is dialling
             started = trio.current_time()
             with pytest.raises(RequestTimeout):
                 await peers.call("10.255.255.1:9", Command.PING, timeout=0.2)
