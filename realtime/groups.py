@@ -231,9 +231,7 @@ class Groups:
             return 0
         self.acks += 1
         if consumer.progress.undone(start, end):
-            consumer.progress.mark(start, end)
-            consumer._trim()
-            self.dirty_consumers.add(consumer)
+            self.settle(consumer, start, end)
         return consumer.progress.acked
 
     def nack(
@@ -294,15 +292,14 @@ class Groups:
             given = sum(self._give_back(consumer, start, end) for start, end in claim.ranges)
             return [consumer.share] if given else []
         for start, end in claim.ranges:
-            consumer.progress.mark(start, end)
-        consumer._trim()
-        self.dirty_consumers.add(consumer)
+            self.settle(consumer, start, end)
         return []
 
     def settle(self, consumer: ConsumerState, start: int, end: int) -> None:
-        """Mark pull-log entries ``[start, end)`` done without an ack: they will not come back.
+        """Mark pull-log entries ``[start, end)`` done: they will not come back.
 
-        For a hand-out that never reached the consumer (a PULL whose records did not check).
+        An ack, a claim that was placed, and a hand-out that never reached the
+        consumer (a PULL whose records did not check) all end here.
         """
         consumer.progress.mark(start, end)
         consumer._trim()
