@@ -45,10 +45,16 @@ _offset_ns = 0
 
 def _follow():
     global _offset_ns
+    seen = None
     while True:
         try:
             with open(_path) as file:
-                _offset_ns = int(file.read()) * 1_000_000_000
+                text = file.read()
+            _offset_ns = int(text) * 1_000_000_000
+            if text != seen:  # tell the test this process now runs on the new offset
+                with open(f"{_path}.seen.{os.getpid()}", "w") as mark:
+                    mark.write(text)
+                seen = text
         except (OSError, ValueError):
             pass
         time.sleep(0.005)
@@ -79,12 +85,16 @@ class SteppedWallClock:
         self.clock = SystemClock(wall_ns=lambda: time.time_ns() + self.offset_s * 1_000_000_000)
 
     async def step_to(self, offset_s: int) -> None:
-        """Step both clocks; return once the cluster's follows (it polls every 5 ms)."""
+        """Step both clocks; return once every process of the cluster says it follows."""
         temp = self.path.with_suffix(".tmp")
         temp.write_text(str(offset_s))
         temp.replace(self.path)
         self.offset_s = offset_s
-        await trio.sleep(0.02)  # the child's polling period, four times over
+        marks = list(self.folder.glob("offset.seen.*"))
+        assert marks, "no cluster process follows the offset file"
+        with trio.fail_after(5):
+            while any(mark.read_text() != str(offset_s) for mark in marks):
+                await trio.sleep(0.005)  # polling the children's marks, bounded above
 
     def env(self) -> dict[str, str]:
         path = os.pathsep.join(filter(None, [str(self.folder), os.environ.get("PYTHONPATH")]))
