@@ -103,16 +103,17 @@ class Request:
     def body(self) -> bytes:
         return self.frame.body
 
-    def batch_body(self) -> bytes:
-        """The records of a batch command (SEND, SCHEDULE): it takes no metadata, and some bytes.
+    def batch_body(self, *, fields: tuple[str, ...] = ()) -> bytes:
+        """The records of a batch command (SEND, SCHEDULE): no metadata but ``fields``, and some bytes.
 
         ``RemoteProtocolError`` (``bad_request``) names the field that is wrong.
         """
         command = command_name(self.frame.command)
-        if self.metadata:
-            key = next(iter(self.metadata))
+        key = next((key for key in self.metadata if key not in fields), None) if self.metadata else None
+        if key is not None:
+            takes = f"no metadata but {', '.join(fields)}" if fields else "no metadata"
             raise RemoteProtocolError(
-                f"{command}: unknown field {key!r} ({command} takes no metadata; the batch is the body)",
+                f"{command}: unknown field {key!r} ({command} takes {takes}; the batch is the body)",
                 code="bad_request",
                 field=key,
             )

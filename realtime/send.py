@@ -12,6 +12,10 @@ a failed index step is retried in the background, see ``index``), or refused
 as ``unavailable`` (the disk is full: the client retries) and its ids are not
 remembered, so the retry stores it. A record whose id is being appended right
 now waits for that append: it is a duplicate only once the first is stored.
+
+A scheduler's SEND carries a fence (its group and epoch, the only metadata a
+SEND takes): ``fences.Fences`` admits it before anything of the batch is
+looked at by the dedup window or stored, and refuses an older epoch (``fenced``).
 """
 
 from __future__ import annotations
@@ -21,17 +25,21 @@ from typing import Any
 
 import trio
 
+from delaymq.protocol.fencing import FENCE_FIELD, Fence
 from delaymq.protocol.limits import Limits
 from delaymq.protocol.records import MessageBatch, scan_batch
 from delaymq.protocol.transport import Request
 from delaymq.realtime import dedup as dedup_store
 from delaymq.realtime.dedup import DedupWindow, dedup_keys
+from delaymq.realtime.fences import Fences
 from delaymq.realtime.index import Indexer, batch_items
 from delaymq.storage.errors import StorageError, storage_refusal
 from delaymq.storage.state import StateStore
 from delaymq.storage.threads import RunBlocking
 from delaymq.storage.writer import LogWriter
 from delaymq.wheel.clock import Clock
+
+_SEND_FIELDS = (FENCE_FIELD,)
 
 
 class SendHandler:
@@ -45,6 +53,7 @@ class SendHandler:
         store: StateStore,
         indexer: Indexer,
         dedup: DedupWindow,
+        fences: Fences,
         run_blocking: RunBlocking,
     ) -> None:
         self._clock = clock
@@ -53,6 +62,7 @@ class SendHandler:
         self._store = store
         self._indexer = indexer
         self._dedup = dedup
+        self.fences = fences
         #: Set while the server runs: the message log's writer.
         self.writer: LogWriter | None = None
         self.sends = 0  # SEND requests answered
@@ -61,7 +71,11 @@ class SendHandler:
         self._appending: dict[str, trio.Event] = {}  # ids in an append not finished yet
 
     async def handle(self, request: Request) -> dict[str, Any]:
-        fresh = await self.append(scan_batch(request.batch_body(), self._limits))
+        fence = Fence.from_metadata(request.metadata)
+        batch = scan_batch(request.batch_body(fields=_SEND_FIELDS), self._limits)
+        if fence is not None:
+            await self.fences.admit(fence)
+        fresh = await self.append(batch)
         self.sends += 1
         return {"results": ["stored" if new else "duplicate" for new in fresh]}
 

@@ -10,12 +10,17 @@ after both. Every blocking call (fsync, lmdb, reads) goes through the
 ``RealtimeServer`` puts the parts together, each in a module of its own:
 
 - ``send.SendHandler``: SEND, and storing batches (dedup, message log, index);
+  ``fences.Fences`` refuses SENDs of a deposed scheduler master (``fenced``);
 - ``pull.PullHandler``: PULL, long polls parked per subject (``parked``);
 - ``acks.AckHandler``: ACK, NACK, CONSUMER_HEARTBEAT; ``retries.Retries`` sends
   nacked messages back through a scheduler or to the dead letters;
 - ``consumers.Consumers``: consumer state (memory, lmdb) and pull logs;
 - ``redelivery.RedeliverySweeper``: gives back what timed out;
 - ``checkpoint.Committer``: snapshots of all their small state, into lmdb.
+
+STATUS (command 14, as the scheduler's) takes no metadata and answers
+``{group, address, now_ms, fences: {scheduler group: epoch}, statistics: {...}}``:
+``fences`` is the durable fence table, ``statistics`` ``RealtimeStatistics`` as a map.
 """
 
 from __future__ import annotations
@@ -23,23 +28,26 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import trio
 
 from delaymq.client.registration import Registration, start_registration
 from delaymq.client.routes import RouteClient, meta_addresses
 from delaymq.protocol.commands import Command
+from delaymq.protocol.errors import RemoteProtocolError
 from delaymq.protocol.limits import DEFAULT_LIMITS, Limits
 from delaymq.protocol.routes import ServerKind
 from delaymq.protocol.serving import serve_frames
-from delaymq.protocol.transport import FrameServer, Peers, split_listen
+from delaymq.protocol.transport import FrameServer, Peers, Request, split_listen
 from delaymq.realtime.acks import AckHandler
 from delaymq.realtime.checkpoint import Committer, Snapshot, encode_consumer, encode_share, write_snapshot
 from delaymq.realtime.consumers import Consumers
 from delaymq.realtime.dedup import DedupWindow
+from delaymq.realtime.fences import Fences, load_fences
 from delaymq.realtime.groups import Groups
 from delaymq.realtime.index import Indexer
 from delaymq.realtime.parked import ParkedPulls
@@ -83,6 +91,8 @@ class RealtimeStatistics:
     dedup_ids_in_memory: int
     checkpoints: int
     checkpoint_failures: int
+    fenced: int  # SENDs refused for an older epoch of their scheduler group
+    fence_raises: int  # scheduler groups' epochs raised (committed) since start
 
 
 class RealtimeServer:
@@ -102,6 +112,7 @@ class RealtimeServer:
         pull_dir: Path,
         consume_dir: Path,
         dedup_buckets: list[int],
+        fences: dict[str, int],
         run_blocking: RunBlocking,
         checkpoint_interval_ms: int = 1000,
     ) -> None:
@@ -138,8 +149,15 @@ class RealtimeServer:
             interval_ms=checkpoint_interval_ms,
             run_blocking=run_blocking,
         )
+        self.fences = Fences(store=store, run_blocking=run_blocking, durable=fences)
         self.send_handler = SendHandler(
-            clock=clock, limits=limits, store=store, indexer=indexer, dedup=dedup, run_blocking=run_blocking
+            clock=clock,
+            limits=limits,
+            store=store,
+            indexer=indexer,
+            dedup=dedup,
+            fences=self.fences,
+            run_blocking=run_blocking,
         )
         self.pull_handler = PullHandler(
             consumers=self.consumers,
@@ -179,6 +197,7 @@ class RealtimeServer:
                 Command.ACK: self.ack_handler.ack,
                 Command.NACK: self.ack_handler.nack,
                 Command.CONSUMER_HEARTBEAT: self.ack_handler.heartbeat,
+                Command.STATUS: self._status,
             },
             limits=limits,
         )
@@ -234,7 +253,23 @@ class RealtimeServer:
             dedup_ids_in_memory=len(self._dedup),
             checkpoints=self.committer.commits,
             checkpoint_failures=self.committer.failures,
+            fenced=self.fences.refused,
+            fence_raises=self.fences.raised,
         )
+
+    async def _status(self, request: Request) -> dict[str, Any]:
+        if request.metadata:
+            key = next(iter(request.metadata))
+            raise RemoteProtocolError(
+                f"STATUS: unknown field {key!r} (STATUS takes none)", code="bad_request", field=key
+            )
+        return {
+            "group": self.group,
+            "address": self.address,
+            "now_ms": self._clock.now_ms(),
+            "fences": self.fences.table(),
+            "statistics": asdict(self.statistics()),
+        }
 
     # --------------------------------------------------------------- checkpoints
 
@@ -335,6 +370,7 @@ async def open_realtime_server(
             )
         )
         indexer = recovered
+        fences = await run_blocking(partial(load_fences, storage.store))
         server = RealtimeServer(
             group=group,
             clock=clock,
@@ -347,6 +383,7 @@ async def open_realtime_server(
             pull_dir=storage.pull_folder.path,
             consume_dir=storage.consume_folder.path,
             dedup_buckets=dedup_buckets,
+            fences=fences,
             run_blocking=run_blocking,
             checkpoint_interval_ms=checkpoint_interval_ms,
         )

@@ -59,6 +59,9 @@ class Client:
     async def send_raw(self, metadata: dict[str, Any], body: bytes) -> Frame:
         return await self._call(Command.SEND, metadata, body)
 
+    async def status(self) -> dict[str, Any]:
+        return (await self._call(Command.STATUS, {}, b"")).metadata
+
     async def pull(self, max: int = 100, *, timeout_ms: int = 0, **options: Any) -> Pulled:
         metadata = {
             "group": self.group,

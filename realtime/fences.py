@@ -1,0 +1,119 @@
+"""The fence table: the highest epoch seen per scheduler group, durable, checked on every fenced SEND.
+
+A scheduler master puts its group and epoch on each SEND
+(``delaymq.protocol.fencing``). ``Fences.admit`` lets a SEND through when its
+epoch is at least the highest seen for its group and refuses a lower one with
+``fenced``; a deposed master that has not heard the news is so stopped here,
+whatever the metaserver knows. The rules:
+
+- An epoch equal to the one remembered durably costs one dict lookup: the hot
+  path of every dispatch batch.
+- A higher epoch is written to lmdb (one committed write transaction, off the
+  event loop) before ``admit`` returns, so the SEND that raised it is answered
+  only once it survives a crash, and a restarted server still refuses the lower one.
+- Lower than the highest *seen* (durable, or being written for a SEND still
+  in flight) is refused at once: once a higher epoch of a group exists its
+  older master is stale, even before the write is done. A SEND whose epoch was
+  overtaken while it waited for its own write is refused too.
+- Raises are written one transaction at a time; each writes every group's
+  highest seen epoch, so SENDs that raise at once share a commit.
+
+lmdb layout (a named db of the state store)::
+
+    fences   scheduler group (UTF-8) -> u64 BE: the highest epoch this server has seen
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from functools import partial
+
+import trio
+
+from delaymq.protocol.fencing import Fence, fenced_error
+from delaymq.storage.errors import StorageError, storage_refusal
+from delaymq.storage.state import StateStore
+from delaymq.storage.threads import RunBlocking
+
+log = logging.getLogger(__name__)
+
+FENCES_DB = "fences"
+_U64 = struct.Struct(">Q")
+
+
+def load_fences(store: StateStore) -> dict[str, int]:
+    """The fence table as committed (blocking; start-up)."""
+    return {key.decode(): _U64.unpack(value)[0] for key, value in store.items(FENCES_DB)}
+
+
+def write_fences(store: StateStore, epochs: dict[str, int]) -> None:
+    """Commit raised epochs in one write transaction (blocking: a worker thread)."""
+    with store.write() as batch:
+        for group, epoch in epochs.items():
+            batch.put(FENCES_DB, group.encode(), _U64.pack(epoch))
+
+
+class Fences:
+    """The highest epoch per scheduler group: what lmdb holds, and what SENDs in flight ask for."""
+
+    def __init__(self, *, store: StateStore, run_blocking: RunBlocking, durable: dict[str, int]) -> None:
+        self._store = store
+        self._run_blocking = run_blocking
+        #: Committed to lmdb: a SEND with this epoch passes at once.
+        self.durable = dict(durable)
+        #: The highest epoch asked for per group, committed or not (at least ``durable``).
+        self._seen = dict(durable)
+        self._writing = trio.Lock()
+        self.refused = 0  # SENDs refused for a lower epoch
+        self.raised = 0  # epochs committed higher than before
+
+    def table(self) -> dict[str, int]:
+        """The durable table, group -> epoch (for STATUS)."""
+        return dict(sorted(self.durable.items()))
+
+    async def admit(self, fence: Fence) -> None:
+        """Return when ``fence`` may store its batch: its epoch is the highest of its group, durably.
+
+        Raises ``RemoteProtocolError`` (``fenced``) for a lower epoch, and a
+        retryable ``unavailable`` refusal when the raise could not be committed.
+        """
+        group, epoch = fence.group, fence.epoch
+        if self.durable.get(group) == epoch == self._seen[group]:
+            return  # the hot path: no raise of this group in flight
+        self._check(fence)
+        if epoch > self._seen.get(group, -1):
+            self._seen[group] = epoch
+        if self.durable.get(group, -1) < epoch:
+            async with self._writing:
+                if self.durable.get(group, -1) < epoch:  # else a write for another SEND covered it
+                    await self._commit_raises()
+        self._check(fence)  # overtaken while waiting for the write
+
+    async def _commit_raises(self) -> None:
+        """Commit every group's highest seen epoch above its durable one, in one transaction."""
+        raised = {group: seen for group, seen in self._seen.items() if seen > self.durable.get(group, -1)}
+        try:
+            await self._run_blocking(partial(write_fences, self._store, raised))
+        except StorageError as error:
+            raise storage_refusal("SEND: the fence table could not record the epoch", error) from error
+        for group, epoch in raised.items():
+            before = self.durable.get(group)
+            self.durable[group] = epoch
+            self.raised += 1
+            log.info(
+                "realtime: scheduler group %s is at epoch %d now (was %s); lower epochs are refused",
+                group,
+                epoch,
+                "unknown" if before is None else before,
+            )
+
+    def _check(self, fence: Fence) -> None:
+        """Refuse a lower epoch than the highest seen (the transport logs refusals, rate-limited)."""
+        highest = self._seen.get(fence.group, -1)
+        if fence.epoch < highest:
+            self.refused += 1
+            raise fenced_error(fence, highest)
+
+
+__all__ = ["FENCES_DB", "Fences", "load_fences", "write_fences"]
