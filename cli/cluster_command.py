@@ -82,7 +82,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default="sync",
         help="flush policy of the servers' logs (default: %(default)s)",
     )
+    parser.add_argument(
+        "--replicas",
+        type=_replicas,
+        default=0,
+        metavar="N",
+        help="scheduler slaves to run beside the master (data in DATA/scheduler-1-replica-K); with one or more, "
+        "replication is sync with min-insync 1 and the metaserver fails over to a slave (default: %(default)s)",
+    )
     parser.set_defaults(func=run)
+
+
+def _replicas(text: str) -> int:
+    if not text.isdigit() or not 0 <= int(text) <= 8:
+        raise argparse.ArgumentTypeError(f"{text!r}: --replicas takes a whole number from 0 to 8")
+    return int(text)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -177,9 +191,28 @@ async def _serve(args: argparse.Namespace) -> None:
             args.scheduler_listen,
             remembered.get("scheduler"),
             lambda listen: open_scheduler(
-                data_dir=data / "scheduler-1", clock=clock, listen=listen, meta_address=meta.address, flush=args.flush
+                data_dir=data / "scheduler-1",
+                clock=clock,
+                listen=listen,
+                meta_address=meta.address,
+                flush=args.flush,
+                min_insync=min(1, args.replicas),
             ),
         )
+        replicas = []
+        for k in range(1, args.replicas + 1):
+            replicas.append(
+                await stack.enter_async_context(
+                    open_scheduler(
+                        data_dir=data / f"scheduler-1-replica-{k}",
+                        clock=clock,
+                        listen="127.0.0.1:0",
+                        meta_address=meta.address,
+                        flush=args.flush,
+                        min_insync=min(1, args.replicas),
+                    )
+                )
+            )
         bound = {"metaserver": meta.address, "realtime": realtime.address, "scheduler": scheduler.address}
         if bound != remembered:
             record = {"format": LISTEN_FORMAT, **bound}
@@ -187,6 +220,8 @@ async def _serve(args: argparse.Namespace) -> None:
         print(f"metaserver  {meta.address}", flush=True)
         print(f"realtime    {realtime.address}  (group {realtime.group})", flush=True)
         print(f"scheduler   {scheduler.address}  (group {scheduler.group})", flush=True)
+        for replica in replicas:
+            print(f"scheduler   {replica.address}  (group {replica.group}, a replica)", flush=True)
         print(f"data        {await trio.Path(data).resolve()}", flush=True)
         print(f"try: delaymq send --meta {meta.address} demo hello", flush=True)
         print("Ctrl-C stops the cluster.", flush=True)

@@ -14,6 +14,7 @@ from delaymq.cli import options
 from delaymq.cli.connection_options import add_connection_options, connection_limits
 from delaymq.cli.serving import fail, run_server, wait_for_stop_signal
 from delaymq.client.producer import DEFAULT_META
+from delaymq.metaserver.registry import HEARTBEATS_PER_FAILOVER
 from delaymq.metaserver.server import open_metaserver
 from delaymq.protocol.limits import Limits
 from delaymq.wheel.clock import SystemClock
@@ -54,6 +55,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="DURATION",
         help="how often servers are told to heartbeat; below --evict-after (default: 5s)",
     )
+    options.add_duration(
+        parser,
+        "--failover-after",
+        "5s",
+        "promote a replicated group's best in-sync slave after its master is silent this long; "
+        "its servers heartbeat five times as often",
+    )
     add_connection_options(parser)
     parser.set_defaults(func=run)
 
@@ -64,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         evict_ms = options.duration_ms(args.evict_after)
         interval_ms = options.duration_ms(args.heartbeat_interval)
+        failover_ms = options.duration_ms(args.failover_after)
         limits = Limits(connections=connection_limits(args))
     except argparse.ArgumentTypeError as error:
         return fail(str(error))
@@ -72,11 +81,17 @@ def run(args: argparse.Namespace) -> int:
             f"--heartbeat-interval ({options.show_duration(interval_ms)}) must be at least 1ms and shorter "
             f"than --evict-after ({options.show_duration(evict_ms)})"
         )
+    if failover_ms < HEARTBEATS_PER_FAILOVER:
+        return fail(
+            f"--failover-after ({options.show_duration(failover_ms)}) must be at least "
+            f"{HEARTBEATS_PER_FAILOVER}ms: a replicated group's servers heartbeat "
+            f"{HEARTBEATS_PER_FAILOVER} times within it"
+        )
     what = f"the metaserver on {args.listen} with data {args.data}"
-    return run_server(_serve, args.listen, args.data, evict_ms, interval_ms, limits, what=what)
+    return run_server(_serve, args.listen, args.data, evict_ms, interval_ms, failover_ms, limits, what=what)
 
 
-async def _serve(listen: str, data: Path, evict_ms: int, interval_ms: int, limits: Limits) -> None:
+async def _serve(listen: str, data: Path, evict_ms: int, interval_ms: int, failover_ms: int, limits: Limits) -> None:
     async with open_metaserver(
         limits=limits,
         listen=listen,
@@ -84,12 +99,14 @@ async def _serve(listen: str, data: Path, evict_ms: int, interval_ms: int, limit
         clock=SystemClock(),
         evict_after_ms=evict_ms,
         heartbeat_interval_ms=interval_ms,
+        failover_after_ms=failover_ms,
     ) as metaserver:
         log.info(
-            "metaserver listening on %s (data %s, evict after %s, heartbeat every %s)",
+            "metaserver listening on %s (data %s, evict after %s, heartbeat every %s, failover after %s)",
             metaserver.address,
             data,
             options.show_duration(evict_ms),
             options.show_duration(interval_ms),
+            options.show_duration(failover_ms),
         )
         await wait_for_stop_signal()

@@ -35,7 +35,32 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_server_options(parser, group="scheduler-1")
     add_duration(parser, "--horizon", "732d", "how far ahead a message may be scheduled; later ones are refused")
     add_duration(parser, "--retention", "72h", "how long a fully delivered hour's files are kept")
+    parser.add_argument(
+        "--replication",
+        choices=("sync", "async"),
+        default="sync",
+        help="as master: answer a SCHEDULE only once --min-insync slaves hold it (sync), or at once (async) "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--min-insync",
+        type=_count,
+        default=1,
+        metavar="N",
+        help="in-sync slaves that must hold each SCHEDULE under sync replication; with fewer in sync a SCHEDULE "
+        "is refused (retryable) and nothing is stored. 0: none needed (default: %(default)s)",
+    )
     parser.set_defaults(func=run)
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be 0 or more")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,13 +89,18 @@ async def _serve(args: argparse.Namespace, meta: list[str], limits: Limits, rete
         flush=args.flush,
         limits=limits,
         retention_ms=retention_ms,
+        replication=args.replication,
+        min_insync=args.min_insync,
     ) as scheduler:
         log.info(
-            "scheduler %s listening on %s (data %s, metaserver %s, horizon %s)",
+            "scheduler %s listening on %s (data %s, metaserver %s, horizon %s, replication %s, min-insync %d); "
+            "master or slave as the metaserver says",
             args.group,
             scheduler.address,
             args.data,
             ", ".join(meta),
             options.show_duration(limits.horizon_ms),
+            args.replication,
+            args.min_insync,
         )
         await wait_for_stop_signal()

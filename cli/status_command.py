@@ -18,7 +18,7 @@ from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError, ProtocolError
 from delaymq.protocol.transport import TransportError
 
-COLUMNS = ("GROUP", "KIND", "ROLE", "ADDRESS", "STATE", "LAST HEARTBEAT", "EVICTED", "VERSION")
+COLUMNS = ("GROUP", "KIND", "ROLE", "EPOCH", "ADDRESS", "STATE", "LAST HEARTBEAT", "EVICTED", "VERSION")
 
 
 def add_meta_option(parser: argparse.ArgumentParser) -> None:
@@ -122,10 +122,12 @@ def format_scheduler(group: str, address: str, answer: dict[str, Any]) -> str:
     second = int(tick.get("second", 0))
     clock = f"{second // 3600 % 24:02d}:{second // 60 % 60:02d}:{second % 60:02d}"
     lines = [
-        f"{head}: tick {tick.get('hour', '?')} {clock} UTC (+{tick.get('done', 0)} done), "
+        f"{head}: {answer.get('role', 'master')} (epoch {answer.get('epoch', 0)}), "
+        f"tick {tick.get('hour', '?')} {clock} UTC (+{tick.get('done', 0)} done), "
         f"{stats.get('pending', '?')} pending, {stats.get('dispatched', '?')} dispatched, "
         f"lateness max {stats.get('lateness_max_ms', '?')} ms"
     ]
+    lines.extend(format_replication(stats.get("replication") or {}))
     hours = answer.get("hours") or []
     if not hours:
         lines.append("  no messages to deliver")
@@ -135,6 +137,31 @@ def format_scheduler(group: str, address: str, answer: dict[str, Any]) -> str:
         note = "  overdue" if hour.get("overdue") else ""
         lines.append(f"  {hour['name']}  {hour['pending']:>7}{note}")
     return "\n".join(lines)
+
+
+def format_replication(replication: dict[str, Any]) -> list[str]:
+    """A member's replication: a master's slaves and their lag, or a slave's lag and held tick."""
+    if not replication:
+        return []
+    lines = [
+        f"  replication {replication.get('mode')}, min-insync {replication.get('min_insync')}, "
+        f"durable log end {replication.get('durable_end')}"
+    ]
+    for replica in replication.get("replicas") or []:
+        lag_ms = replica.get("lag_ms")
+        lines.append(
+            f"  slave {replica['address']}: {'in sync' if replica.get('in_sync') else 'OUT OF SYNC'}, "
+            f"lag {replica.get('lag_bytes')} bytes / {lag_ms if lag_ms is not None and lag_ms >= 0 else '?'} ms"
+        )
+    if "lag_bytes" in replication:
+        age = replication.get("tick_age_ms")
+        lines.append(
+            f"  behind the master by {replication['lag_bytes']} bytes; tick held "
+            f"{'never' if age is None else f'{age} ms ago'}, {replication.get('tick_behind_ms', '?')} ms behind the master's clock"
+        )
+    if replication.get("cut_records"):
+        lines.append(f"  cut {replication['cut_records']} record(s) the master never had")
+    return lines
 
 
 def format_table(meta: str, answer: dict[str, Any]) -> str:
@@ -155,6 +182,7 @@ def format_table(meta: str, answer: dict[str, Any]) -> str:
                 row["group"],
                 row["kind"],
                 role,
+                row.get("epoch") or "-",
                 row["address"],
                 row["state"],
                 f"{row['seconds_since_heartbeat']:.1f} s ago",

@@ -18,13 +18,21 @@ old master) from a deposed one still running (refused as ``superseded``, and
 left unrouted, so two live masters never take turns). The heartbeat schedule and
 the backoffs are intervals of the monotonic clock: a wall-clock step neither
 stops nor rushes them.
+
+A server of a replicated (managed) group also sends its ``member`` id (its data
+folder's) and, from a ``replica()`` callable read right before each request, the
+state of its copy; the metaserver then decides its role and answers it with the
+group's epoch. The server watches those through ``Registration.view()`` and
+``wait_view_change``, and asks for an early heartbeat with ``heartbeat_now``
+(its in-sync set shrank, a handover drained, a fencing refusal was met), so the
+metaserver hears of it at once rather than an interval later.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from importlib import metadata
@@ -35,7 +43,7 @@ import trio
 from delaymq.protocol.backoff import Backoff, BackoffRun, RandomSource
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError, RemoteProtocolError
-from delaymq.protocol.routes import REGISTER_FIRST, SUPERSEDED, ServerKind
+from delaymq.protocol.routes import REGISTER_FIRST, ROLE_MASTER, ROLE_SLAVE, SUPERSEDED, ServerKind
 from delaymq.protocol.transport import AsyncCaller, TransportError
 from delaymq.wheel.clock import Clock
 
@@ -46,6 +54,10 @@ log = logging.getLogger(__name__)
 INFO_FIELDS = ("group", "kind", "role", "address", "version")
 #: The interval used until the metaserver names one.
 DEFAULT_INTERVAL_MS = 5_000
+
+#: Reads a server's replica state (``offset``, ``epoch``, ``mode``, ``in_sync``,
+#: ``handed_over``) right before each REGISTER and HEARTBEAT.
+ReplicaState = Callable[[], Mapping[str, Any]]
 
 
 class RegistrationRefused(Exception):
@@ -65,6 +77,18 @@ class RegistrationStatistics:
     failures: int  # attempts that got no answer or an error
     outages: int  # runs of failed attempts
     last_answer_ms: int | None
+    role: str | None = None  # managed groups: what the metaserver says this server is
+    epoch: int = 0  # managed groups: the group's epoch as last answered
+
+
+@dataclass(frozen=True, slots=True)
+class MembershipView:
+    """What the metaserver last said of this server's place in its managed group."""
+
+    role: str | None  # "master" or "slave"; None before an answer, or in a group that is not managed
+    epoch: int  # the group's epoch (0 before one is known)
+    master: str | None  # the group's master address
+    handover_to: str | None  # to the master: the server to hand over to, while a handover is pending
 
 
 class Registration:
@@ -83,7 +107,13 @@ class Registration:
         self.registered = False
         self.last_answer_ms: int | None = None
         self.superseded = False  # another server registered as this group's master since
+        self.role: str | None = None  # managed groups: what the metaserver says this server is
+        self.epoch = 0  # managed groups: the group's epoch, the current master's term
+        self.handover_to: str | None = None  # to the master, while a handover is pending
         self._first_answer = trio.Event()
+        self._view_changed = trio.Event()
+        self._send_now = False
+        self._pause: trio.CancelScope | None = None
         self._registrations = 0
         self._heartbeats = 0
         self._failures = 0
@@ -91,12 +121,41 @@ class Registration:
 
     @property
     def is_master(self) -> bool:
-        """Whether routes point at this server as its group's master."""
+        """Whether routes point at this server as its group's master (in a managed
+        group: whether the metaserver last said it is the master)."""
+        if self.role is not None:
+            return self.role == ROLE_MASTER
         return not self.superseded and self.master == self.info["address"]
 
     async def wait_registered(self) -> None:
         """Return once the metaserver has answered a registration."""
         await self._first_answer.wait()
+
+    def view(self) -> MembershipView:
+        """The latest answer's role, epoch, master and pending handover."""
+        return MembershipView(self.role, self.epoch, self.master, self.handover_to)
+
+    async def wait_view_change(self, old: MembershipView) -> MembershipView:
+        """Return the latest view once it differs from ``old`` (at once if it already does)."""
+        while (view := self.view()) == old:
+            await self._view_changed.wait()
+        return view
+
+    def heartbeat_now(self) -> None:
+        """Send the next heartbeat at once rather than at the interval (the replica state
+        changed in a way the metaserver must hear of). Several calls before it goes out
+        make one heartbeat."""
+        self._send_now = True
+        if self._pause is not None:
+            self._pause.cancel()
+
+    async def _wait_next(self, clock: Clock, duration_ms: int) -> None:
+        """Sleep until the next attempt is due, or ``heartbeat_now`` asks for one."""
+        if not self._send_now:
+            with trio.CancelScope() as self._pause:
+                await clock.sleep_ms(duration_ms)
+            self._pause = None
+        self._send_now = False
 
     def _accept(self, command: int, metadata: Mapping[str, Any], now_ms: int) -> None:
         state = metadata.get("state")
@@ -111,12 +170,20 @@ class Registration:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise RemoteProtocolError(f"heartbeat answer has no integer {name!r}", code="bad_metadata", field=name)
         assert isinstance(version, int) and isinstance(interval, int)  # checked just above
+        role, epoch, handover_to = _membership(metadata)
         group = self.info["group"]
         if self.state is not None and state != self.state:
             log.info("group %s state changed %s -> %s", group, self.state, state)
         if self.state is not None and master != self.master:
             log.info("group %s master is now %s (was %s)", group, master, self.master)
+        if role is not None and (role, epoch) != (self.role, self.epoch):
+            log.info("%s is %s of group %s at epoch %d (master %s)", self.info["address"], role, group, epoch, master)
+        before = self.view()
         self.state, self.master, self.route_version = state, master, version
+        self.role, self.epoch, self.handover_to = role, epoch if role is not None else self.epoch, handover_to
+        if self.view() != before:
+            self._view_changed.set()
+            self._view_changed = trio.Event()
         if interval > 0:
             self.heartbeat_interval_ms = interval
         self.registered = True
@@ -141,7 +208,25 @@ class Registration:
             failures=self._failures,
             outages=self._outages,
             last_answer_ms=self.last_answer_ms,
+            role=self.role,
+            epoch=self.epoch,
         )
+
+
+def _membership(metadata: Mapping[str, Any]) -> tuple[str | None, int, str | None]:
+    """The managed-group fields of a heartbeat answer: role, epoch, handover target."""
+    role = metadata.get("role")
+    epoch = metadata.get("epoch", 0)
+    handover_to = metadata.get("handover_to")
+    if role is not None and role not in (ROLE_MASTER, ROLE_SLAVE):
+        raise RemoteProtocolError(f"heartbeat answer has unknown role {role!r}", code="bad_metadata", field="role")
+    if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+        raise RemoteProtocolError("heartbeat answer 'epoch' is not an integer", code="bad_metadata", field="epoch")
+    if handover_to is not None and not isinstance(handover_to, str):
+        raise RemoteProtocolError(
+            "heartbeat answer 'handover_to' is not a string", code="bad_metadata", field="handover_to"
+        )
+    return role, epoch, handover_to
 
 
 async def run_registration(
@@ -153,11 +238,15 @@ async def run_registration(
     interval_ms: int | None = None,
     backoff_initial_ms: int = 100,
     random: RandomSource | None = None,
+    replica: ReplicaState | None = None,
     task_status: trio.TaskStatus[Registration] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Keep this server registered until cancelled.
 
-    ``info`` holds ``group, kind, role, address, version``. ``interval_ms``
+    ``info`` holds ``group, kind, role, address, version`` (and ``member``, a
+    replicated group's server's data-folder id). ``replica()``, when given, is
+    called right before each REGISTER and HEARTBEAT for its ``replica`` field,
+    which makes the group a managed one. ``interval_ms``
     overrides the heartbeat interval the metaserver names. ``nursery.start``
     returns the ``Registration`` after the first attempt, answered or not (a
     metaserver that is down must not keep a server from starting); a first
@@ -173,7 +262,9 @@ async def run_registration(
     registration = Registration(
         {"incarnation": secrets.token_hex(8), **info}, interval_ms=interval_ms or DEFAULT_INTERVAL_MS
     )
-    full = {name: registration.info[name] for name in (*INFO_FIELDS, "incarnation")}
+    full = {
+        name: registration.info[name] for name in (*INFO_FIELDS, "incarnation", "member") if name in registration.info
+    }
     light = {"group": full["group"], "address": full["address"]}
     where = f"{full['address']} (group {full['group']})"
     current = 0
@@ -187,9 +278,13 @@ async def run_registration(
         registration.meta_address = address
         command = Command.REGISTER if register else Command.HEARTBEAT
         interval = interval_ms or registration.heartbeat_interval_ms
-        next_at = clock.monotonic_ms() + interval  # an interval: never from the wall clock
+        sent_at = clock.monotonic_ms()  # an interval: never from the wall clock
+        next_at = sent_at + interval
+        request = full if register else light
+        if replica is not None:
+            request = {**request, "replica": dict(replica())}
         try:
-            frame = await peers.call(address, command, full if register else light, timeout=max(interval, 1_000) / 1000)
+            frame = await peers.call(address, command, request, timeout=max(interval, 1_000) / 1000)
             registration._accept(command, frame.metadata, clock.now_ms())
         except PeerError as error:
             if error.code == REGISTER_FIRST and not register:
@@ -229,20 +324,24 @@ async def run_registration(
                 )
             elif register:
                 log.info(
-                    "registered %s with metaserver %s: group state %s, master %s",
+                    "registered %s with metaserver %s: group state %s, master %s%s",
                     where,
                     address,
                     registration.state,
                     registration.master,
+                    "" if registration.role is None else f", {registration.role} at epoch {registration.epoch}",
                 )
             outage_since = None
             refused = None
             register = False
             backoff.reset()
+            # At the interval this answer named, from the first one on: a replicated group's
+            # master must not wait the default 5 s (its failover time) before its first heartbeat.
+            next_at = sent_at + (interval_ms or registration.heartbeat_interval_ms)
         if not started:
             started = True
             task_status.started(registration)
-        await clock.sleep_ms(next_at - clock.monotonic_ms())
+        await registration._wait_next(clock, next_at - clock.monotonic_ms())
 
 
 def _retry_policy(initial_ms: int, interval_ms: int) -> Backoff:
@@ -279,31 +378,39 @@ async def start_registration(
     address: str,
     meta_address: str | Sequence[str],
     clock: Clock,
+    member: str | None = None,
+    replica: ReplicaState | None = None,
 ) -> Registration:
     """Register ``group``'s master at ``address``, and keep heartbeating in ``nursery``.
 
     Returns after the first attempt, answered or not: a metaserver that is down
     does not keep the server from starting; one that refuses it does
-    (``RegistrationRefused``).
+    (``RegistrationRefused``). A replicated group's server passes its ``member``
+    id and its ``replica`` state; it registers as master all the same, and the
+    metaserver answers the role it gets (``Registration.role``).
     """
     info = {
         "group": group,
         "kind": kind.value,
-        "role": "master",
+        "role": ROLE_MASTER,
         "address": address,
         "version": software_version(),
     }
+    if member is not None:
+        info["member"] = member
     registration: Registration = await nursery.start(
-        partial(run_registration, peers, meta_address=meta_address, info=info, clock=clock)
+        partial(run_registration, peers, meta_address=meta_address, info=info, clock=clock, replica=replica)
     )
     return registration
 
 
 __all__ = [
     "INFO_FIELDS",
+    "MembershipView",
     "Registration",
     "RegistrationRefused",
     "RegistrationStatistics",
+    "ReplicaState",
     "run_registration",
     "software_version",
     "start_registration",

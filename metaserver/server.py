@@ -9,23 +9,32 @@ lmdb store before the request is answered, so what an admin was told is what a
 restarted metaserver knows; concurrent changes share one write. On start the
 snapshot is restored, so a restarted metaserver answers routes at once (every
 server gets a fresh eviction grace). A periodic task notices evictions and logs
-groups that lose or regain their master.
+groups that lose or regain their master; it wakes in time for the next
+failover of a managed group too, and a promotion is written before anyone is
+told of it (its new epoch must survive a restart of the metaserver).
 
 Wire metadata (msgpack maps) of each command:
 
-- ``REGISTER {group, kind, role, address, version, incarnation?}`` and
-  ``HEARTBEAT {group, address}`` answer ``{state, master, route_version,
-  heartbeat_interval_ms}``; a heartbeat from a server this metaserver does not
-  know is refused with code ``register_first``; one from a master another server
-  has superseded (the newest registration of a group's master wins), and its
-  registrations as master with the same ``incarnation``, with code ``superseded``.
+- ``REGISTER {group, kind, role, address, version, incarnation?, member?,
+  replica?}`` and ``HEARTBEAT {group, address, replica?}`` answer ``{state,
+  master, route_version, heartbeat_interval_ms}``; a heartbeat from a server this
+  metaserver does not know is refused with code ``register_first``; one from a
+  master another server has superseded (the newest registration of a group's
+  master wins), and its registrations as master with the same ``incarnation``,
+  with code ``superseded``. Servers of a managed group (they send ``replica``:
+  ``{offset, epoch, mode?, in_sync?, handed_over?}``) are never superseded: the
+  answer adds ``role`` and ``epoch`` (and ``handover_to`` to the master while a
+  handover is pending), and the metaserver decides who is master.
+- ``HANDOVER {group, to?}`` asks a managed group's master to hand over to ``to``
+  (default: its best in-sync slave); answers ``{group, epoch, from, to}``.
 - ``ROUTE {route, subject?, known_version?}`` answers ``{version, groups: [{group,
   kind, state, address, slaves}]}``, or ``{version, unchanged: true}`` when
   ``known_version`` is the current version.
 - ``SET_STATE {group, state}`` answers ``{state, previous}``.
 - ``STATUS {}`` answers ``{now_ms, route_version, evict_after_ms,
-  heartbeat_interval_ms, rows: [{group, kind, role, address, state, version,
-  seconds_since_heartbeat, evicted, is_master}]}``.
+  heartbeat_interval_ms, failover_after_ms, rows: [{group, kind, role, address,
+  state, version, seconds_since_heartbeat, evicted, is_master, epoch, member,
+  offset, in_sync}]}``.
 - ``PING {}`` answers ``{now_ms}``.
 
 Refusals are ``bad_request`` errors naming the field (``register_first`` and
@@ -46,11 +55,16 @@ import trio
 
 from delaymq.metaserver.registry import (
     DEFAULT_EVICT_AFTER_MS,
+    DEFAULT_FAILOVER_AFTER_MS,
     DEFAULT_HEARTBEAT_INTERVAL_MS,
+    FailoverBlocked,
+    HandoverDropped,
     HeartbeatReply,
+    MasterChanged,
     Registry,
     RegistryError,
     RegistryStatistics,
+    ReplicaReport,
     ServerInfo,
     StatusRow,
     Superseded,
@@ -107,12 +121,18 @@ def _field(command: str, metadata: Mapping[str, Any], name: str, kind: type, *, 
 
 
 def _reply(reply: HeartbeatReply) -> dict[str, Any]:
-    return {
+    answer: dict[str, Any] = {
         "state": reply.state.value,
         "master": reply.master,
         "route_version": reply.route_version,
         "heartbeat_interval_ms": reply.heartbeat_interval_ms,
     }
+    if reply.role is not None:  # a managed group
+        answer["role"] = reply.role.value
+        answer["epoch"] = reply.epoch
+        if reply.handover_to is not None:
+            answer["handover_to"] = reply.handover_to
+    return answer
 
 
 def _row(row: StatusRow) -> dict[str, Any]:
@@ -126,6 +146,10 @@ def _row(row: StatusRow) -> dict[str, Any]:
         "seconds_since_heartbeat": row.seconds_since_heartbeat,
         "evicted": row.evicted,
         "is_master": row.is_master,
+        "epoch": row.epoch,
+        "member": row.member,
+        "offset": row.offset,
+        "in_sync": row.in_sync,
     }
 
 
@@ -149,14 +173,17 @@ class Metaserver:
         *,
         evict_after_ms: int = DEFAULT_EVICT_AFTER_MS,
         heartbeat_interval_ms: int = DEFAULT_HEARTBEAT_INTERVAL_MS,
+        failover_after_ms: int = DEFAULT_FAILOVER_AFTER_MS,
         limits: Limits = DEFAULT_LIMITS,
         run_blocking: RunBlocking = run_in_thread,
         check_interval_ms: int = 1_000,
     ) -> None:
-        """``evict_after_ms`` and ``heartbeat_interval_ms`` are the registry's own, for STATUS."""
+        """``evict_after_ms``, ``heartbeat_interval_ms`` and ``failover_after_ms`` are the
+        registry's own, for STATUS."""
         self.registry = registry
         self.evict_after_ms = evict_after_ms
         self.heartbeat_interval_ms = heartbeat_interval_ms
+        self.failover_after_ms = failover_after_ms
         self.address: str | None = None
         self._store = store
         self._clock = clock
@@ -165,6 +192,9 @@ class Metaserver:
         # The registry's steady time: the wall clock at start, then monotonic.
         self._steady_origin = clock.now_ms() - clock.monotonic_ms()
         self._persist_lock = trio.Lock()
+        # The expiry task's sleep, cancelled when a failover falls due before it ends.
+        self._expiry_sleep: trio.CancelScope | None = None
+        self._expiry_wake_ms = 0
         self._snapshots_written = 0
         rows = registry.status(self.steady_ms())
         self._restored = len(rows)
@@ -185,6 +215,7 @@ class Metaserver:
             Command.ROUTE: self._route,
             Command.SET_STATE: self._set_state,
             Command.STATUS: self._status,
+            Command.HANDOVER: self._handover,
         }
 
     async def serve_stream(self, stream: trio.abc.Stream) -> None:
@@ -211,17 +242,22 @@ class Metaserver:
             _field("REGISTER", md, name, str) for name in ("group", "kind", "role", "address", "version")
         )
         incarnation = _field("REGISTER", md, "incarnation", str, required=False)
+        member = _field("REGISTER", md, "member", str, required=False)
+        replica = md.get("replica")
         now = self.steady_ms()
         changes = self.registry.changes
         deposed_before = self.registry.superseded(group)
         with _refusals("REGISTER"):
-            reply = self.registry.register(
-                ServerInfo(group, kind, role, address, version, incarnation=incarnation), now_ms=now
+            report = None if replica is None else ReplicaReport.from_dict(replica)
+            info = ServerInfo(
+                group, kind, role, address, version, incarnation=incarnation, member=member, replica=report
             )
+            reply = self.registry.register(info, now_ms=now)
         if (group, address) not in self._known:
             self._known.add((group, address))
-            log.info("server %s registered: %s of %s group %s (version %s)", address, role, kind, group, version)
-        elif self.registry.changes != changes:
+            assigned = role if reply.role is None else f"{reply.role} (epoch {reply.epoch})"
+            log.info("server %s registered: %s of %s group %s (version %s)", address, assigned, kind, group, version)
+        elif reply.role is None and self.registry.changes != changes:
             log.info("server %s of group %s now registers as %s (version %s)", address, group, role, version)
         for old, by in self.registry.superseded(group).items():
             if deposed_before.get(old) != by:
@@ -245,15 +281,17 @@ class Metaserver:
         with _refusals("HEARTBEAT"):
             check_group_name(group)
             check_address(address)
+            replica = None if md.get("replica") is None else ReplicaReport.from_dict(md["replica"])
         now = self.steady_ms()
         try:
-            reply = self.registry.heartbeat(group, address, now_ms=now)
+            reply = self.registry.heartbeat(group, address, now_ms=now, replica=replica)
         except Superseded as error:
             raise RemoteProtocolError(f"HEARTBEAT: {error.args[0]}", code=SUPERSEDED, field=error.field) from None
         except RegistryError as error:  # well-formed, so: not registered here
             raise RemoteProtocolError(
                 f"HEARTBEAT: {error}; send REGISTER", code=REGISTER_FIRST, field=error.field
             ) from None
+        await self.persist()  # a promotion (a handover completed) is written before it is told
         self._notice(now)
         return _reply(reply)
 
@@ -265,6 +303,7 @@ class Metaserver:
         now = self.steady_ms()
         with _refusals("ROUTE"):
             answer = self.registry.route(route, now_ms=now, subject=subject)
+        await self.persist()  # a failover noticed just now is written before routes show it
         self._notice(now)
         if known is not None and known == answer.version:
             return {"version": answer.version, "unchanged": True}
@@ -291,14 +330,35 @@ class Metaserver:
     async def _status(self, request: Request) -> dict[str, Any]:
         now = self.steady_ms()
         rows = self.registry.status(now)
+        await self.persist()
         self._notice(now)
         return {
             "now_ms": self._clock.now_ms(),
             "route_version": self.registry.version,
             "evict_after_ms": self.evict_after_ms,
             "heartbeat_interval_ms": self.heartbeat_interval_ms,
+            "failover_after_ms": self.failover_after_ms,
             "rows": [_row(row) for row in rows],
         }
+
+    async def _handover(self, request: Request) -> dict[str, Any]:
+        md = request.metadata
+        group = _field("HANDOVER", md, "group", str)
+        to = _field("HANDOVER", md, "to", str, required=False)
+        now = self.steady_ms()
+        with _refusals("HANDOVER"):
+            handover = self.registry.handover(group, to, now_ms=now)
+        log.info(
+            "group %s: handover from master %s to %s asked by %s at epoch %d",
+            group,
+            handover.from_address,
+            handover.to_address,
+            request.peer,
+            handover.epoch,
+        )
+        await self.persist()
+        self._notice(now)
+        return {"group": group, "epoch": handover.epoch, "from": handover.from_address, "to": handover.to_address}
 
     # -- background work ------------------------------------------------------
 
@@ -316,16 +376,92 @@ class Metaserver:
             self._snapshots_written += 1
 
     async def run_expiry(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Notice evictions every ``check_interval_ms``, so they are logged when due."""
+        """Notice evictions every ``check_interval_ms``, and failovers when due, so
+        they happen, are written and are logged on time."""
         task_status.started()
         while True:
-            await self._clock.sleep_ms(self._check_interval_ms)
+            now = self.steady_ms()
+            wake = now + self._check_interval_ms
+            deadline = self.registry.next_deadline_ms
+            if deadline is not None:
+                wake = min(wake, max(deadline, now))
+            with trio.CancelScope() as sleep:
+                self._expiry_sleep, self._expiry_wake_ms = sleep, wake
+                await self._clock.sleep_ms(wake - now)
+            self._expiry_sleep = None
             now = self.steady_ms()
             self.registry.expire(now)
+            await self.persist()
             self._notice(now, always=True)
 
+    def _wake_expiry(self) -> None:
+        """Cut the expiry task's sleep short if a failover falls due before it ends."""
+        if self._expiry_sleep is None:
+            return
+        deadline = self.registry.next_deadline_ms
+        if deadline is not None and deadline < self._expiry_wake_ms:
+            self._expiry_sleep.cancel()
+
+    def _log_events(self) -> set[str]:
+        """Log the registry's mastership events; the groups whose master they changed."""
+        changed: set[str] = set()
+        for event in self.registry.take_events():
+            if isinstance(event, MasterChanged):
+                changed.add(event.group)
+                if event.reason == "failover" and event.old is None:
+                    log.warning(
+                        "group %s: its master left the group; promoted %s (offset %s) at epoch %d",
+                        event.group,
+                        event.new,
+                        event.offset,
+                        event.epoch,
+                    )
+                elif event.reason == "failover":
+                    log.warning(
+                        "group %s failed over: master %s silent for %.1f s; promoted %s (offset %s) at epoch %d",
+                        event.group,
+                        event.old,
+                        event.silent_ms / 1000,
+                        event.new,
+                        event.offset,
+                        event.epoch,
+                    )
+                elif event.reason == "handover":
+                    log.info(
+                        "group %s handed over from %s to %s (offset %s) at epoch %d",
+                        event.group,
+                        event.old,
+                        event.new,
+                        event.offset,
+                        event.epoch,
+                    )
+                elif event.reason == "restart":
+                    log.info(
+                        "group %s: master %s restarted%s; epoch %d",
+                        event.group,
+                        event.new,
+                        "" if event.old in (None, event.new) else f" (was at {event.old})",
+                        event.epoch,
+                    )
+                else:
+                    log.info("group %s: %s is master at epoch %d", event.group, event.new, event.epoch)
+            elif isinstance(event, FailoverBlocked):
+                log.warning(
+                    "group %s: master %s silent for %.1f s, but no live in-sync slave may replace it "
+                    "(in sync: %s); the group waits for its master",
+                    event.group,
+                    event.master,
+                    event.silent_ms / 1000,
+                    ", ".join(event.in_sync) or "none",
+                )
+            elif isinstance(event, HandoverDropped):
+                log.warning("group %s: handover to %s dropped: %s", event.group, event.to_address, event.reason)
+        return changed
+
     def _notice(self, now: int, *, always: bool = False) -> None:
-        """Log groups that lost or regained a live master since the last look."""
+        """Log mastership changes, and groups that lost or regained a live master since the last look."""
+        logged = self._log_events()
+        self._wake_expiry()
         if not always and self.registry.version == self._seen_version:
             return
         rows = self.registry.status(now)
@@ -347,7 +483,10 @@ class Metaserver:
                 else:
                     log.info("group %s has no live master", group)
             elif before is None:
-                log.info("group %s is back: its master %s heartbeats", group, master)
+                if group not in logged:
+                    log.info("group %s is back: its master %s heartbeats", group, master)
+            elif group in logged:
+                pass  # a promotion, logged with its epoch
             elif self.registry.superseded(group).get(before) != master:  # superseding was logged
                 log.info("group %s master moved from %s to %s", group, before, master)
         self._masters = masters
@@ -364,16 +503,21 @@ def _live_masters(rows: list[StatusRow]) -> dict[str, str | None]:
     return masters
 
 
-def _load(store: StateStore, now_ms: int, *, evict_after_ms: int, heartbeat_interval_ms: int) -> tuple[Registry, int]:
+def _load(
+    store: StateStore, now_ms: int, *, evict_after_ms: int, heartbeat_interval_ms: int, failover_after_ms: int
+) -> tuple[Registry, int]:
     """The registry restored from the store's snapshot (or a new one), and the snapshot's size."""
+    options = {
+        "evict_after_ms": evict_after_ms,
+        "heartbeat_interval_ms": heartbeat_interval_ms,
+        "failover_after_ms": failover_after_ms,
+    }
     data = store.get(SNAPSHOT_DB, SNAPSHOT_KEY)
     if data is None:
-        return Registry(evict_after_ms=evict_after_ms, heartbeat_interval_ms=heartbeat_interval_ms), 0
+        return Registry(**options), 0
     try:
         snapshot = unpack(data)
-        registry = Registry.restore(
-            snapshot, now_ms, evict_after_ms=evict_after_ms, heartbeat_interval_ms=heartbeat_interval_ms
-        )
+        registry = Registry.restore(snapshot, now_ms, **options)
     except RegistryError as error:
         raise RegistryError(
             error.field, f"the registry snapshot in {store.directory} cannot be restored: {error}"
@@ -391,6 +535,7 @@ async def open_metaserver(
     clock: Clock,
     evict_after_ms: int = DEFAULT_EVICT_AFTER_MS,
     heartbeat_interval_ms: int = DEFAULT_HEARTBEAT_INTERVAL_MS,
+    failover_after_ms: int = DEFAULT_FAILOVER_AFTER_MS,
     limits: Limits = DEFAULT_LIMITS,
     check_interval_ms: int | None = None,
     run_blocking: RunBlocking = run_in_thread,
@@ -400,13 +545,16 @@ async def open_metaserver(
     ``listen=None`` opens no listener: connections are handed to
     ``serve_stream`` (in-memory streams in tests). ``check_interval_ms`` is how
     often evictions are looked for (default: a tenth of ``evict_after_ms``, at
-    most 1 s). ``run_blocking`` runs the store's blocking calls (default: a worker
+    most 1 s; failovers of managed groups, after ``failover_after_ms`` of their
+    master's silence, are looked for when due). ``run_blocking`` runs the store's blocking calls (default: a worker
     thread; ``delaymq.storage.threads.run_inline`` for autojump tests). Raises
     ``RegistryError`` for a bad configuration or an unreadable snapshot,
     ``OSError`` when the address cannot be bound.
     """
     # Check the configuration before touching the data folder.
-    Registry(evict_after_ms=evict_after_ms, heartbeat_interval_ms=heartbeat_interval_ms)
+    Registry(
+        evict_after_ms=evict_after_ms, heartbeat_interval_ms=heartbeat_interval_ms, failover_after_ms=failover_after_ms
+    )
     bind = split_listen(listen) if listen is not None else None
     if check_interval_ms is None:
         check_interval_ms = max(1, min(1_000, evict_after_ms // 10))
@@ -418,6 +566,7 @@ async def open_metaserver(
                 clock.now_ms(),
                 evict_after_ms=evict_after_ms,
                 heartbeat_interval_ms=heartbeat_interval_ms,
+                failover_after_ms=failover_after_ms,
             )
         )
         metaserver = Metaserver(
@@ -426,6 +575,7 @@ async def open_metaserver(
             clock,
             evict_after_ms=evict_after_ms,
             heartbeat_interval_ms=heartbeat_interval_ms,
+            failover_after_ms=failover_after_ms,
             limits=limits,
             run_blocking=run_blocking,
             check_interval_ms=check_interval_ms,

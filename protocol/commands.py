@@ -18,6 +18,7 @@ class Command(enum.IntEnum):
     ROUTE = 12
     SET_STATE = 13
     STATUS = 14
+    HANDOVER = 15  # graceful switch of a replicated group's master
     # producers
     SEND = 20  # immediate messages, to a realtime server
     SCHEDULE = 21  # delayed messages, to a scheduler
@@ -26,6 +27,8 @@ class Command(enum.IntEnum):
     ACK = 31
     NACK = 32
     CONSUMER_HEARTBEAT = 33
+    # replication: a slave fetches its master's log (delaymq.replication)
+    FETCH = 40
 
 
 def command_name(code: int) -> str:

@@ -16,6 +16,9 @@ from typing import Any
 REGISTER_FIRST = "register_first"
 #: The error code of a heartbeat or registration from a master another server superseded.
 SUPERSEDED = "superseded"
+#: The roles the metaserver assigns in a replicated (managed) group's heartbeat answers.
+ROLE_MASTER = "master"
+ROLE_SLAVE = "slave"
 
 
 class ServerKind(enum.StrEnum):
@@ -77,6 +80,8 @@ class RouteAnswer:
 
 __all__ = [
     "REGISTER_FIRST",
+    "ROLE_MASTER",
+    "ROLE_SLAVE",
     "SUPERSEDED",
     "GroupState",
     "RouteAnswer",

@@ -106,6 +106,7 @@ class Dispatcher:
         backoff_ms: int = DEFAULT_BACKOFF_MS,
         max_backoff_ms: int = DEFAULT_MAX_BACKOFF_MS,
         random: RandomSource | None = None,
+        on_recorded: Callable[[dict[int, list[int]]], None] | None = None,
     ) -> None:
         for name, value in (
             ("dispatch_batch", dispatch_batch),
@@ -131,6 +132,10 @@ class Dispatcher:
         # together come back spread out. ``random`` is its source (tests fix it).
         self._backoff = Backoff(initial_ms=backoff_ms, maximum_ms=max_backoff_ms, jitter="equal")
         self._random = random
+        #: Told of each confirmer round once it is durable: hour -> entry numbers (replication).
+        self._on_recorded = on_recorded
+        self._paused = False
+        self._confirming = False
         self.load_alarm = Alarm(clock)
         self.fire_alarm = Alarm(clock)
         self._confirm_alarm = Alarm(clock)
@@ -174,6 +179,21 @@ class Dispatcher:
         """Something arrived (or changed): both sleepers work out their next moment again."""
         self.load_alarm.poke()
         self.fire_alarm.poke()
+
+    async def drain(self) -> None:
+        """Fire nothing more; return once everything handed out is accepted and recorded
+        (a graceful handover: the slave taking over then holds every dispatch record)."""
+        self._paused = True
+        self.fire_alarm.poke()
+        while self._waiting or self._to_confirm or self._confirming:
+            self._confirm_alarm.poke()
+            await self._clock.sleep_ms(5)
+
+    def resume(self) -> None:
+        """Fire again after ``drain`` (a handover that did not happen)."""
+        self._paused = False
+        self.fire_alarm.poke()
+        self.load_alarm.poke()
 
     def statistics(self) -> DispatcherStatistics:
         accepted = self._dispatched
@@ -282,6 +302,9 @@ class Dispatcher:
     async def _fire_loop(self) -> None:
         wheels = self.wheels
         while True:
+            if self._paused:
+                await self.fire_alarm.wait(None)
+                continue
             now = self._clock.now_ms()
             due = wheels.pop_due(now)
             if due:
@@ -422,7 +445,13 @@ class Dispatcher:
             await self._confirm_alarm.wait(None)
             while self._to_confirm:
                 batch, self._to_confirm = self._to_confirm, {}
-                self.recorded += await self._run_blocking(partial(_record, self.store, batch))
+                self._confirming = True
+                try:
+                    self.recorded += await self._run_blocking(partial(_record, self.store, batch))
+                finally:
+                    self._confirming = False
+                if self._on_recorded is not None:
+                    self._on_recorded({hour: [entry for _at, entry in items] for hour, items in batch.items()})
                 for hour, items in batch.items():
                     self.wheels.confirm(hour, items)
                 self.load_alarm.poke()  # memory freed; an hour may be finished

@@ -1,13 +1,17 @@
-"""The scheduler (delay server): SCHEDULE and STATUS over the shared transport.
+"""The scheduler (delay server): SCHEDULE, FETCH and STATUS over the shared transport.
 
 ``open_scheduler`` opens the data folder (``messages/`` the write-ahead message log,
-``state/`` lmdb, ``schedule/`` the hourly schedule logs; docs/scheduler-storage.md),
-files the message log's tail into the schedule logs, then runs until its block ends:
+``state/`` lmdb, ``schedule/`` the hourly schedule logs; docs/scheduler-storage.md)
+and runs one member of a scheduler group until its block ends. The metaserver says
+whether the member is master or slave (``delaymq.scheduler.roles``: a slave fetches
+the master's log and files it, a promoted one takes over; docs/replication.md); a
+scheduler without a metaserver is master for good. As master:
 
 - **SCHEDULE** checks every record (``scan_batch`` with the horizon), sets a past
   ``deliver_at`` to the time of receipt (a message is never filed into an hour before
   the current one: ``delaymq.wheel.tick``), appends the batch to the message log and
-  answers once the append is durable under the flush policy; then wakes replay.
+  answers once the append is durable under the flush policy and, under sync
+  replication, held by ``min_insync`` in-sync slaves; then wakes replay.
 - **replay** files the message log into the schedule logs (``replay_step`` in a
   thread, until caught up) and tells the dispatcher of every entry filed.
 - the **dispatcher** (``delaymq.scheduler.dispatcher``) fires each message at its
@@ -25,27 +29,34 @@ Shutdown writes nothing the server would not also have written had it been kille
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Sequence
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from delaymq.client.registration import Registration, start_registration
 from delaymq.client.routes import NoRouteError, RouteClient
 from delaymq.protocol.commands import Command
-from delaymq.protocol.errors import RemoteProtocolError
+from delaymq.protocol.errors import PeerError, RemoteProtocolError
+from delaymq.protocol.fencing import FENCED, Fence
 from delaymq.protocol.limits import DEFAULT_LIMITS, Limits
 from delaymq.protocol.records import rewrite_delivery, scan_batch
 from delaymq.protocol.routes import ServerKind
-from delaymq.protocol.serving import serve_frames
+from delaymq.protocol.serving import Task, serve_frames
 from delaymq.protocol.transport import AsyncCaller, FrameServer, Request, open_peers, split_listen
-from delaymq.scheduler.alarm import Alarm
+from delaymq.replication.epochs import DB as REPLICATION_DB
+from delaymq.replication.epochs import EpochHistory
+from delaymq.replication.wire import FetchRequest
 from delaymq.scheduler.dispatcher import DEFAULT_DISPATCH_BATCH, Deliver, Dispatcher
 from delaymq.scheduler.hours import DEFAULT_RETENTION_MS, MAX_DELIVER_AT, ScheduleError, hour_name
-from delaymq.scheduler.replay import DEFAULT_STEP_BYTES, replay_step, replay_until_caught_up
+from delaymq.scheduler.replay import DEFAULT_STEP_BYTES
+from delaymq.scheduler.replica import DispatchRecords
+from delaymq.scheduler.roles import MasterSession, Mastership, Member, NotMaster, SlaveSession
 from delaymq.scheduler.schedulelog import ScheduleStore
 from delaymq.scheduler.status import SchedulerStatistics, parse_status_request, status_answer
 from delaymq.scheduler.wheelset import DEFAULT_HOUR_PRELOAD_MS, DEFAULT_LOAD_AHEAD_MS, DEFAULT_MAX_LOADED, WheelSet
@@ -56,61 +67,100 @@ from delaymq.storage.threads import RunBlocking, open_blocking, run_in_thread
 from delaymq.storage.writer import FlushPolicy, LogWriter, open_log_writer
 from delaymq.wheel.clock import Clock
 
+if TYPE_CHECKING:
+    from delaymq.client.registration import MembershipView
+
 log = logging.getLogger(__name__)
 
 DELIVERY_ROUTE = "scheduler-delivery"
 DEFAULT_CLEANUP_INTERVAL_MS = 60_000
-#: How often replay looks again while the message log holds appended, not yet fsynced
-#: records (``flush="async"``: replay files only what is durable).
-_UNFLUSHED_POLL_MS = 50
+#: How long a SCHEDULE waits for ``min_insync`` slaves under sync replication.
+DEFAULT_REPLICATION_TIMEOUT_MS = 5_000
+#: How long ``open_scheduler`` waits for the metaserver to name the member's role.
+FIRST_ROLE_WAIT_S = 5.0
+#: Where the member's stable id (sent to the metaserver) is kept.
+MEMBER_KEY = b"member"
 
 
 class Scheduler:
-    """One scheduler group. Build it with ``open_scheduler``."""
+    """One scheduler member. Build it with ``open_scheduler``."""
 
     def __init__(
         self,
         *,
-        group: str,
-        clock: Clock,
+        member: Member,
         limits: Limits,
-        message_log: SegmentedLog,
-        store: ScheduleStore,
-        wheels: WheelSet,
-        dispatcher: Dispatcher,
-        run_blocking: RunBlocking,
         retention_ms: int,
         cleanup_interval_ms: int,
-        pending: int,
-        replay_bytes: int = DEFAULT_STEP_BYTES,
+        replication_timeout_ms: int,
+        make_wheels: Callable[[list[int]], WheelSet],
+        make_dispatcher: Callable[[WheelSet, Deliver, Callable[[dict[int, list[int]]], None]], Dispatcher],
+        deliver: Callable[[int, Mastership], Deliver],
     ) -> None:
-        self.group = group
-        self.address = ""
+        self.member = member
+        self.group = member.group
         self.registration: Registration | None = None
-        self.store = store
-        self.wheels = wheels
-        self.dispatcher = dispatcher
-        self._clock = clock
+        self.store = member.store
+        self._clock = member.clock
         self._limits = limits
-        self._log = message_log
-        self._run_blocking = run_blocking
+        self._log = member.log
+        self._run_blocking = member.run_blocking
         self._retention_ms = retention_ms
         self._cleanup_interval_ms = cleanup_interval_ms
-        self._replay_bytes = replay_bytes
-        self._initial_pending = pending
+        self._replication_timeout_ms = replication_timeout_ms
+        self._make_wheels = make_wheels
+        self._make_dispatcher = make_dispatcher
+        self._deliver = deliver
         self._writer: LogWriter | None = None
         self._life: trio.CancelScope | None = None
-        self._replay_alarm = Alarm(clock)
-        self.frame_server = FrameServer({Command.SCHEDULE: self._schedule, Command.STATUS: self._status}, limits=limits)
+        self.session: MasterSession | SlaveSession | None = None
+        self._idle_wheels = make_wheels([])
+        self._idle_dispatcher = make_dispatcher(self._idle_wheels, _no_delivery, lambda rounds: None)
+        self._fenced_epoch: int | None = None
+        self._kick = trio.Event()  # set when this member was fenced: the role loop looks again
+        self.frame_server = FrameServer(
+            {Command.SCHEDULE: self._schedule, Command.STATUS: self._status, Command.FETCH: self._fetch},
+            limits=limits,
+        )
         self.crashed = False
         self._requests = 0
         self._scheduled = 0
         self._rewritten = 0
-        self._filed = 0
         self._deleted_hours = 0
         self._deleted_segments = 0
+        self._cut_records = 0
+        self._cut_bytes = 0
+        self.diverged: int | None = None  # where an async master's log parted below what this member filed
 
     # --------------------------------------------------------------- public
+
+    @property
+    def address(self) -> str:
+        return self.member.address
+
+    @property
+    def role(self) -> str:
+        """ "master", "slave", or "waiting" (for the metaserver's word, or after being fenced)."""
+        if isinstance(self.session, MasterSession):
+            return "master"
+        if isinstance(self.session, SlaveSession):
+            return "slave"
+        return "waiting"
+
+    @property
+    def epoch(self) -> int:
+        return self.session.epoch if self.session is not None else 0
+
+    @property
+    def wheels(self) -> WheelSet:
+        return self.session.wheels if isinstance(self.session, MasterSession) else self._idle_wheels
+
+    @property
+    def dispatcher(self) -> Dispatcher:
+        session = self.session
+        if isinstance(session, MasterSession) and session.dispatcher is not None:
+            return session.dispatcher
+        return self._idle_dispatcher
 
     async def serve_stream(self, stream: trio.abc.Stream) -> None:
         """Serve one connection (tests use it with in-memory streams)."""
@@ -119,16 +169,27 @@ class Scheduler:
     def statistics(self) -> SchedulerStatistics:
         dispatch = self.dispatcher.statistics()
         counts = self.wheels.counts()
+        session = self.session
+        master = session if isinstance(session, MasterSession) else None
+        slave = session if isinstance(session, SlaveSession) else None
+        now = self._clock.now_ms()
+        tick = self.wheels.tick(now)
+        if slave is not None and slave.held_tick is not None:
+            tick = slave.held_tick.tick
         return SchedulerStatistics(
             address=self.address,
             group=self.group,
+            role=self.role,
+            epoch=self.epoch,
+            master=self.registration.master if self.registration is not None else self.address,
+            replication=self._replication_statistics(master, slave),
             schedule_requests=self._requests,
             scheduled=self._scheduled,
             rewritten=self._rewritten,
             message_log_end=self._log.end_offset,
             checkpoint=self.store.checkpoint,
-            filed=self._filed,
-            pending=self._initial_pending + self._filed - dispatch.recorded,
+            filed=session.filed if session is not None else 0,
+            pending=(master.pending + master.filed - dispatch.recorded) if master is not None else -1,
             hours=counts.hours,
             open_hours=counts.open_hours,
             loaded=counts.scheduled + counts.in_flight,
@@ -136,7 +197,7 @@ class Scheduler:
             cached_records=dispatch.cached_records,
             delivered_held=dispatch.delivered_held,
             heads_held_max=self.store.statistics().heads_held_max,
-            tick=self.wheels.tick(self._clock.now_ms()),
+            tick=tick,
             dispatched=dispatch.dispatched,
             dispatch_batches=dispatch.batches,
             dispatch_failures=dispatch.failures,
@@ -148,6 +209,44 @@ class Scheduler:
             deleted_hours=self._deleted_hours,
             deleted_segments=self._deleted_segments,
         )
+
+    def _replication_statistics(self, master: MasterSession | None, slave: SlaveSession | None) -> dict[str, Any]:
+        member = self.member
+        info: dict[str, Any] = {
+            "mode": member.mode,
+            "min_insync": member.min_insync,
+            "durable_end": self._log.flushed_offset,
+            "history": member.history.entries,
+            "cut_records": self._cut_records,
+            "cut_bytes": self._cut_bytes,
+            "diverged_at": self.diverged,
+        }
+        if master is not None:
+            source = master.source.statistics()
+            info["high_watermark"] = source.high_watermark
+            info["replicas"] = [asdict(replica) for replica in source.replicas]
+            info["accepting"] = master.accepting
+        if slave is not None:
+            fetched = slave.fetcher.statistics()
+            held = slave.held_tick
+            info["master_durable_end"] = fetched.master_durable_end
+            info["lag_bytes"] = max(0, fetched.master_durable_end - self._log.flushed_offset)
+            info["tick_age_ms"] = None if held is None else self._clock.monotonic_ms() - held.received_ms
+            info["tick_behind_ms"] = None if held is None else max(0, self._clock.now_ms() - held.master_now_ms)
+            info["held_dispatch_entries"] = member.records.held
+            info["fetches"] = fetched.fetches
+            info["fetch_failures"] = fetched.failures
+        return info
+
+    def replica_info(self) -> dict[str, Any]:
+        """The ``replica`` field of each heartbeat (metaserver contract)."""
+        info: dict[str, Any] = {"offset": self._log.flushed_offset, "epoch": self.epoch, "mode": self.member.mode}
+        session = self.session
+        if isinstance(session, MasterSession):
+            info["in_sync"] = session.source.in_sync()
+            if session.handed_over is not None:
+                info["handed_over"] = session.handed_over
+        return info
 
     def crash(self) -> None:
         """Test hook: stop now, as a killed process would.
@@ -163,13 +262,17 @@ class Scheduler:
             self._life.cancel()
 
     async def cleanup(self) -> tuple[int, list[int]]:
-        """Delete message-log segments below the checkpoint and hours past retention.
-
-        Returns (segments deleted, hours deleted). Hours the wheels still hold are kept.
-        """
+        """Delete message-log segments below the checkpoint (and what slaves still need)
+        and hours past retention. Returns (segments deleted, hours deleted). Hours the
+        wheels still hold are kept."""
         now = self._clock.now_ms()
         keep = set(self.wheels.hours())
-        segments, hours = await self._run_blocking(partial(self._delete_old, now, keep))
+        below = self.store.checkpoint
+        if isinstance(self.session, MasterSession):
+            needed = self.session.source.retain_from()
+            if needed is not None:
+                below = min(below, needed)
+        segments, hours = await self._run_blocking(partial(self._delete_old, now, keep, below))
         self._deleted_segments += segments
         self._deleted_hours += len(hours)
         if segments or hours:
@@ -178,7 +281,7 @@ class Scheduler:
                 "delivered more than %.0f h ago: %s",
                 self.group,
                 segments,
-                self.store.checkpoint,
+                below,
                 len(hours),
                 self._retention_ms / 3_600_000,
                 " ".join(hour_name(hour) for hour in hours) or "-",
@@ -187,7 +290,20 @@ class Scheduler:
 
     # --------------------------------------------------------------- SCHEDULE
 
+    def _master(self, what: str) -> MasterSession:
+        session = self.session
+        if isinstance(session, MasterSession) and session.accepting:
+            return session
+        if isinstance(session, MasterSession):
+            state = "is handing over to another member"
+        elif isinstance(session, SlaveSession):
+            state = f"is a slave (its master is {session.master})"
+        else:
+            state = "is not master now (waiting for the metaserver's word)"
+        raise NotMaster(f"{what}: scheduler {self.address or '-'} of group {self.group} {state}; ask the metaserver")
+
     async def _schedule(self, request: Request) -> dict[str, Any]:
+        session = self._master("SCHEDULE")
         body = request.batch_body()
         now = self._clock.now_ms()
         batch = scan_batch(body, self._limits, now_ms=now)  # refuses deliver_at beyond the horizon
@@ -203,6 +319,8 @@ class Scheduler:
                 limit=MAX_DELIVER_AT,
                 index=index,
             )
+        session.source.check_insync("SCHEDULE")
+        await session.mastership.confirm()
         data: bytes = batch.buf
         if min(deliver_ats) < now:
             # "Deliver now": filed at the time of receipt, never into a finished hour.
@@ -217,13 +335,38 @@ class Scheduler:
             data = b"".join(parts)
         assert self._writer is not None
         try:
-            await self._writer.append(data)
+            offset = await self._writer.append(data)
         except StorageError as error:  # the disk failed (full?): retried here later, or another group takes it
             raise storage_refusal("SCHEDULE: the message log could not store the batch", error) from error
+        session.source.poke()
+        session.replay_alarm.poke()
+        if not await session.source.wait_replicated(offset + len(data), timeout_ms=self._replication_timeout_ms):
+            raise RemoteProtocolError(
+                f"SCHEDULE: stored on {self.address or '-'} but not confirmed by {session.member.min_insync} in-sync "
+                f"slave(s) within {self._replication_timeout_ms} ms; retry with the same ids",
+                code="unavailable",
+                field="min_insync",
+                limit=session.member.min_insync,
+            )
+        if self.session is not session:
+            raise NotMaster(f"SCHEDULE: scheduler {self.address or '-'} stopped being master while the batch waited")
         self._requests += 1
         self._scheduled += len(deliver_ats)
-        self._replay_alarm.poke()
         return {"results": ["scheduled"] * len(deliver_ats)}
+
+    async def _fetch(self, request: Request) -> tuple[dict[str, Any], bytes]:
+        fetch = FetchRequest.from_metadata(request.metadata)
+        session = self.session
+        if not isinstance(session, MasterSession):
+            raise NotMaster(f"FETCH: scheduler {self.address or '-'} of group {self.group} is not master now")
+        if fetch.group != self.group:
+            raise RemoteProtocolError(
+                f"FETCH for group {fetch.group!r} at a member of group {self.group!r}",
+                code="bad_request",
+                field="group",
+            )
+        answer, body = await session.source.serve_fetch(fetch)
+        return answer.as_metadata(), body
 
     # --------------------------------------------------------------- STATUS
 
@@ -237,28 +380,126 @@ class Scheduler:
             self.statistics(), now_ms=now, hours=hours, pending=pending, open_hours=self.wheels.open_hours()
         )
 
-    # --------------------------------------------------------------- background
+    # --------------------------------------------------------------- roles
 
-    async def _replay_loop(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """File what SCHEDULE appended; tell the wheels of every entry filed."""
-        task_status.started()
-        message_log, store, wheels = self._log, self.store, self.wheels
-        step_once = partial(replay_step, message_log, store, max_bytes=self._replay_bytes)
-        poll = False
+    async def _role_loop(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the session the metaserver's word calls for; replace it when the word changes.
+
+        Reports started once the first session runs (or after ``FIRST_ROLE_WAIT_S`` without
+        a word from the metaserver: the member then serves, refusing SCHEDULE, until it comes).
+        """
+        registration = self.registration
+        if registration is None:  # standalone: master for good, epoch 0
+            session = self._master_session(0)
+            self.session = session
+            await session.run(task_status=task_status)
+            return
+        started = False
+        with trio.move_on_after(FIRST_ROLE_WAIT_S):
+            await registration.wait_registered()
+        view = registration.view()
         while True:
-            if poll:
-                await self._replay_alarm.wait_ms(_UNFLUSHED_POLL_MS)
-            else:
-                await self._replay_alarm.wait(None)
-            while True:
-                step = await self._run_blocking(step_once)
-                if step.idle:
-                    break
-                self._filed += step.filed
-                for hour, arrivals in step.arrivals.items():
-                    wheels.arrive(hour, arrivals.first_entry, arrivals.ms_in_hour)
-                self.dispatcher.poke()
-            poll = message_log.flushed_offset < message_log.end_offset  # unflushed: look again soon
+            async with trio.open_nursery() as nursery:
+                run = self._session_for(view)
+                if run is not None:
+                    await nursery.start(self._run_session, run)
+                if not started:
+                    started = True
+                    task_status.started()
+                new = await self._next_view(registration, view)
+                nursery.cancel_scope.cancel()
+            if isinstance(self.session, MasterSession):
+                log.warning(
+                    "scheduler %s: no longer master of epoch %d: dispatch stopped", self.group, self.session.epoch
+                )
+            self.session = None
+            view = new
+
+    async def _next_view(self, registration: Registration, view: MembershipView) -> MembershipView:
+        """The metaserver's next word that changes the role, epoch or master; or the current
+        word at once when this member was fenced (``_kick``)."""
+        current = view
+        while True:
+            kick = self._kick
+            changed = await _first_of(partial(registration.wait_view_change, current), kick.wait)
+            if changed is None:
+                self._kick = trio.Event()
+                return registration.view()
+            if (changed.role, changed.epoch, changed.master) != (view.role, view.epoch, view.master):
+                return changed
+            current = changed
+
+    def _session_for(self, view: MembershipView) -> MasterSession | SlaveSession | None:
+        if view.role == "master":
+            if self._fenced_epoch is not None and view.epoch <= self._fenced_epoch:
+                return None  # a realtime server has seen a newer epoch: wait for the metaserver to catch up
+            return self._master_session(view.epoch)
+        if view.role == "slave" and view.master and view.master != self.address:
+            return SlaveSession(self.member, master=view.master, epoch=view.epoch, on_cut=self._cut_back)
+        return None
+
+    def _master_session(self, epoch: int) -> MasterSession:
+        session = MasterSession(
+            self.member,
+            epoch=epoch,
+            make_wheels=self._make_wheels,
+            make_dispatcher=self._make_dispatcher,
+            deliver=self._deliver,
+        )
+        session.source.on_stale_epoch = self._stale
+        return session
+
+    async def _run_session(
+        self, session: MasterSession | SlaveSession, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        self.session = session
+        try:
+            await session.run(task_status=task_status)
+        finally:
+            if self.session is session:
+                self.session = None
+
+    def fenced(self, epoch: int, highest: int) -> None:
+        """A realtime server refused this master's epoch: stop dispatching at once."""
+        if self._fenced_epoch is None or epoch > self._fenced_epoch:
+            self._fenced_epoch = epoch
+        log.warning(
+            "scheduler %s: a realtime server has seen epoch %d, this master holds %d: it was replaced; "
+            "dispatch stops, rejoining as a slave",
+            self.group, highest, epoch,
+        )  # fmt: skip
+        if isinstance(self.session, MasterSession) and self.session.epoch <= epoch:
+            self.session.accepting = False
+            if self.registration is not None:
+                self.registration.heartbeat_now()
+        self._kick.set()
+
+    def _stale(self, epoch: int) -> None:
+        if self.registration is not None:
+            self.registration.heartbeat_now()
+
+    async def _cut_back(self, offset: int) -> None:
+        """A slave's log holds a tail its master never had: cut it, count it, log it."""
+        if offset < self.store.checkpoint:
+            self.diverged = offset
+            log.error(
+                "scheduler %s: the master's log parts from this member's at offset %d, below what this member "
+                "already filed (%d): async replication lost records this member holds. It will not rejoin: move "
+                "its data folder aside and start it with an empty one",
+                self.group, offset, self.store.checkpoint,
+            )  # fmt: skip
+            await trio.sleep_forever()
+        records, size = await self._run_blocking(partial(_cut_log, self._log, offset))
+        self.member.records.drop()
+        self._cut_records += records
+        self._cut_bytes += size
+        log.warning(
+            "scheduler %s: cut %d record(s) (%d bytes) from offset %d that the master never had "
+            "(never acknowledged as replicated)",
+            self.group, records, size, offset,
+        )  # fmt: skip
+
+    # --------------------------------------------------------------- background
 
     async def _cleanup_loop(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -266,8 +507,8 @@ class Scheduler:
             await self._clock.sleep_ms(self._cleanup_interval_ms)
             await self.cleanup()
 
-    def _delete_old(self, now_ms: int, keep: set[int]) -> tuple[int, list[int]]:
-        segments = self._log.delete_before(self.store.checkpoint)
+    def _delete_old(self, now_ms: int, keep: set[int], below: int) -> tuple[int, list[int]]:
+        segments = self._log.delete_before(below)
         deleted = []
         for hour in self.store.hours_to_delete(now_ms, retention_ms=self._retention_ms):
             if hour in keep:
@@ -279,6 +520,35 @@ class Scheduler:
                 continue
             deleted.append(hour)
         return segments, deleted
+
+
+async def _first_of(
+    wanted: Callable[[], Awaitable[MembershipView]], other: Callable[[], Awaitable[object]]
+) -> MembershipView | None:
+    """``wanted()``'s result, or None if ``other()`` returns first (the loser is cancelled)."""
+    result: list[MembershipView] = []
+    async with trio.open_nursery() as nursery:
+
+        async def run_wanted() -> None:
+            result.append(await wanted())
+            nursery.cancel_scope.cancel()
+
+        async def run_other() -> None:
+            await other()
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(run_wanted)
+        nursery.start_soon(run_other)
+    return result[0] if result else None
+
+
+async def _no_delivery(subject: str, body: bytes) -> list[str]:
+    raise RuntimeError("this member is not master: it delivers nothing")
+
+
+def _cut_log(message_log: SegmentedLog, offset: int) -> tuple[int, int]:
+    records = sum(1 for _ in message_log.iter_from(offset))
+    return records, message_log.truncate(offset)
 
 
 # ------------------------------------------------------------------- opening
@@ -306,6 +576,9 @@ async def open_scheduler(
     segment_size: int = DEFAULT_SEGMENT_SIZE,
     run_blocking: RunBlocking = run_in_thread,
     peers: AsyncCaller | None = None,
+    replication: str = "sync",
+    min_insync: int = 0,
+    replication_timeout_ms: int = DEFAULT_REPLICATION_TIMEOUT_MS,
 ) -> AsyncIterator[Scheduler]:
     """Open the data folder, catch up, schedule and dispatch until the block ends.
 
@@ -327,6 +600,12 @@ async def open_scheduler(
         raise ValueError(f"send_timeout must be positive, got {send_timeout}")
     if replay_bytes < 1:
         raise ValueError(f"replay_bytes must be at least 1, got {replay_bytes}")
+    if replication not in ("sync", "async"):
+        raise ValueError(f"replication must be 'sync' or 'async', got {replication!r}")
+    if min_insync < 0:
+        raise ValueError(f"min_insync must be >= 0, got {min_insync}")
+    if replication_timeout_ms <= 0:
+        raise ValueError(f"replication_timeout_ms must be positive, got {replication_timeout_ms}")
     bind = split_listen(listen) if listen is not None else None
     if listen is None and meta_address is not None and advertise_address is None:
         raise ValueError("listen=None with a meta_address needs an advertise_address to register")
@@ -335,43 +614,68 @@ async def open_scheduler(
     root = Path(data_dir)
     async with open_blocking(
         partial(_open_storage, root, segment_size), lambda opened: _close_storage(*opened), run_blocking=run_blocking
-    ) as (message_log, _state, store):
-        hours, pending = await run_blocking(partial(_catch_up, message_log, store))
-        wheels = WheelSet(hours, load_ahead_ms=load_ahead_ms, hour_preload_ms=hour_preload_ms, max_loaded=max_loaded)
+    ) as (message_log, state, store):
+        history, member_id = await run_blocking(partial(_member_identity, state))
         async with AsyncExitStack() as stack:
             if peers is None:
                 peers = await stack.enter_async_context(open_peers(limits=limits, request_timeout=send_timeout))
-            dispatcher = Dispatcher(
-                store=store,
-                wheels=wheels,
-                deliver=_delivery(peers, meta_address, clock, send_timeout),
-                clock=clock,
-                run_blocking=run_blocking,
-                dispatch_batch=dispatch_batch,
-            )
-            scheduler = Scheduler(
+            member = Member(
                 group=group,
+                address=advertise_address or "",
                 clock=clock,
-                limits=limits,
-                message_log=message_log,
+                log=message_log,
+                state=state,
                 store=store,
-                wheels=wheels,
-                dispatcher=dispatcher,
+                history=history,
+                records=DispatchRecords(store),
                 run_blocking=run_blocking,
+                peers=peers,
+                registration=None,
+                replay_bytes=replay_bytes,
+                mode=replication,
+                min_insync=min_insync,
+            )
+            routes = None
+            if meta_address is not None:
+                addresses = [meta_address] if isinstance(meta_address, str) else list(meta_address)
+                routes = RouteClient(peers, addresses, clock=clock)
+
+            def make_wheels(hours: list[int]) -> WheelSet:
+                return WheelSet(
+                    hours, load_ahead_ms=load_ahead_ms, hour_preload_ms=hour_preload_ms, max_loaded=max_loaded
+                )
+
+            def make_dispatcher(
+                wheels: WheelSet, deliver: Deliver, on_recorded: Callable[[dict[int, list[int]]], None]
+            ) -> Dispatcher:
+                return Dispatcher(
+                    store=store,
+                    wheels=wheels,
+                    deliver=deliver,
+                    clock=clock,
+                    run_blocking=run_blocking,
+                    dispatch_batch=dispatch_batch,
+                    on_recorded=on_recorded,
+                )
+
+            def deliver_for(epoch: int, mastership: Mastership) -> Deliver:
+                return _delivery(routes, group, epoch, mastership, send_timeout, lambda e, h: scheduler.fenced(e, h))
+
+            scheduler = Scheduler(
+                member=member,
+                limits=limits,
                 retention_ms=retention_ms,
                 cleanup_interval_ms=cleanup_interval_ms,
-                pending=pending,
-                replay_bytes=replay_bytes,
+                replication_timeout_ms=replication_timeout_ms,
+                make_wheels=make_wheels,
+                make_dispatcher=make_dispatcher,
+                deliver=deliver_for,
             )
-            if hours:
-                log.info(
-                    "scheduler %s: %d message(s) to deliver in %d hour(s), from %s", group, pending, len(hours),
-                    hour_name(hours[0]),
-                )  # fmt: skip
 
             async def register(nursery: trio.Nursery, address: str) -> None:
                 assert meta_address is not None
-                scheduler.registration = await start_registration(
+                member.address = address
+                member.registration = scheduler.registration = await start_registration(
                     nursery,
                     peers,
                     group=group,
@@ -379,8 +683,14 @@ async def open_scheduler(
                     address=address,
                     meta_address=meta_address,
                     clock=clock,
+                    member=member_id,
+                    replica=scheduler.replica_info,
                 )
+                await nursery.start(scheduler._role_loop)
 
+            tasks: list[Task] = [scheduler._cleanup_loop]
+            if meta_address is None:
+                tasks.insert(0, scheduler._role_loop)  # standalone: master at once
             # The crash scope holds the writer too: nothing more is written on the way out.
             with trio.CancelScope() as life:
                 scheduler._life = life
@@ -390,33 +700,54 @@ async def open_scheduler(
                         scheduler.frame_server,
                         bind=bind,
                         advertise_address=advertise_address,
-                        tasks=[scheduler.dispatcher.run, scheduler._replay_loop, scheduler._cleanup_loop],
+                        tasks=tasks,
                         register=register if meta_address is not None else None,
                     ) as address:
-                        scheduler.address = address
-                        log.info("scheduler %s serving on %s (data %s)", group, scheduler.address or "-", root)
+                        member.address = address
+                        log.info("scheduler %s serving on %s (data %s)", group, address or "-", root)
                         yield scheduler
 
 
 def _delivery(
-    peers: AsyncCaller, meta_address: str | Sequence[str] | None, clock: Clock, send_timeout: float
+    routes: RouteClient | None,
+    group: str,
+    epoch: int,
+    mastership: Mastership,
+    send_timeout: float,
+    fenced: Callable[[int, int], None],
 ) -> Deliver:
-    """SEND a subject's batch to a realtime group the metaserver routes it to."""
-    routes = None
-    if meta_address is not None:
-        addresses = [meta_address] if isinstance(meta_address, str) else list(meta_address)
-        routes = RouteClient(peers, addresses, clock=clock)
+    """SEND a subject's batch, fenced with this master's group and epoch, to a realtime group
+    the metaserver routes it to; a fencing refusal stops this master (``fenced``)."""
+    metadata = Fence(group, epoch).as_metadata() if epoch else {}
 
     async def deliver(subject: str, body: bytes) -> list[str]:
         if routes is None:
             raise NoRouteError("no metaserver address (meta_address) was given: no realtime group is known")
-        frame = await routes.call(DELIVERY_ROUTE, Command.SEND, {}, body, subject=subject, timeout=send_timeout)
+        await mastership.confirm()
+        try:
+            frame = await routes.call(
+                DELIVERY_ROUTE, Command.SEND, metadata, body, subject=subject, timeout=send_timeout
+            )
+        except PeerError as error:
+            if error.code == FENCED:
+                highest = error.limit if isinstance(error.limit, int) else epoch + 1
+                fenced(epoch, highest)
+            raise
         results = frame.metadata.get("results")
         if not isinstance(results, list):
             raise RemoteProtocolError("SEND answer holds no 'results' list", code="bad_metadata", field="results")
         return results
 
     return deliver
+
+
+def _member_identity(state: StateStore) -> tuple[EpochHistory, str]:
+    """The member's epoch history and its stable id (made at its first start)."""
+    member = state.get(REPLICATION_DB, MEMBER_KEY)
+    if member is None:
+        member = secrets.token_hex(8).encode()
+        state.put(REPLICATION_DB, MEMBER_KEY, member)
+    return EpochHistory.load(state), member.decode()
 
 
 def _open_storage(root: Path, segment_size: int) -> tuple[SegmentedLog, StateStore, ScheduleStore]:
@@ -431,15 +762,6 @@ def _open_storage(root: Path, segment_size: int) -> tuple[SegmentedLog, StateSto
             thing.close()
         raise
     return opened[0], opened[1], opened[2]
-
-
-def _catch_up(message_log: SegmentedLog, store: ScheduleStore) -> tuple[list[int], int]:
-    """File the message log's tail; the hours not fully dispatched and their pending count."""
-    step = replay_until_caught_up(message_log, store)
-    if step.filed:
-        log.info("replayed %d record(s) of the message log into the schedule logs", step.filed)
-    hours = store.undispatched_hours()
-    return hours, sum(store.pending(hour) for hour in hours)
 
 
 def _close_storage(message_log: SegmentedLog, state: StateStore, store: ScheduleStore) -> None:

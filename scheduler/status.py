@@ -33,6 +33,10 @@ class SchedulerStatistics:
 
     address: str
     group: str
+    role: str  # "master", "slave" or "waiting"
+    epoch: int  # the group epoch of the member's session (0: standalone)
+    master: str | None  # the group's master as the metaserver names it
+    replication: dict[str, Any]  # mode, min_insync, offsets; a master's replicas, a slave's lag and tick
     schedule_requests: int  # SCHEDULE requests answered
     scheduled: int  # records accepted into the message log
     rewritten: int  # of them, with a past deliver_at set to the time of receipt
@@ -92,6 +96,8 @@ def status_answer(
     return {
         "group": statistics.group,
         "address": statistics.address,
+        "role": statistics.role,
+        "epoch": statistics.epoch,
         "now_ms": now_ms,
         "tick": {"second": tick.second, "done": tick.done, "limit": tick.limit, "hour": hour_name(tick.hour)},
         "hours": [

@@ -307,6 +307,54 @@ class SegmentedLog:
             self._failure = None
             return cut
 
+    def truncate(self, offset: int) -> int:
+        """Cut the log back to ``offset`` (a record start, or the end) and fsync; returns the bytes cut.
+
+        For a replica whose tail its new master never had (replication): the bytes
+        were never acknowledged as replicated. Segments wholly past ``offset`` are
+        deleted; the one holding it becomes the active segment. Nobody may be reading
+        past ``offset`` (the scheduler's replay checkpoint must be at or below it).
+        """
+        with self._append_lock, self._flush_lock:
+            if self._closed:
+                raise LogClosed(f"log {self._folder.path} is closed")
+            if offset >= self._end:
+                if offset > self._end:
+                    raise OffsetBeyondEnd(
+                        f"offset {offset} is past the end of the log", offset, self.start_offset, self._end
+                    )
+                return 0
+            bases, segments = self._index
+            if offset < bases[0]:
+                raise OffsetDeleted(
+                    f"offset {offset} lies before the first retained offset {bases[0]}", offset, bases[0], self._end
+                )
+            if offset not in bases:
+                self.read(offset)  # raises NotRecordStart unless a record starts there
+            keep = bisect_right(bases, offset) - 1
+            if keep and bases[keep] == offset:
+                keep -= 1  # the previous segment stays active, ending at offset
+            cut = self._end - offset
+            held = segments[keep]
+            try:
+                for segment in segments[keep + 1 :]:
+                    segment.close()
+                    segment.path.unlink(missing_ok=True)
+                os.ftruncate(held.fd, offset - held.base)
+                os.fsync(held.fd)
+                self._folder.fsync()
+            except OSError as error:
+                self._failure = error
+                raise LogIOError(f"cannot cut log {self._folder.path} back to offset {offset}: {error}") from error
+            held.size = offset - held.base
+            with self._index_lock:
+                self._index = (bases[: keep + 1], segments[: keep + 1])
+            self._active = held
+            self._end = offset
+            self._flushed = offset  # the held segment was fsynced above, earlier ones at their roll
+            _logger.warning("log %s: cut %d byte(s) back to offset %d", self._folder.path, cut, offset)
+            return cut
+
     def _write(self, segment: _Segment, data: bytes | bytearray | memoryview, offset: int) -> None:
         try:
             pwrite_all(segment.fd, data, segment.size, path=segment.path)

@@ -124,8 +124,19 @@ def test_status_table_is_readable(metaserver: MetaserverProcess, capsys: pytest.
     assert main(["status", "--meta", metaserver.address]) == 0
     header, columns, row = capsys.readouterr().out.splitlines()
     assert header.startswith(f"metaserver {metaserver.address}: 1 groups, 1 servers, route version ")
-    assert columns.split() == ["GROUP", "KIND", "ROLE", "ADDRESS", "STATE", "LAST", "HEARTBEAT", "EVICTED", "VERSION"]
-    assert row.split()[:5] == ["rt1", "realtime", "master", "10.0.0.1:20881", "RW"]
+    assert columns.split() == [
+        "GROUP",
+        "KIND",
+        "ROLE",
+        "EPOCH",
+        "ADDRESS",
+        "STATE",
+        "LAST",
+        "HEARTBEAT",
+        "EVICTED",
+        "VERSION",
+    ]
+    assert row.split()[:6] == ["rt1", "realtime", "master", "-", "10.0.0.1:20881", "RW"]
     assert row.split()[-2:] == ["no", "0.1.0"]
 
 
@@ -233,3 +244,92 @@ def test_config_file_sets_metaserver_options(tmp_path: Path) -> None:
     assert (args.listen, args.data) == ("0.0.0.0:9000", Path("/srv/meta"))
     assert options.duration_ms(args.evict_after) == 60_000
     assert options.duration_ms(args.heartbeat_interval) == 2_000
+
+
+# -- admin handover --------------------------------------------------------------------
+
+MASTER, TARGET = "10.0.0.1:20882", "10.0.0.2:20882"
+
+
+def beat_member(peers: BlockingPeers, meta: str, server: str, **replica: object) -> dict:
+    """A scheduler of the replicated group sched1 registers (and so heartbeats) with its replica state."""
+    info = {"group": "sched1", "kind": "scheduler", "role": "master", "address": server, "version": "0.1.0"}
+    info.update(member=f"folder-{server}", incarnation="run1", replica={"offset": 10, "epoch": 0, **replica})
+    return peers.call(meta, Command.REGISTER, info).metadata
+
+
+def replicated_group(meta: str) -> None:
+    with BlockingPeers(request_timeout=10) as peers:
+        assert beat_member(peers, meta, MASTER, in_sync=[TARGET])["role"] == "master"
+        assert beat_member(peers, meta, TARGET)["role"] == "slave"
+
+
+def test_admin_handover_waits_until_the_target_is_master(
+    metaserver: MetaserverProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    replicated_group(metaserver.address)
+    stop = threading.Event()
+
+    def master_and_slave() -> None:
+        """The master drains as soon as it is asked, and says so; both keep heartbeating."""
+        handed_over: dict[str, int] = {}
+        with BlockingPeers(request_timeout=10) as peers:
+            while not stop.wait(0.05):
+                answer = beat_member(peers, metaserver.address, MASTER, in_sync=[TARGET], **handed_over)
+                if answer.get("handover_to") == TARGET:
+                    handed_over = {"handed_over": answer["epoch"]}
+                beat_member(peers, metaserver.address, TARGET)
+
+    servers = threading.Thread(target=master_and_slave)
+    servers.start()
+    try:
+        assert main(["admin", "handover", "sched1", "--to", TARGET, "--meta", metaserver.address]) == 0
+    finally:
+        stop.set()
+        servers.join()
+    asked, done = capsys.readouterr().out.splitlines()
+    epoch = int(re.fullmatch(rf"group sched1: handover from {MASTER} to {TARGET} asked at epoch (\d+)", asked)[1])
+    new = int(re.match(rf"group sched1: {TARGET} is master at epoch (\d+) \(", done)[1])
+    assert new > epoch
+    metaserver.wait_for(rf"group sched1 handed over from {MASTER} to {TARGET} \(offset 10\) at epoch {new}")
+
+
+def test_admin_handover_that_does_not_happen_in_time_says_so(
+    metaserver: MetaserverProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    replicated_group(metaserver.address)
+    assert main(["admin", "handover", "sched1", "--meta", metaserver.address, "--wait", "300ms"]) == 1
+    out, err = capsys.readouterr()
+    assert out.startswith(f"group sched1: handover from {MASTER} to {TARGET} asked at epoch ")
+    assert err.startswith(f"delaymq admin handover: group sched1: {TARGET} is not master after 300ms (master {MASTER}")
+
+
+@pytest.mark.parametrize(
+    ("argv", "complaint"),
+    [
+        (["nope"], "HANDOVER: group: unknown group 'nope'"),
+        (["rt1"], "group 'rt1' is not replicated"),
+        (["sched1", "--to", "10.9.9.9:1"], "to: 10.9.9.9:1 is not a server of group 'sched1'"),
+        (["sched1", "--to", MASTER], f"to: {MASTER} is already the master of group 'sched1'"),
+    ],
+)
+def test_admin_handover_refusals_are_one_line_naming_the_reason(
+    metaserver: MetaserverProcess, capsys: pytest.CaptureFixture[str], argv: list[str], complaint: str
+) -> None:
+    register(metaserver.address, "rt1", "10.0.0.9:20881")
+    replicated_group(metaserver.address)
+    assert main(["admin", "handover", *argv, "--meta", metaserver.address]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert f"delaymq admin handover: metaserver {metaserver.address} refused" in err and complaint in err
+
+
+def test_metaserver_failover_after_is_an_option_checked_before_starting(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from delaymq.cli.main import parse_args
+
+    assert options.duration_ms(parse_args(["metaserver"]).failover_after) == 5_000
+    assert main(["metaserver", "--data", str(tmp_path), "--failover-after", "4ms"]) == 2
+    assert "--failover-after (4ms) must be at least 5ms" in caplog.text
+    assert not any(tmp_path.iterdir())

@@ -19,7 +19,18 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 #: What the ``spark`` extra brings: the backlog job's own dependencies.
 SPARK_EXTRA = {"pyspark", "plotly", "pyarrow"}
-CODE_FOLDERS = ["protocol", "storage", "wheel", "scheduler", "realtime", "metaserver", "client", "cli", "backlog"]
+CODE_FOLDERS = [
+    "protocol",
+    "storage",
+    "wheel",
+    "replication",
+    "scheduler",
+    "realtime",
+    "metaserver",
+    "client",
+    "cli",
+    "backlog",
+]
 
 
 def source_modules() -> list[str]:

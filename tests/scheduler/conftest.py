@@ -188,13 +188,14 @@ class Cluster:
         self._realtime_scopes.pop(name).cancel()
 
     @asynccontextmanager
-    async def scheduler(self, **options: Any) -> AsyncIterator[Scheduler]:
-        """The scheduler on its data folder (open it again to restart it)."""
+    async def scheduler(self, address: str = SCHEDULER, **options: Any) -> AsyncIterator[Scheduler]:
+        """The scheduler on its data folder (open it again to restart it); another
+        ``address`` is another member of the group, on a folder of its own."""
         settings = {
-            "data_dir": self.tmp / "scheduler",
+            "data_dir": self.tmp / ("scheduler" if address == SCHEDULER else address),
             "clock": self.clock,
             "listen": None,
-            "advertise_address": SCHEDULER,
+            "advertise_address": address,
             "meta_address": META,
             "run_blocking": run_inline,
             "peers": self.net,
@@ -202,11 +203,11 @@ class Cluster:
             **options,
         }
         async with open_scheduler(**settings) as scheduler:
-            self.net.serve(SCHEDULER, scheduler.serve_stream)
+            self.net.serve(address, scheduler.serve_stream)
             try:
                 yield scheduler
             finally:
-                self.net.remove(SCHEDULER)
+                self.net.remove(address)
 
     async def schedule_raw(self, records: list[bytes]) -> Frame:
         """SCHEDULE straight to the scheduler, past the producer's own checks."""

@@ -17,7 +17,12 @@ from delaymq.wheel import HOUR_MS
 
 # Quiet periodic tasks, so the clock can jump two years in a few thousand steps.
 QUIET = {
-    "meta": {"heartbeat_interval_ms": 86_400_000, "evict_after_ms": 3 * 86_400_000, "check_interval_ms": 86_400_000},
+    "meta": {
+        "heartbeat_interval_ms": 86_400_000,
+        "evict_after_ms": 3 * 86_400_000,
+        "check_interval_ms": 86_400_000,
+        "failover_after_ms": 5 * 86_400_000,
+    },
     "scheduler": {"cleanup_interval_ms": 86_400_000},
     "rt_checkpoint_ms": 86_400_000,
 }

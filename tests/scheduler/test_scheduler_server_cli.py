@@ -8,6 +8,7 @@ in a thread); every wait ends on an observable condition, bounded by ``fail_afte
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -45,7 +46,9 @@ async def test_status_shows_each_scheduler_tick_and_pending_hours(
             )
             answer = json.loads(capsys.readouterr().out)
     assert code == code_json == 0
-    assert f"scheduler scheduler-1 at {scheduler.address}: tick " in table
+    assert re.search(
+        rf"scheduler scheduler-1 at {re.escape(scheduler.address)}: master \(epoch [1-9][0-9]*\), tick ", table
+    )
     assert "3 pending, 1 dispatched" in table
     tomorrow = answer["schedulers"][f"scheduler-1 {scheduler.address}"]
     assert [hour["pending"] for hour in tomorrow["hours"]] == [3]

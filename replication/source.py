@@ -1,0 +1,337 @@
+"""ReplicationSource: the master's side of log shipping.
+
+It answers FETCH (``delaymq.replication.wire``): each request acknowledges the slave's
+durable end and asks for what follows; the answer waits (long poll) until the master's
+durable log grows, a side-journal entry is added, or ``tick_interval_ms`` (50 ms)
+passes, so a slave hears the master's tick at least that often. It keeps each slave's
+progress, says which slaves are **in sync** (fetched and caught up within
+``lag_ms``), how far replication has reached (``high_watermark``: what ``min_insync``
+in-sync slaves hold), and lets a SCHEDULE wait until its bytes are there
+(``wait_replicated``).
+
+The side journal carries the owner's small records (the scheduler's dispatch-log
+records) in order, numbered within this master's *session*; a slave that asks from a
+position the journal no longer covers (a new master, or one it fell behind) gets a
+snapshot from the owner instead (``reset``).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import trio
+
+from delaymq.protocol.errors import RemoteProtocolError
+from delaymq.replication.epochs import EpochHistory
+from delaymq.replication.wire import OFFSET_DELETED, STALE_EPOCH, FetchAnswer, FetchRequest
+from delaymq.storage.log import SegmentedLog
+from delaymq.storage.threads import RunBlocking
+from delaymq.wheel.clock import Clock
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TICK_INTERVAL_MS = 50
+DEFAULT_LAG_MS = 10_000
+DEFAULT_JOURNAL_ENTRIES = 65_536
+#: A slave silent this long no longer holds back the deletion of message-log segments.
+DEFAULT_RETAIN_FOR_MS = 600_000
+
+
+@dataclass(slots=True)
+class _Replica:
+    acked: int
+    fetched_ms: int  # monotonic
+    caught_up_ms: int | None  # monotonic: the last fetch that held everything durable
+    session: str | None = None
+    seq: int = 0  # journal entries of ``session`` it holds
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaProgress:
+    address: str
+    acked: int  # durable on the slave
+    lag_bytes: int
+    lag_ms: int  # how long since it last held everything the master had durable
+    in_sync: bool
+    seconds_since_fetch: float
+
+
+@dataclass(frozen=True, slots=True)
+class SourceStatistics:
+    epoch: int
+    mode: str
+    min_insync: int
+    durable_end: int
+    high_watermark: int
+    fetches: int
+    bytes_sent: int
+    resets: int
+    replicas: tuple[ReplicaProgress, ...]
+
+
+class ReplicationSource:
+    """Serves FETCH for one master session. ``epoch`` and ``history`` are the session's."""
+
+    def __init__(
+        self,
+        *,
+        log: SegmentedLog,
+        history: EpochHistory,
+        epoch: int,
+        clock: Clock,
+        run_blocking: RunBlocking,
+        tick: Callable[[], bytes],
+        snapshot: Callable[[], list[bytes]],
+        mode: str = "sync",
+        min_insync: int = 0,
+        lag_ms: int = DEFAULT_LAG_MS,
+        tick_interval_ms: int = DEFAULT_TICK_INTERVAL_MS,
+        journal_entries: int = DEFAULT_JOURNAL_ENTRIES,
+        retain_for_ms: int = DEFAULT_RETAIN_FOR_MS,
+    ) -> None:
+        if mode not in ("sync", "async"):
+            raise ValueError(f"replication mode must be 'sync' or 'async', got {mode!r}")
+        if min_insync < 0:
+            raise ValueError(f"min_insync must be >= 0, got {min_insync}")
+        self.epoch = epoch
+        self.mode = mode
+        self.min_insync = min_insync
+        self.session = secrets.token_hex(8)
+        self._log = log
+        self._history = history
+        self._clock = clock
+        self._run_blocking = run_blocking
+        self._tick = tick
+        self._snapshot = snapshot
+        self._lag_ms = lag_ms
+        self._tick_interval_ms = tick_interval_ms
+        self._journal: deque[bytes] = deque(maxlen=journal_entries)
+        self._seq = 0  # entries ever added this session; the journal holds the last len() of them
+        self._retain_for_ms = retain_for_ms
+        self._replicas: dict[str, _Replica] = {}
+        self._news = trio.Event()  # set when the log or the journal grew: wakes waiting fetches
+        self._acks = trio.Event()  # set when a slave acknowledged more: wakes wait_replicated
+        self._watermark = 0
+        self._fetches = 0
+        self._bytes_sent = 0
+        self._resets = 0
+        #: Told when a FETCH carries a newer epoch than this master's (it was replaced).
+        self.on_stale_epoch: Callable[[int], None] = lambda epoch: None
+        #: Told when a slave acknowledged more (the owner's filing may go further).
+        self.on_acked: Callable[[], None] = lambda: None
+        #: Told when a slave joins the in-sync set (the owner reports it to the metaserver now).
+        self.on_joined_in_sync: Callable[[str], None] = lambda address: None
+
+    # -- the owner's side -------------------------------------------------------------
+
+    def poke(self) -> None:
+        """The durable log grew (or something changed the tick): wake waiting fetches."""
+        self._news.set()
+        self._news = trio.Event()
+
+    def journal_append(self, payload: bytes) -> None:
+        """Add a side record (written durably by the owner first); slaves get it in order."""
+        self._journal.append(payload)
+        self._seq += 1
+        self.poke()
+
+    def in_sync(self) -> list[str]:
+        """Slaves that fetched, and held everything durable, within ``lag_ms``."""
+        now = self._clock.monotonic_ms()
+        return sorted(address for address, replica in self._replicas.items() if self._is_in_sync(replica, now))
+
+    def high_watermark(self) -> int:
+        """What ``min_insync`` in-sync slaves hold durably (the master's durable end if none are
+        required). Never moves back: the owner files records up to it."""
+        durable = self._log.flushed_offset
+        if self.min_insync == 0:
+            mark = durable
+        else:
+            now = self._clock.monotonic_ms()
+            held = sorted(
+                (min(r.acked, durable) for r in self._replicas.values() if self._is_in_sync(r, now)), reverse=True
+            )
+            mark = held[self.min_insync - 1] if len(held) >= self.min_insync else self._watermark
+        self._watermark = max(self._watermark, mark)
+        return self._watermark
+
+    def check_insync(self, what: str) -> None:
+        """Refuse (retryably) when fewer than ``min_insync`` slaves are in sync: nothing is stored."""
+        if self.mode != "sync" or not self.min_insync:
+            return
+        in_sync = self.in_sync()
+        if len(in_sync) < self.min_insync:
+            known = ", ".join(sorted(self._replicas)) or "none"
+            raise RemoteProtocolError(
+                f"{what}: replication is sync with min_insync {self.min_insync}, but {len(in_sync)} slave(s) are in "
+                f"sync now (slaves known: {known}); nothing was stored, retry once a slave has caught up",
+                code="unavailable",
+                field="min_insync",
+                limit=self.min_insync,
+            )
+
+    async def wait_replicated(self, offset: int, *, timeout_ms: int) -> bool:
+        """Wait until ``min_insync`` in-sync slaves hold everything below ``offset``; false on timeout."""
+        if self.mode != "sync" or not self.min_insync:
+            return True
+        with trio.move_on_after(timeout_ms / 1000):
+            while True:
+                acks = self._acks
+                now = self._clock.monotonic_ms()
+                holding = sum(1 for r in self._replicas.values() if r.acked >= offset and self._is_in_sync(r, now))
+                if holding >= self.min_insync:
+                    return True
+                await acks.wait()
+        return False
+
+    def holds_all(self, address: str) -> bool:
+        """``address`` holds the whole durable log and every journal entry (a handover may end)."""
+        replica = self._replicas.get(address)
+        return (
+            replica is not None
+            and replica.acked >= self._log.flushed_offset
+            and replica.session == self.session
+            and replica.seq >= self._seq
+        )
+
+    def retain_from(self) -> int | None:
+        """The lowest offset a slave heard from lately still needs (None: no such slave)."""
+        now = self._clock.monotonic_ms()
+        needed = [r.acked for r in self._replicas.values() if now - r.fetched_ms < self._retain_for_ms]
+        return min(needed) if needed else None
+
+    def statistics(self) -> SourceStatistics:
+        now = self._clock.monotonic_ms()
+        durable = self._log.flushed_offset
+        replicas = tuple(
+            ReplicaProgress(
+                address=address,
+                acked=r.acked,
+                lag_bytes=max(0, durable - r.acked),
+                lag_ms=0 if r.acked >= durable else (now - r.caught_up_ms if r.caught_up_ms is not None else -1),
+                in_sync=self._is_in_sync(r, now),
+                seconds_since_fetch=(now - r.fetched_ms) / 1000,
+            )
+            for address, r in sorted(self._replicas.items())
+        )
+        return SourceStatistics(
+            epoch=self.epoch,
+            mode=self.mode,
+            min_insync=self.min_insync,
+            durable_end=durable,
+            high_watermark=self.high_watermark(),
+            fetches=self._fetches,
+            bytes_sent=self._bytes_sent,
+            resets=self._resets,
+            replicas=replicas,
+        )
+
+    # -- FETCH ------------------------------------------------------------------------
+
+    async def serve_fetch(self, request: FetchRequest) -> tuple[FetchAnswer, bytes]:
+        """Answer one FETCH: acknowledge, check where the logs part, wait for news, send it."""
+        if request.epoch > self.epoch:
+            self.on_stale_epoch(request.epoch)
+            raise RemoteProtocolError(
+                f"FETCH from {request.address} knows epoch {request.epoch} of group {request.group}; this master "
+                f"holds epoch {self.epoch}: it was replaced, ask the metaserver for the master",
+                code=STALE_EPOCH,
+                field="epoch",
+                limit=self.epoch,
+            )
+        self._fetches += 1
+        log_ = self._log
+        durable = log_.flushed_offset
+        split = self._history.end_of(request.last_epoch, durable)
+        if request.offset > split:
+            return self._answer(request, truncate_to=split), b""
+        if request.offset < log_.start_offset:
+            raise RemoteProtocolError(
+                f"FETCH from {request.address} at offset {request.offset}: this master's message log starts at "
+                f"{log_.start_offset} (older segments were filed and deleted). Stop the slave, replace its data "
+                "folder with a copy of the master's (taken while the master is stopped), and start it again",
+                code=OFFSET_DELETED,
+                field="offset",
+                limit=log_.start_offset,
+            )
+        self._acknowledge(request, durable)
+        reset = request.session != self.session or request.seq < self._seq - len(self._journal)
+        if not reset and request.offset >= durable and request.seq >= self._seq:
+            news = self._news
+            with trio.move_on_after(self._tick_interval_ms / 1000):
+                await news.wait()
+        durable = log_.flushed_offset
+        body = b""
+        if request.offset < durable:
+            want = min(request.max_bytes, durable - request.offset)
+            body, _after = await self._run_blocking(partial(log_.read_raw, request.offset, want))
+            self._bytes_sent += len(body)
+        if reset:
+            seq = self._seq
+            journal = await self._run_blocking(self._snapshot)
+            self._resets += 1
+        else:
+            seq = self._seq
+            journal = list(self._journal)[len(self._journal) - (seq - request.seq) :] if seq > request.seq else []
+        return self._answer(request, journal=journal, reset=reset, seq=seq, durable=durable), body
+
+    def _acknowledge(self, request: FetchRequest, durable: int) -> None:
+        now = self._clock.monotonic_ms()
+        replica = self._replicas.get(request.address)
+        was_in_sync = replica is not None and self._is_in_sync(replica, now)
+        if replica is None:
+            replica = self._replicas[request.address] = _Replica(request.offset, now, None)
+            log.info(
+                "slave %s fetches from offset %d (master durable end %d)", request.address, request.offset, durable
+            )
+        replica.acked = request.offset
+        replica.fetched_ms = now
+        replica.session, replica.seq = request.session, request.seq
+        if request.offset >= durable:
+            replica.caught_up_ms = now
+        self._acks.set()
+        self._acks = trio.Event()
+        self.on_acked()
+        if not was_in_sync and self._is_in_sync(replica, now):
+            log.info("slave %s is in sync at offset %d", request.address, request.offset)
+            self.on_joined_in_sync(request.address)
+
+    def _answer(
+        self,
+        request: FetchRequest,
+        *,
+        truncate_to: int | None = None,
+        journal: list[bytes] | None = None,
+        reset: bool = False,
+        seq: int | None = None,
+        durable: int | None = None,
+    ) -> FetchAnswer:
+        return FetchAnswer(
+            epoch=self.epoch,
+            offset=request.offset,
+            durable_end=self._log.flushed_offset if durable is None else durable,
+            start_offset=self._log.start_offset,
+            history=self._history.entries,
+            session=self.session,
+            seq=self._seq if seq is None else seq,
+            journal=journal or [],
+            reset=reset,
+            tick=self._tick(),
+            now_ms=self._clock.now_ms(),
+            truncate_to=truncate_to,
+        )
+
+    def _is_in_sync(self, replica: _Replica, now: int) -> bool:
+        return (
+            now - replica.fetched_ms <= self._lag_ms
+            and replica.caught_up_ms is not None
+            and now - replica.caught_up_ms <= self._lag_ms
+        )
+
+
+__all__ = ["ReplicaProgress", "ReplicationSource", "SourceStatistics"]

@@ -1,0 +1,368 @@
+"""A scheduler member's two roles: master (schedules, files, dispatches, serves FETCH)
+and slave (fetches the master's log, files it, keeps the master's dispatch records).
+
+The metaserver says which role a member has (``Registration.view()``); the server's
+role loop runs one session at a time and replaces it when the role, the epoch or the
+master changes. Both sessions share the member's storage (``Member``).
+
+- ``MasterSession.run``: on promotion it first files everything the member received,
+  writes the dispatch records it holds, forgets the ones naming entries it never got,
+  and records where its epoch begins (``EpochHistory``); then it builds its wheels
+  from the schedule and dispatch logs exactly as a restart does, so everything due
+  and not recorded as dispatched goes out at once, oldest first, and nothing before
+  its ``deliver_at`` by this member's own clock. It files only what ``min_insync``
+  slaves hold (the high watermark) under sync replication, so a deposed master never
+  filed what the group does not have. A graceful handover (``handover_to``) stops
+  SCHEDULE and firing, drains, waits until the target holds the log and every
+  dispatch record, then reports ``handed_over``.
+- ``SlaveSession.run``: a ``ReplicaFetcher`` and a replay loop that files what arrives
+  and writes held dispatch records once their entries are filed.
+- ``Mastership``: a master frozen (SIGSTOP) or starved for longer than
+  ``SUSPENDED_MS`` asks the metaserver again before it dispatches or accepts anything.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from functools import partial
+
+import trio
+
+from delaymq.client.registration import MembershipView, Registration
+from delaymq.protocol.errors import RemoteProtocolError
+from delaymq.protocol.transport import AsyncCaller
+from delaymq.replication.epochs import EpochHistory
+from delaymq.replication.fetcher import ReplicaFetcher
+from delaymq.replication.source import ReplicationSource
+from delaymq.scheduler.alarm import Alarm
+from delaymq.scheduler.dispatcher import Deliver, Dispatcher
+from delaymq.scheduler.replay import replay_step, replay_until_caught_up
+from delaymq.scheduler.replica import DispatchRecords, HeldTick, dispatch_record, snapshot_records
+from delaymq.scheduler.schedulelog import ScheduleStore
+from delaymq.scheduler.staging import ReplayStep
+from delaymq.scheduler.wheelset import WheelSet
+from delaymq.storage.log import SegmentedLog
+from delaymq.storage.state import StateStore
+from delaymq.storage.threads import RunBlocking
+from delaymq.wheel import Tick
+from delaymq.wheel.clock import Clock
+
+log = logging.getLogger(__name__)
+
+#: A master whose event loop did not run for this long past its watchdog's moment
+#: (frozen, starved) confirms its mastership with the metaserver before it goes on.
+SUSPENDED_MS = 1_000
+#: How often replay looks again while the log holds appended, not yet durable records.
+_UNFLUSHED_POLL_MS = 50
+
+
+@dataclass(slots=True)
+class Member:
+    """What both roles of one scheduler member share: its storage and its settings."""
+
+    group: str
+    address: str
+    clock: Clock
+    log: SegmentedLog
+    state: StateStore
+    store: ScheduleStore
+    history: EpochHistory
+    records: DispatchRecords
+    run_blocking: RunBlocking
+    peers: AsyncCaller | None
+    registration: Registration | None
+    replay_bytes: int
+    mode: str  # "sync" | "async"
+    min_insync: int
+
+
+class NotMaster(RemoteProtocolError):
+    """SCHEDULE at a member that is not (or no longer, or not yet) its group's master."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="not_master")
+
+
+class Mastership:
+    """Notices that this process was frozen or starved, and then re-confirms mastership.
+
+    A watchdog wakes at the heartbeat interval the metaserver names (1 s for a group
+    that fails over after 5 s) and notes when it means to wake next; a SEND or a
+    SCHEDULE that finds that moment more than ``SUSPENDED_MS`` past (the loop did not
+    run) first asks the metaserver. Any freeze long enough for a failover spans
+    several wake-ups, so it is always noticed; an idle master wakes once per interval.
+    """
+
+    def __init__(self, clock: Clock, registration: Registration | None, epoch: int) -> None:
+        self._clock = clock
+        self._registration = registration
+        self._epoch = epoch
+        self._deadline = clock.monotonic_ms()
+        self._stalled = False
+        self.confirmations = 0
+
+    async def watch(self) -> None:
+        registration = self._registration
+        if registration is None:  # no metaserver: nobody can replace this master
+            return
+        while True:
+            interval = max(registration.heartbeat_interval_ms, 1)
+            self._deadline = self._clock.monotonic_ms() + interval
+            await self._clock.sleep_ms(interval)
+            if self._clock.monotonic_ms() - self._deadline > SUSPENDED_MS:
+                self._stalled = True
+
+    async def confirm(self) -> None:
+        """Return at once unless the loop stalled past ``SUSPENDED_MS``; then only once the
+        metaserver has answered again naming this member master of the same epoch."""
+        registration = self._registration
+        if registration is None:
+            return
+        stalled = self._clock.monotonic_ms() - self._deadline
+        if not self._stalled and stalled <= SUSPENDED_MS:
+            return
+        log.warning("master did not run for %.1f s (frozen?): confirming mastership before going on", stalled / 1000)
+        before = registration.last_answer_ms
+        while registration.last_answer_ms == before:
+            registration.heartbeat_now()
+            await self._clock.sleep_ms(20)
+        view = registration.view()
+        if view.role != "master" or view.epoch != self._epoch:
+            await trio.sleep_forever()  # the role loop replaces this session
+        self.confirmations += 1
+        self._stalled = False
+        self._deadline = self._clock.monotonic_ms()
+
+
+class MasterSession:
+    """The member as its group's master for one epoch."""
+
+    def __init__(
+        self,
+        member: Member,
+        *,
+        epoch: int,
+        make_wheels: Callable[[list[int]], WheelSet],
+        make_dispatcher: Callable[[WheelSet, Deliver, Callable[[dict[int, list[int]]], None]], Dispatcher],
+        deliver: Callable[[int, Mastership], Deliver],
+    ) -> None:
+        self.member = member
+        self.epoch = epoch
+        self.accepting = False
+        self.handed_over: int | None = None
+        self.cut_records = 0
+        self.mastership = Mastership(member.clock, member.registration, epoch)
+        self.wheels = make_wheels([])
+        self.source = ReplicationSource(
+            log=member.log,
+            history=member.history,
+            epoch=epoch,
+            clock=member.clock,
+            run_blocking=member.run_blocking,
+            tick=self._tick,
+            snapshot=partial(snapshot_records, member.store),
+            mode=member.mode,
+            min_insync=member.min_insync,
+        )
+        self._make_wheels = make_wheels
+        self._make_dispatcher = make_dispatcher
+        self._deliver = deliver
+        self.dispatcher: Dispatcher | None = None
+        self.replay_alarm = Alarm(member.clock)
+        self.source.on_acked = self.replay_alarm.poke
+        if member.registration is not None:
+            registration = member.registration
+            self.source.on_joined_in_sync = lambda address: registration.heartbeat_now()
+        self.pending = 0
+        self.filed = 0
+
+    def _tick(self) -> bytes:
+        return self.wheels.tick(self.member.clock.now_ms()).encode()
+
+    def _journal(self, rounds: dict[int, list[int]]) -> None:
+        for hour, entries in rounds.items():
+            self.source.journal_append(dispatch_record(hour, entries))
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        member = self.member
+        step, hours, pending, dropped = await member.run_blocking(partial(_take_over, member, self.epoch))
+        if dropped:
+            log.warning(
+                "scheduler %s: %d dispatch record(s) name entries this member never received (the old master's "
+                "unreplicated tail); dropped",
+                member.group,
+                dropped,
+            )
+        self.wheels = self._make_wheels(hours)
+        self.dispatcher = self._make_dispatcher(self.wheels, self._deliver(self.epoch, self.mastership), self._journal)
+        self.pending = pending
+        log.warning(
+            "scheduler %s: master of epoch %d at %s (log end %d, %d record(s) filed now, %d message(s) to deliver "
+            "in %d hour(s); replication %s, min_insync %d)",
+            member.group, self.epoch, member.address or "-", member.log.end_offset, step.filed, pending, len(hours),
+            member.mode, member.min_insync,
+        )  # fmt: skip
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.dispatcher.run)
+            nursery.start_soon(self._replay_loop)
+            nursery.start_soon(self.mastership.watch)
+            if member.registration is not None:
+                nursery.start_soon(self._handover_loop, member.registration)
+            self.accepting = True
+            task_status.started()
+
+    async def _replay_loop(self) -> None:
+        member, wheels = self.member, self.wheels
+        assert self.dispatcher is not None
+        dispatcher = self.dispatcher
+        sync = member.mode == "sync" and member.min_insync > 0
+        while True:
+            while True:
+                until = self.source.high_watermark() if sync else None
+                step = await member.run_blocking(
+                    partial(replay_step, member.log, member.store, max_bytes=member.replay_bytes, until=until)
+                )
+                if step.idle:
+                    break
+                self.filed += step.filed
+                for hour, arrivals in step.arrivals.items():
+                    wheels.arrive(hour, arrivals.first_entry, arrivals.ms_in_hour)
+                dispatcher.poke()
+            if member.log.flushed_offset < member.log.end_offset or member.store.checkpoint < member.log.flushed_offset:
+                await self.replay_alarm.wait_ms(_UNFLUSHED_POLL_MS)
+            else:
+                await self.replay_alarm.wait(None)
+
+    async def _handover_loop(self, registration: Registration) -> None:
+        """Carry out each handover the metaserver asks for; undo one it drops."""
+        view = registration.view()
+        while True:
+            while not view.handover_to:
+                view = await registration.wait_view_change(view)
+            target = view.handover_to
+            async with trio.open_nursery() as nursery:
+
+                async def watch(seen: MembershipView = view, target: str = target) -> None:
+                    while seen.handover_to == target:
+                        seen = await registration.wait_view_change(seen)
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(watch)
+                await self._hand_over(target, registration)
+            # Still master: the metaserver dropped (or replaced) the handover. Serve again.
+            log.warning("scheduler %s: handover to %s dropped; serving again", self.member.group, target)
+            self.handed_over = None
+            assert self.dispatcher is not None
+            self.dispatcher.resume()
+            self.accepting = True
+            view = registration.view()
+
+    async def _hand_over(self, target: str, registration: Registration) -> None:
+        member = self.member
+        log.warning("scheduler %s: handing over to %s: SCHEDULE stopped, draining dispatch", member.group, target)
+        self.accepting = False
+        assert self.dispatcher is not None
+        await self.dispatcher.drain()
+        self.source.poke()  # the last tick and records go out now
+        while not self.source.holds_all(target):
+            await member.clock.sleep_ms(10)
+        self.handed_over = self.epoch
+        log.warning(
+            "scheduler %s: %s holds everything (log end %d); handed over", member.group, target, member.log.end_offset
+        )
+        registration.heartbeat_now()
+        await trio.sleep_forever()  # the role loop ends this session when the metaserver promotes the target
+
+
+def _take_over(member: Member, epoch: int) -> tuple[ReplayStep, list[int], int, int]:
+    """File all that was received, settle held dispatch records, begin the epoch (blocking)."""
+    step = replay_until_caught_up(member.log, member.store, max_bytes=member.replay_bytes)
+    member.records.settle()
+    dropped = member.records.drop()
+    if member.history.begin(epoch, member.log.end_offset):
+        member.history.save(member.state)
+    hours = member.store.undispatched_hours()
+    return step, hours, sum(member.store.pending(hour) for hour in hours), dropped
+
+
+class SlaveSession:
+    """The member as a slave of ``master`` in ``epoch``. Also the fetcher's owner."""
+
+    def __init__(self, member: Member, *, master: str, epoch: int, on_cut: Callable[[int], Awaitable[None]]) -> None:
+        assert member.peers is not None
+        self.member = member
+        self.master = master
+        self.epoch = epoch
+        self.held_tick: HeldTick | None = None
+        self.filed = 0
+        #: Filing stops here until the master has answered: a deposed master's own tail
+        #: past it may be one the new master never had (and is cut, unfiled).
+        self.agreed_offset = member.store.checkpoint
+        self._on_cut = on_cut
+        self.replay_alarm = Alarm(member.clock)
+        self.fetcher = ReplicaFetcher(
+            group=member.group,
+            address=member.address,
+            master=master,
+            epoch=epoch,
+            log=member.log,
+            history=member.history,
+            state=member.state,
+            owner=self,
+            peers=member.peers,
+            clock=member.clock,
+            run_blocking=member.run_blocking,
+        )
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        log.info(
+            "scheduler %s: slave of %s (epoch %d) at %s",
+            self.member.group,
+            self.master,
+            self.epoch,
+            self.member.address,
+        )
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.fetcher.run)
+            nursery.start_soon(self._replay_loop)
+            task_status.started()
+
+    async def _replay_loop(self) -> None:
+        member = self.member
+        while True:
+            step = await member.run_blocking(partial(_file_as_slave, member, self.agreed_offset))
+            if step.idle:
+                await self.replay_alarm.wait(None)
+            else:
+                self.filed += step.filed
+
+    # -- ReplicaOwner ---------------------------------------------------------------
+
+    async def take_journal(self, entries: list[bytes], *, reset: bool) -> None:
+        await self.member.run_blocking(partial(self.member.records.take, entries))
+
+    def take_tick(self, tick: bytes, *, master_now_ms: int, master_durable_end: int) -> None:
+        if tick:
+            self.held_tick = HeldTick(
+                Tick.decode(tick), master_now_ms, self.member.clock.monotonic_ms(), master_durable_end
+            )
+
+    async def cut_back(self, offset: int) -> None:
+        await self._on_cut(offset)
+
+    def agreed(self, offset: int) -> None:
+        if offset > self.agreed_offset:
+            self.agreed_offset = offset
+            self.replay_alarm.poke()
+
+
+def _file_as_slave(member: Member, until: int) -> ReplayStep:
+    step = replay_step(member.log, member.store, max_bytes=member.replay_bytes, until=until)
+    if not step.idle:
+        member.records.settle(step.arrivals)
+    return step
+
+
+__all__ = ["SUSPENDED_MS", "MasterSession", "Mastership", "Member", "NotMaster", "SlaveSession"]

@@ -1,0 +1,193 @@
+"""Log shipping without sockets: EpochHistory's rules, ReplicationSource's answers, a
+ReplicaFetcher against a source over a MemoryNetwork (docs/replication.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from delaymq.protocol.commands import Command
+from delaymq.protocol.envelope import RecordKind, encode
+from delaymq.protocol.errors import RemoteProtocolError
+from delaymq.protocol.testing import MemoryNetwork
+from delaymq.protocol.transport import FrameServer, Request
+from delaymq.replication.epochs import EpochHistory
+from delaymq.replication.fetcher import ReplicaFetcher
+from delaymq.replication.source import ReplicationSource
+from delaymq.replication.wire import OFFSET_DELETED, FetchAnswer, FetchRequest
+from delaymq.storage.log import SegmentedLog
+from delaymq.storage.state import StateStore
+from delaymq.storage.threads import run_inline
+from delaymq.wheel.clock import TrioClock
+
+MASTER, SLAVE = "master.test:1", "slave.test:1"
+
+
+def test_epoch_history_finds_where_two_logs_part() -> None:
+    master = EpochHistory([(1, 0), (3, 500), (7, 900)])
+    assert master.latest == 7
+    assert master.end_of(1, 1_000) == 500  # epoch 1's writes end where epoch 3 began
+    assert master.end_of(2, 1_000) == 500  # an epoch this log never had: the one before it
+    assert master.end_of(7, 1_000) == 1_000
+    slave = EpochHistory()
+    assert slave.adopt(master.entries, 600) and slave.entries == [(1, 0), (3, 500)]
+    assert not slave.adopt(master.entries, 600)
+    slave.cut(400)
+    assert slave.entries == [(1, 0)]
+    assert not master.begin(7, 950) and master.begin(8, 950)
+    with pytest.raises(ValueError, match="epochs must rise"):
+        EpochHistory([(2, 10), (1, 20)])
+
+
+def test_epoch_history_is_kept_in_the_state_store(tmp_path: Path) -> None:
+    with StateStore.open(tmp_path) as state:
+        history = EpochHistory()
+        history.begin(5, 0)
+        history.begin(9, 1234)
+        history.save(state)
+    with StateStore.open(tmp_path) as state:
+        assert EpochHistory.load(state).entries == [(5, 0), (9, 1234)]
+
+
+def record(i: int) -> bytes:
+    return encode(RecordKind.OPAQUE, f"record-{i}".encode())
+
+
+class Master:
+    """A log and a source serving FETCH on a MemoryNetwork."""
+
+    def __init__(self, tmp: Path, clock: TrioClock, **options: Any) -> None:
+        self.log = SegmentedLog.open(tmp / "master", segment_size=options.pop("segment_size", 1 << 20))
+        self.history = EpochHistory([(1, 0)])
+        self.snapshots = 0
+        self.source = ReplicationSource(
+            log=self.log, history=self.history, epoch=1, clock=clock, run_blocking=run_inline,
+            tick=lambda: b"tick", snapshot=self.snapshot, **options,
+        )  # fmt: skip
+        self.frames = FrameServer({Command.FETCH: self.fetch})
+
+    def snapshot(self) -> list[bytes]:
+        self.snapshots += 1
+        return [b"everything"]
+
+    async def fetch(self, request: Request) -> tuple[dict[str, Any], bytes]:
+        answer, body = await self.source.serve_fetch(FetchRequest.from_metadata(request.metadata))
+        return answer.as_metadata(), body
+
+    def write(self, *items: int) -> None:
+        for i in items:
+            self.log.append(record(i))
+        self.log.flush()
+        self.source.poke()
+
+
+class Owner:
+    def __init__(self) -> None:
+        self.journal: list[tuple[list[bytes], bool]] = []
+        self.ticks = 0
+        self.agreed_at = 0
+        self.cuts: list[int] = []
+        self.log: SegmentedLog | None = None
+
+    async def take_journal(self, entries: list[bytes], *, reset: bool) -> None:
+        self.journal.append((entries, reset))
+
+    def take_tick(self, tick: bytes, *, master_now_ms: int, master_durable_end: int) -> None:
+        self.ticks += 1
+
+    async def cut_back(self, offset: int) -> None:
+        assert self.log is not None
+        self.cuts.append(offset)
+        self.log.truncate(offset)
+
+    def agreed(self, offset: int) -> None:
+        self.agreed_at = offset
+
+
+async def test_a_fetcher_copies_the_log_byte_for_byte_and_acknowledges_what_it_holds(
+    tmp_path: Path, autojump_clock: Any
+) -> None:
+    clock = TrioClock(1_700_000_000_000)
+    master = Master(tmp_path, clock, min_insync=1)
+    owner = Owner()
+    with master.log, SegmentedLog.open(tmp_path / "slave") as slave_log, StateStore.open(tmp_path / "state") as state:
+        async with trio.open_nursery() as nursery:
+            net = MemoryNetwork(nursery)
+            net.serve(MASTER, master.frames.serve_stream)
+            owner.log = slave_log
+            fetcher = ReplicaFetcher(
+                group="g", address=SLAVE, master=MASTER, epoch=1, log=slave_log, history=EpochHistory(),
+                state=state, owner=owner, peers=net, clock=clock, run_blocking=run_inline,
+            )  # fmt: skip
+            with pytest.raises(RemoteProtocolError, match="0 slave"):
+                master.source.check_insync("SCHEDULE")  # nobody holds anything yet: refused, retryable
+            master.write(*range(50))
+            nursery.start_soon(fetcher.run)
+            assert await master.source.wait_replicated(master.log.end_offset, timeout_ms=10_000)
+            assert master.source.in_sync() == [SLAVE]
+            master.source.check_insync("SCHEDULE")
+            assert master.source.high_watermark() == master.log.end_offset
+            assert slave_log.read_raw(0, 1 << 20)[0] == master.log.read_raw(0, 1 << 20)[0]
+            master.source.journal_append(b"round-1")
+            await trio.sleep(0.2)
+            assert owner.journal[0] == ([b"everything"], True)  # first contact: a snapshot
+            assert owner.journal[-1] == ([b"round-1"], False)
+            ticks = owner.ticks
+            await trio.sleep(1)
+            assert owner.ticks >= ticks + 15  # a tick at least every 50 ms, even with nothing new
+            assert master.source.holds_all(SLAVE)
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_slave_that_stops_fetching_falls_out_of_sync(tmp_path: Path, autojump_clock: Any) -> None:
+    clock = TrioClock(1_700_000_000_000)
+    master = Master(tmp_path, clock, min_insync=1, lag_ms=10_000)
+    with master.log:
+        master.write(1, 2, 3)
+        request = FetchRequest(group="g", address=SLAVE, epoch=1, offset=master.log.end_offset, last_epoch=1)
+        await master.source.serve_fetch(request)
+        assert master.source.in_sync() == [SLAVE]
+        master.write(4)
+        assert not await master.source.wait_replicated(master.log.end_offset, timeout_ms=11_000)
+        assert master.source.in_sync() == []
+        [progress] = master.source.statistics().replicas
+        assert (progress.in_sync, progress.lag_bytes) == (False, len(record(4)))
+
+
+async def test_fetch_answers_a_cut_for_a_tail_the_master_never_had_and_refuses_a_deleted_start(
+    tmp_path: Path, autojump_clock: Any
+) -> None:
+    clock = TrioClock(1_700_000_000_000)
+    master = Master(tmp_path, clock, segment_size=len(record(0)) * 2)
+    with master.log:
+        master.write(*range(6))
+        master.history.begin(2, master.log.end_offset)
+        master.source.epoch = 2
+        deposed_end = master.log.end_offset + 40  # a deposed master of epoch 1 holds 40 bytes more
+        answer, body = await master.source.serve_fetch(
+            FetchRequest(group="g", address=SLAVE, epoch=2, offset=deposed_end, last_epoch=1)
+        )
+        assert (answer.truncate_to, body) == (master.log.end_offset, b"")
+        master.log.delete_before(4 * len(record(0)))
+        with pytest.raises(RemoteProtocolError) as refused:
+            await master.source.serve_fetch(FetchRequest(group="g", address=SLAVE, epoch=2, offset=0, last_epoch=0))
+        assert refused.value.code == OFFSET_DELETED and refused.value.limit == master.log.start_offset
+        assert "copy of the master's" in str(refused.value)
+        newer = FetchRequest(group="g", address=SLAVE, epoch=3, offset=0, last_epoch=0)
+        with pytest.raises(RemoteProtocolError, match="it was replaced"):
+            await master.source.serve_fetch(newer)
+
+
+def test_fetch_metadata_is_checked_field_by_field() -> None:
+    good = FetchRequest(group="g", address=SLAVE, epoch=1, offset=0, last_epoch=0).as_metadata()
+    assert FetchRequest.from_metadata(good).address == SLAVE
+    for field, bad in (("offset", -1), ("epoch", "one"), ("group", ""), ("max_bytes", 0)):
+        with pytest.raises(RemoteProtocolError) as refused:
+            FetchRequest.from_metadata({**good, field: bad})
+        assert refused.value.field == field
+    with pytest.raises(RemoteProtocolError) as refused:
+        FetchAnswer.from_metadata({"journal": "nope"})
+    assert refused.value.field == "journal"
