@@ -19,6 +19,7 @@ from delaymq.cli.status_command import format_scheduler
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError
 from delaymq.protocol.frames import Frame
+from delaymq.protocol.records import encode_message
 from delaymq.protocol.transport import PeerUnavailable, TransportError
 from delaymq.scheduler.server import Scheduler
 from delaymq.wheel.clock import TrioClock
@@ -319,3 +320,59 @@ async def test_a_handover_the_metaserver_drops_leaves_the_master_serving(
         await schedule(cluster, sched, ["after"], now + SECOND, A)
         await receiver.wait_for(2)
         assert receiver.ids() == ["after", "before"]
+
+
+async def test_sync_with_no_slave_in_sync_refuses_retryably_and_stores_nothing(
+    sched: Any, tmp_path: Path, autojump_clock: Any
+) -> None:
+    async with sched.open_cluster(tmp_path, meta=META_OPTIONS) as cluster:
+        master = await start_member(cluster, A, min_insync=1)
+        await wait_until(lambda: master.role == "master")
+        end = master.member.log.end_offset
+        with pytest.raises(PeerError) as refused:
+            await schedule(cluster, sched, ["lonely"], cluster.clock.now_ms() + SECOND, A)
+        assert (refused.value.code, refused.value.field, refused.value.limit) == ("unavailable", "min_insync", 1)
+        assert "0 slave(s) are in sync" in str(refused.value) and "nothing was stored" in str(refused.value)
+        assert master.member.log.end_offset == end
+        slave = await start_member(cluster, B, min_insync=1)
+        await wait_until(lambda: master.replica_info().get("in_sync") == [B])
+        await schedule(cluster, sched, ["lonely"], cluster.clock.now_ms() + SECOND, A)  # the retry is stored
+        await wait_until(lambda: slave.member.log.end_offset == master.member.log.end_offset > end)
+        with pytest.raises(PeerError) as at_slave:
+            await schedule(cluster, sched, ["wrong-door"], cluster.clock.now_ms() + SECOND, B)
+        assert at_slave.value.code == "not_master"  # retryable: producers ask the metaserver again
+
+
+async def test_async_replication_answers_at_once_and_the_slave_follows(
+    sched: Any, tmp_path: Path, autojump_clock: Any
+) -> None:
+    async with sched.open_cluster(tmp_path, meta=META_OPTIONS) as cluster:
+        master = await start_member(cluster, A, replication="async", min_insync=1)
+        await wait_until(lambda: master.role == "master")
+        await schedule(cluster, sched, ["alone"], cluster.clock.now_ms() + 60 * SECOND, A)  # no slave: answered
+        slave = await start_member(cluster, B, replication="async", min_insync=1)
+        await wait_until(lambda: slave.role == "slave")
+        await wait_until(lambda: log_bytes(slave) == log_bytes(master) != b"")
+        assert hour_files(slave) == hour_files(master)
+
+
+async def test_a_slave_far_behind_catches_up_over_many_fetches(sched: Any, tmp_path: Path, autojump_clock: Any) -> None:
+    async with sched.open_cluster(tmp_path, meta=META_OPTIONS) as cluster:
+        master = await start_member(cluster, A, min_insync=0)
+        await wait_until(lambda: master.role == "master")
+        start = cluster.clock.now_ms()
+        body = b"x" * 2_000
+        for batch in range(30):  # about 6 MB over several hours
+            records = [
+                encode_message(
+                    f"b{batch}-{i}", "orders", body=body, deliver_at=start + 3_600_000 + (batch * 100 + i) * 1_000
+                )
+                for i in range(100)
+            ]
+            frame = await cluster.net.call(A, Command.SCHEDULE, {}, b"".join(records))
+            assert len(frame.metadata["results"]) == 100
+        slave = await start_member(cluster, B, min_insync=0)
+        await wait_until(lambda: slave.store.checkpoint == master.member.log.end_offset)
+        assert slave.statistics().replication["fetches"] >= 2  # 4 MiB at most per answer
+        assert log_bytes(slave) == log_bytes(master)
+        assert hour_files(slave) == hour_files(master)
