@@ -152,7 +152,6 @@ class MasterSession:
         self.epoch = epoch
         self.accepting = False
         self.handed_over: int | None = None
-        self.cut_records = 0
         self.mastership = Mastership(member.clock, member.registration, epoch)
         self.wheels = make_wheels([])
         self.source = ReplicationSource(
