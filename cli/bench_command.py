@@ -19,6 +19,7 @@ SUITES: dict[str, tuple[str, str, bool]] = {
     "log": ("delaymq.storage.bench", "bench_log_append", True),
     "realtime": ("delaymq.cli.bench_cluster", "bench_realtime", True),
     "delay": ("delaymq.cli.bench_cluster", "bench_delay", True),
+    "failover": ("delaymq.cli.bench_failover", "bench_failover", True),
     "backlog": ("delaymq.backlog.bench", "bench_backlog", True),
 }
 

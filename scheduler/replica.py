@@ -17,6 +17,7 @@ tail): ``drop`` counts them.
 from __future__ import annotations
 
 import struct
+import threading
 from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -78,6 +79,8 @@ class DispatchRecords:
         self._store = store
         self._held: dict[int, set[int]] = {}
         self.written = 0
+        # The fetcher's journal and the replay loop settle from two worker threads.
+        self._lock = threading.Lock()
 
     @property
     def held(self) -> int:
@@ -85,13 +88,18 @@ class DispatchRecords:
 
     def take(self, payloads: Iterable[bytes]) -> int:
         """Write what can be (blocking; fsyncs once), hold the rest; returns entries newly written."""
-        for payload in payloads:
-            hour, entries = decode_record(payload)
-            self._held.setdefault(hour, set()).update(entries)
-        return self.settle()
+        decoded = [decode_record(payload) for payload in payloads]
+        with self._lock:
+            for hour, entries in decoded:
+                self._held.setdefault(hour, set()).update(entries)
+            return self._settle(None)
 
     def settle(self, hours: Iterable[int] | None = None) -> int:
         """Write the held entries replay has filed since (blocking)."""
+        with self._lock:
+            return self._settle(hours)
+
+    def _settle(self, hours: Iterable[int] | None) -> int:
         store = self._store
         new = 0
         for hour in list(self._held if hours is None else hours):
@@ -112,8 +120,9 @@ class DispatchRecords:
 
     def drop(self) -> int:
         """Forget what this member never filed (promotion); returns how many entries."""
-        count = self.held
-        self._held.clear()
+        with self._lock:
+            count = sum(map(len, self._held.values()))
+            self._held.clear()
         return count
 
 

@@ -100,7 +100,8 @@ class Mastership:
         self._registration = registration
         self._epoch = epoch
         self._deadline = clock.monotonic_ms()
-        self._stalled = False
+        self._stalled_ms = 0  # how long the last stall the watchdog saw lasted (0: none pending)
+        self._confirmed: trio.Event | None = None  # set when the confirmation under way ends
         self.confirmations = 0
 
     async def watch(self) -> None:
@@ -111,8 +112,9 @@ class Mastership:
             interval = max(registration.heartbeat_interval_ms, 1)
             self._deadline = self._clock.monotonic_ms() + interval
             await self._clock.sleep_ms(interval)
-            if self._clock.monotonic_ms() - self._deadline > SUSPENDED_MS:
-                self._stalled = True
+            late = self._clock.monotonic_ms() - self._deadline
+            if late > SUSPENDED_MS:
+                self._stalled_ms = max(self._stalled_ms, late)
 
     async def confirm(self) -> None:
         """Return at once unless the loop stalled past ``SUSPENDED_MS``; then only once the
@@ -120,20 +122,30 @@ class Mastership:
         registration = self._registration
         if registration is None:
             return
-        stalled = self._clock.monotonic_ms() - self._deadline
-        if not self._stalled and stalled <= SUSPENDED_MS:
+        stalled = max(self._stalled_ms, self._clock.monotonic_ms() - self._deadline)
+        if stalled <= SUSPENDED_MS:
             return
-        log.warning("master did not run for %.1f s (frozen?): confirming mastership before going on", stalled / 1000)
-        before = registration.last_answer_ms
-        while registration.last_answer_ms == before:
-            registration.heartbeat_now()
-            await self._clock.sleep_ms(20)
-        view = registration.view()
-        if view.role != "master" or view.epoch != self._epoch:
-            await trio.sleep_forever()  # the role loop replaces this session
-        self.confirmations += 1
-        self._stalled = False
-        self._deadline = self._clock.monotonic_ms()
+        if self._confirmed is not None:  # another caller is asking already
+            await self._confirmed.wait()
+            return await self.confirm()
+        self._confirmed = trio.Event()
+        try:
+            log.warning(
+                "master did not run for %.1f s (frozen?): confirming mastership before going on", stalled / 1000
+            )
+            before = registration.last_answer_ms
+            while registration.last_answer_ms == before:
+                registration.heartbeat_now()
+                await self._clock.sleep_ms(20)
+            view = registration.view()
+            if view.role != "master" or view.epoch != self._epoch:
+                await trio.sleep_forever()  # the role loop replaces this session
+            self.confirmations += 1
+            self._stalled_ms = 0
+            self._deadline = self._clock.monotonic_ms()
+        finally:
+            self._confirmed.set()
+            self._confirmed = None
 
 
 class MasterSession:

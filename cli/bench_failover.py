@@ -1,0 +1,400 @@
+"""``delaymq bench failover``: a replicated scheduler group whose master is SIGKILLed.
+
+Every server is its own ``delaymq`` process, as in production: a metaserver, a
+realtime server, a scheduler master and a slave (``ReplicatedGroup``; the fault
+tests in tests/faults/test_faults_scheduler_failover.py use it too). One producer
+schedules N messages due over the next ~20 s, one consumer takes them; the master
+is killed at a chosen moment and the slave takes over. Printed, never asserted:
+
+- the time from the kill to the new master's promotion and to its first dispatch
+  (its STATUS, polled every 10 ms);
+- lateness p50/p99/max of the messages due while the group had no master;
+- re-sends absorbed by the realtime server's id dedup (its ``duplicates``);
+- lost / early / duplicated at the consumer;
+- the accept rate of one producer (batches of 100, four in flight) into a fresh group
+  with sync replication to one slave beside the same into a group of one member
+  (``--min-insync 0``, no slave), as a ratio (DESIGN.md section 7 asks >= 0.8).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from delaymq.cli.bench_cluster import BODY, IN_FLIGHT, Row, percentiles
+from delaymq.client import open_consumer, open_producer
+from delaymq.client.producer import Producer
+from delaymq.protocol.commands import Command
+from delaymq.protocol.records import Message
+from delaymq.protocol.transport import AsyncCaller, open_peers
+
+SUBJECT = "failover"
+GROUP = "scheduler-1"
+#: How long a server process may take to log its address.
+START_TIMEOUT_S = 30.0
+_LISTENING = re.compile(rb" listening on (\S+)")
+
+
+def wall_ms() -> int:
+    """The machine's clock in epoch ms: what the servers' SystemClock and the consumer's ``received_at`` read."""
+    return time.time_ns() // 1_000_000
+
+
+@dataclass
+class ServerChild:
+    """One ``delaymq <command>`` server in a child process, started again at will.
+
+    Its log goes to ``log_path`` (appended across restarts); its address is read from
+    the ``... listening on HOST:PORT`` line it logs once it serves.
+    """
+
+    name: str
+    arguments: list[str]  # after ``delaymq --log-level info``; ``--listen`` is added by ``start``
+    log_path: Path
+    process: trio.Process | None = None
+    address: str = ""
+    starts: int = 0
+
+    async def start(self, *, listen: str = "127.0.0.1:0") -> str:
+        """Start it (a free port unless ``listen`` names one); returns once it logged its address."""
+        assert self.process is None or self.process.returncode is not None, f"{self.name} is running"
+        command = [sys.executable, "-P", "-m", "delaymq.cli", "--log-level", "info", *self.arguments]
+        command += ["--listen", listen]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        async with await trio.open_file(self.log_path, "ab") as log:
+            await log.write(f"---- start {self.starts + 1} of {self.name}: {' '.join(command[3:])}\n".encode())
+            await log.flush()
+            offset = await log.tell()
+            self.process = await trio.lowlevel.open_process(command, stdout=log.fileno(), stderr=log.fileno())
+        self.starts += 1
+        with trio.fail_after(START_TIMEOUT_S):
+            while True:
+                match = _LISTENING.search(await trio.Path(self.log_path).read_bytes(), offset)
+                if match:
+                    self.address = match[1].decode()
+                    return self.address
+                if self.process.returncode is not None:
+                    raise RuntimeError(f"{self.name} exited with {self.process.returncode}; see {self.log_path}")
+                await trio.sleep(0.02)  # polling the log for the line the server writes once it serves
+
+    def send_signal(self, signum: int) -> None:
+        assert self.process is not None
+        self.process.send_signal(signum)
+
+    async def kill(self) -> None:
+        """SIGKILL, as a crash; returns once the process is gone."""
+        if self.process is None or self.process.returncode is not None:
+            return
+        self.process.send_signal(signal.SIGKILL)
+        await self.process.wait()
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+@dataclass
+class ReplicatedGroup:
+    """A metaserver, a realtime server and the members of one scheduler group, each a process."""
+
+    root: Path
+    peers: AsyncCaller
+    meta: ServerChild
+    realtime: ServerChild
+    members: list[ServerChild]
+    failover_after_ms: int
+    min_insync: int
+
+    def member(self, name: str, *, replication: str = "sync") -> ServerChild:
+        """A scheduler member of the group on its own data folder (not started)."""
+        arguments = ["scheduler", "--group", GROUP, "--meta", self.meta.address, "--data", str(self.root / name)]
+        arguments += ["--replication", replication, "--min-insync", str(self.min_insync)]
+        child = ServerChild(name, arguments, self.root / f"{name}.log")
+        self.members.append(child)
+        return child
+
+    async def status(self, address: str) -> dict[str, Any]:
+        """A server's STATUS answer (scheduler, realtime and metaserver all answer command 14)."""
+        frame = await self.peers.call(address, Command.STATUS, {}, timeout=5.0)
+        return frame.metadata
+
+    async def wait_status(
+        self, address: str, predicate: Callable[[dict[str, Any]], bool], *, timeout: float, poll: float = 0.05
+    ) -> dict[str, Any]:
+        """Poll a server's STATUS until ``predicate`` holds (within ``timeout`` s); the answer that did.
+
+        A server that does not answer (stopped, restarting) is asked again."""
+        with trio.fail_after(timeout):
+            while True:
+                try:
+                    answer = await self.status(address)
+                except Exception:  # not answering now: asked again at the next poll
+                    answer = None
+                if answer is not None and predicate(answer):
+                    return answer
+                await trio.sleep(poll)  # the poll interval of a bounded wait
+
+    async def wait_in_sync(self, master: ServerChild, slave: ServerChild, *, timeout: float = 30.0) -> None:
+        """Until the metaserver knows ``slave`` as an in-sync slave of ``master`` (so it can be promoted)."""
+
+        def ready(answer: dict[str, Any]) -> bool:
+            rows = {row["address"]: row for row in answer["rows"] if row["group"] == GROUP}
+            return (
+                rows.get(master.address, {}).get("role") == "master"
+                and rows.get(slave.address, {}).get("role") == "slave"
+                and rows[slave.address].get("in_sync") is True
+            )
+
+        await self.wait_status(self.meta.address, ready, timeout=timeout)
+
+    async def start_member(self, child: ServerChild, *, role: str, timeout: float = 30.0) -> dict[str, Any]:
+        """Start a member and wait until its STATUS says ``role``; that STATUS."""
+        await child.start()
+        return await self.wait_status(child.address, lambda answer: answer.get("role") == role, timeout=timeout)
+
+    async def kill_all(self) -> None:
+        for child in [*self.members, self.realtime, self.meta]:
+            if child.process is not None and child.process.returncode is None:
+                child.send_signal(signal.SIGCONT)  # a stopped one too
+            await child.kill()
+
+
+@asynccontextmanager
+async def open_replicated_group(
+    root: Path, *, failover_after_ms: int = 5_000, slaves: int = 1, min_insync: int = 1, replication: str = "sync"
+) -> AsyncIterator[ReplicatedGroup]:
+    """Start a metaserver, a realtime server, the master ``s1`` and ``slaves`` slaves (``s2``...), each
+    a process; yields once every slave is in sync as the metaserver sees it. All are SIGKILLed at the end."""
+    async with open_peers(request_timeout=5.0) as peers:
+        meta_arguments = ["metaserver", "--data", str(root / "meta"), "--failover-after", f"{failover_after_ms}ms"]
+        meta = ServerChild("meta", meta_arguments, root / "meta.log")
+        realtime = ServerChild("realtime", ["realtime", "--data", str(root / "realtime")], root / "realtime.log")
+        group = ReplicatedGroup(root, peers, meta, realtime, [], failover_after_ms, min_insync)
+        try:
+            await meta.start()
+            realtime.arguments += ["--meta", meta.address]
+            await realtime.start()
+            master = group.member("s1", replication=replication)
+            await group.start_member(master, role="master")
+            for n in range(slaves):
+                slave = group.member(f"s{n + 2}", replication=replication)
+                await group.start_member(slave, role="slave")
+                await group.wait_in_sync(master, slave)
+            yield group
+        finally:
+            with trio.CancelScope(shield=True):
+                await group.kill_all()
+
+
+# ------------------------------------------------------------------ the producer and the consumer
+
+
+@dataclass
+class Tally:
+    """What the producer had acknowledged and what the consumer received, by message id."""
+
+    acked: dict[str, Message] = field(default_factory=dict)
+    acked_at: dict[str, int] = field(default_factory=dict)
+    received: dict[str, list[int]] = field(default_factory=dict)  # received_at of each delivery
+    received_due: dict[str, int] = field(default_factory=dict)  # deliver_at as delivered (rewritten if it was past)
+    send_errors: int = 0
+    changed: trio.Event = field(default_factory=trio.Event)
+
+    def missing(self) -> set[str]:
+        return self.acked.keys() - self.received.keys()
+
+    async def wait_all_in(self, *, timeout: float) -> None:
+        """Until every acknowledged message has arrived (``trio.TooSlowError`` after ``timeout``)."""
+        with trio.fail_after(timeout):
+            while self.missing():
+                self.changed = trio.Event()
+                await self.changed.wait()
+
+    async def wait_acked(self, count: int, *, timeout: float) -> None:
+        """Until the producer holds ``count`` acknowledgements (``trio.TooSlowError`` after ``timeout``)."""
+        with trio.fail_after(timeout):
+            while len(self.acked) < count:
+                self.changed = trio.Event()
+                await self.changed.wait()
+
+    def early(self) -> list[str]:
+        """Ids received before their deliver_at (as sent, and as delivered), by the machine clock."""
+        return [
+            i for i, times in self.received.items()
+            if min(times) < max(self.received_due[i], self.acked[i].deliver_at if i in self.acked else 0)
+        ]  # fmt: skip
+
+    def duplicated(self) -> int:
+        return sum(len(times) - 1 for times in self.received.values())
+
+    def lateness_ms(self, *, due_from: int = 0, due_until: int | None = None) -> list[float]:
+        """Receive time minus due time of the first delivery of messages due in [due_from, due_until)."""
+        return [
+            float(min(times) - self.received_due[i])
+            for i, times in self.received.items()
+            if due_from <= self.received_due[i] and (due_until is None or self.received_due[i] < due_until)
+        ]
+
+
+async def send_until_stored(producer: Producer, batch: Sequence[Message], tally: Tally) -> None:
+    """Send ``batch`` until the group takes it: the same messages (same ids) again after a failure,
+    as a user would; only then are they acknowledged."""
+    while True:
+        try:
+            await producer.send_batch(batch)
+            break
+        except Exception:  # no master right now (failover): the same batch again
+            tally.send_errors += 1
+            await trio.sleep(0.05)  # a retry backoff, not a synchronisation
+    now = wall_ms()
+    for message in batch:
+        tally.acked[message.id] = message
+        tally.acked_at[message.id] = now
+    tally.changed.set()
+
+
+async def consume(meta: str, tally: Tally, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    """Receive and ack every message of ``SUBJECT`` into ``tally`` until cancelled."""
+    async with open_consumer(
+        meta, SUBJECT, group="failover", start="earliest", max_messages_held=20_000, pull_batch=1000, poll_timeout=1.0
+    ) as consumer:
+        task_status.started()
+        async for message in consumer:
+            tally.received.setdefault(message.id, []).append(message.received_at)
+            tally.received_due.setdefault(message.id, message.deliver_at)
+            await message.ack()
+            tally.changed.set()
+
+
+async def schedule_all(meta: str, count: int, tally: Tally, *, delay: tuple[float, float], batch: int = 100) -> float:
+    """Schedule ``count`` messages (batches of ``batch``, ``IN_FLIGHT`` in flight) due ``delay`` s ahead; msg/s."""
+    rng = random.Random(3)
+    async with open_producer(meta) as producer:
+        window = trio.Semaphore(IN_FLIGHT)
+        start = time.perf_counter()
+
+        async def send(messages: list[Message]) -> None:
+            try:
+                await send_until_stored(producer, messages, tally)
+            finally:
+                window.release()
+
+        async with trio.open_nursery() as senders:
+            for first in range(0, count, batch):
+                messages = [
+                    producer.message(SUBJECT, BODY, delay=rng.uniform(*delay)) for _ in range(min(batch, count - first))
+                ]
+                await window.acquire()
+                senders.start_soon(send, messages)
+        return count / (time.perf_counter() - start)
+
+
+# ------------------------------------------------------------------ the benchmark
+
+
+@dataclass
+class Takeover:
+    killed_ms: int
+    promoted_ms: int
+    first_dispatch_ms: int
+
+
+async def kill_master_and_time_takeover(group: ReplicatedGroup, master: ServerChild, slave: ServerChild) -> Takeover:
+    """SIGKILL ``master``; poll ``slave``'s STATUS every 10 ms until it is master and has dispatched."""
+    killed = wall_ms()
+    await master.kill()
+    timeout = group.failover_after_ms / 1000 + 30
+    try:
+        await group.wait_status(slave.address, lambda a: a["role"] == "master", timeout=timeout, poll=0.01)
+        promoted_ms = wall_ms()
+        await group.wait_status(slave.address, lambda a: a["statistics"]["dispatched"] > 0, timeout=timeout, poll=0.01)
+    except trio.TooSlowError:
+        assert slave.process is not None
+        state = "is running" if slave.process.returncode is None else f"exited with {slave.process.returncode}"
+        raise RuntimeError(
+            f"the slave did not take over within {timeout:.0f} s; it {state} (see {slave.log_path})"
+        ) from None
+    return Takeover(killed, promoted_ms, wall_ms())
+
+
+async def _failover_run(root: Path, count: int, kill_after: float) -> list[Row]:
+    tally = Tally()
+    async with open_replicated_group(root) as group:
+        master, slave = group.members
+        async with trio.open_nursery() as nursery:
+            await nursery.start(consume, group.meta.address, tally)
+            started = trio.current_time()
+            accepted = await schedule_all(group.meta.address, count, tally, delay=(2.0, 20.0))
+            await trio.sleep_until(started + kill_after)  # the chosen moment of the kill, not a synchronisation
+            takeover = await kill_master_and_time_takeover(group, master, slave)
+            try:
+                await tally.wait_all_in(timeout=60)
+            except trio.TooSlowError:
+                pass  # reported as lost
+            realtime = await group.status(group.realtime.address)
+            nursery.cancel_scope.cancel()
+    during = tally.lateness_ms(due_from=takeover.killed_ms, due_until=takeover.first_dispatch_ms)
+    p50, p99, worst = percentiles(during)
+    after_p50, after_p99, after_worst = percentiles(tally.lateness_ms(due_from=takeover.first_dispatch_ms))
+    return [
+        (f"{count:,} scheduled, sync to 1 slave: accepted", accepted, "msg/s"),
+        ("kill to promotion", takeover.promoted_ms - takeover.killed_ms, "ms"),
+        ("kill to the new master's first dispatch", takeover.first_dispatch_ms - takeover.killed_ms, "ms"),
+        ("messages due during the failover", len(during), "msgs"),
+        ("  their lateness p50", p50, "ms"),
+        ("  their lateness p99", p99, "ms"),
+        ("  their lateness max", worst, "ms"),
+        ("due after the takeover: lateness p50", after_p50, "ms"),
+        ("due after the takeover: lateness p99", after_p99, "ms"),
+        ("due after the takeover: lateness max", after_worst, "ms"),
+        ("re-sends absorbed by dedup (realtime duplicates)", realtime["statistics"]["duplicates"], "msgs"),
+        ("SENDs refused by fencing", realtime["statistics"]["fenced"], ""),
+        ("lost", len(tally.missing()), "msgs"),
+        ("early", len(tally.early()), "msgs"),
+        ("duplicated at the consumer", tally.duplicated(), "msgs"),
+    ]
+
+
+async def _accept_rate(root: Path, count: int, *, slaves: int) -> float:
+    """SCHEDULE msg/s of one producer into a fresh group: sync replication to ``slaves`` slaves
+    (``--min-insync`` as many), or one member alone. Due in 60-120 s: nothing is delivered meanwhile."""
+    async with open_replicated_group(root, slaves=slaves, min_insync=slaves) as group:
+        return await schedule_all(group.meta.address, count, Tally(), delay=(60.0, 120.0))
+
+
+def bench_failover(
+    scratch: Path, *, count: int = 5_000, kill_after: float = 6.0, accept_count: int = 20_000
+) -> list[Row]:
+    """``count`` messages due 2-20 s ahead, the master SIGKILLed ``kill_after`` s after the first was
+    sent; then the accept rate of ``accept_count`` messages with one sync slave and with none."""
+    rows = trio.run(_failover_run, scratch / "failover", count, kill_after)
+    replicated = trio.run(partial(_accept_rate, scratch / "accept-sync", accept_count, slaves=1))
+    single = trio.run(partial(_accept_rate, scratch / "accept-single", accept_count, slaves=0))
+    return [
+        *rows,
+        (f"{accept_count:,} scheduled, sync to 1 slave: accepted", replicated, "msg/s"),
+        (f"{accept_count:,} scheduled, no slave (min-insync 0): accepted", single, "msg/s"),
+        ("accept rate, sync slave / no slave", 100 * replicated / single if single else 0.0, "%"),
+    ]
+
+
+__all__ = [
+    "ReplicatedGroup",
+    "ServerChild",
+    "Tally",
+    "bench_failover",
+    "consume",
+    "open_replicated_group",
+    "send_until_stored",
+    "wall_ms",
+]
