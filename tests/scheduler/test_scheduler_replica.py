@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -43,26 +44,31 @@ def test_entries_not_filed_yet_are_held_until_replay_files_them_then_dropped_on_
     assert records.drop() == 2 and records.held == 0
 
 
+def settle_from_two_threads() -> tuple[SlowStore, DispatchRecords, list[BaseException]]:
+    store = SlowStore()
+    records = DispatchRecords(store)  # type: ignore[arg-type]
+    records.take([dispatch_record(7, [11])])  # held: hour 7 has 10 entries
+    errors: list[BaseException] = []
+
+    def run(work: Callable[[], object]) -> None:
+        try:
+            work()
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [
+        threading.Thread(target=run, args=(lambda: records.take([dispatch_record(7, [1, 2, 3])]),)),
+        threading.Thread(target=run, args=(lambda: records.settle([7]),)),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return store, records, errors
+
+
 def test_the_journal_and_the_replay_loop_may_settle_the_same_hour_from_two_threads() -> None:
     for _ in range(20):
-        store = SlowStore()
-        records = DispatchRecords(store)  # type: ignore[arg-type]
-        records.take([dispatch_record(7, [11])])  # held: hour 7 has 10 entries
-        errors: list[BaseException] = []
-
-        def run(work: object) -> None:
-            try:
-                work()  # type: ignore[operator]
-            except BaseException as error:  # noqa: BLE001 - collected for the assertion
-                errors.append(error)
-
-        threads = [
-            threading.Thread(target=run, args=(lambda: records.take([dispatch_record(7, [1, 2, 3])]),)),
-            threading.Thread(target=run, args=(lambda: records.settle([7]),)),
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        store, records, errors = settle_from_two_threads()
         assert errors == []
         assert sorted(store.recorded) == [1, 2, 3] and records.held == 1
