@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import trio
@@ -76,6 +76,9 @@ class Member:
     replay_bytes: int
     mode: str  # "sync" | "async"
     min_insync: int
+    #: Held around each filing step and dispatch-record write of a slave, and around a
+    #: cut-back (which closes and reopens the store).
+    filing: trio.Lock = field(default_factory=trio.Lock)
 
 
 class NotMaster(RemoteProtocolError):
@@ -343,7 +346,8 @@ class SlaveSession:
     async def _replay_loop(self) -> None:
         member = self.member
         while True:
-            step = await member.run_blocking(partial(_file_as_slave, member, self.agreed_offset))
+            async with member.filing:
+                step = await member.run_blocking(partial(_file_as_slave, member, self.agreed_offset))
             if step.idle:
                 await self.replay_alarm.wait(None)
             else:
@@ -352,7 +356,8 @@ class SlaveSession:
     # -- ReplicaOwner ---------------------------------------------------------------
 
     async def take_journal(self, entries: list[bytes], *, reset: bool) -> None:
-        await self.member.run_blocking(partial(self.member.records.take, entries))
+        async with self.member.filing:
+            await self.member.run_blocking(partial(self.member.records.take, entries))
 
     def take_tick(self, tick: bytes, *, master_now_ms: int, master_durable_end: int) -> None:
         if tick:
@@ -362,10 +367,11 @@ class SlaveSession:
 
     async def cut_back(self, offset: int) -> None:
         await self._on_cut(offset)
+        self.agreed_offset = min(self.agreed_offset, offset)
 
     def agreed(self, offset: int) -> None:
-        if offset > self.agreed_offset:
-            self.agreed_offset = offset
+        self.agreed_offset = max(self.agreed_offset, offset)
+        if self.member.store.checkpoint < self.agreed_offset:
             self.replay_alarm.poke()
 
 

@@ -52,6 +52,7 @@ from delaymq.protocol.transport import AsyncCaller, FrameServer, Request, open_p
 from delaymq.replication.epochs import DB as REPLICATION_DB
 from delaymq.replication.epochs import EpochHistory
 from delaymq.replication.wire import FetchRequest
+from delaymq.scheduler.cutback import cut_schedule_folder
 from delaymq.scheduler.dispatcher import DEFAULT_DISPATCH_BATCH, Deliver, Dispatcher
 from delaymq.scheduler.hours import DEFAULT_RETENTION_MS, MAX_DELIVER_AT, ScheduleError, hour_name
 from delaymq.scheduler.replay import DEFAULT_STEP_BYTES
@@ -89,6 +90,7 @@ class Scheduler:
         self,
         *,
         member: Member,
+        stores: dict[str, ScheduleStore] | None = None,
         limits: Limits,
         retention_ms: int,
         cleanup_interval_ms: int,
@@ -99,8 +101,8 @@ class Scheduler:
     ) -> None:
         self.member = member
         self.group = member.group
+        self._stores = stores if stores is not None else {}
         self.registration: Registration | None = None
-        self.store = member.store
         self._clock = member.clock
         self._limits = limits
         self._log = member.log
@@ -130,13 +132,16 @@ class Scheduler:
         self._deleted_segments = 0
         self._cut_records = 0
         self._cut_bytes = 0
-        self.diverged: int | None = None  # where an async master's log parted below what this member filed
 
     # --------------------------------------------------------------- public
 
     @property
     def address(self) -> str:
         return self.member.address
+
+    @property
+    def store(self) -> ScheduleStore:
+        return self.member.store
 
     @property
     def role(self) -> str:
@@ -219,7 +224,6 @@ class Scheduler:
             "history": member.history.entries,
             "cut_records": self._cut_records,
             "cut_bytes": self._cut_bytes,
-            "diverged_at": self.diverged,
         }
         if master is not None:
             source = master.source.statistics()
@@ -479,25 +483,35 @@ class Scheduler:
             self.registration.heartbeat_now()
 
     async def _cut_back(self, offset: int) -> None:
-        """A slave's log holds a tail its master never had: cut it, count it, log it."""
-        if offset < self.store.checkpoint:
-            self.diverged = offset
-            log.error(
-                "scheduler %s: the master's log parts from this member's at offset %d, below what this member "
-                "already filed (%d): async replication lost records this member holds. It will not rejoin: move "
-                "its data folder aside and start it with an empty one",
-                self.group, offset, self.store.checkpoint,
-            )  # fmt: skip
-            await trio.sleep_forever()
-        records, size = await self._run_blocking(partial(_cut_log, self._log, offset))
-        self.member.records.drop()
+        """A slave's log holds a tail its master never had: cut it (and, under async
+        replication, the entries already filed from it), count it, log it."""
+        filed = offset < self.store.checkpoint
+        async with self.member.filing:
+            records, size, entries = await self._run_blocking(partial(self._cut, offset, filed))
         self._cut_records += records
         self._cut_bytes += size
         log.warning(
-            "scheduler %s: cut %d record(s) (%d bytes) from offset %d that the master never had "
-            "(never acknowledged as replicated)",
+            "scheduler %s: cut %d record(s) (%d bytes) from offset %d that the master never had%s",
             self.group, records, size, offset,
+            f", {entries} of them already filed (async replication: they are lost)" if filed else
+            " (never acknowledged as replicated)",
         )  # fmt: skip
+
+    def _cut(self, offset: int, filed: bool) -> tuple[int, int, int]:
+        member = self.member
+        records = sum(1 for _ in member.log.iter_from(offset))
+        entries = 0
+        if filed:
+            folder = member.store.directory
+            member.store.close()
+            entries = cut_schedule_folder(folder, offset)
+            size = member.log.truncate(offset)
+            member.store = self._stores["store"] = ScheduleStore.open(folder, member.state)
+            member.records = DispatchRecords(member.store)
+        else:
+            size = member.log.truncate(offset)
+            member.records.drop()
+        return records, size, entries
 
     # --------------------------------------------------------------- background
 
@@ -544,11 +558,6 @@ async def _first_of(
 
 async def _no_delivery(subject: str, body: bytes) -> list[str]:
     raise RuntimeError("this member is not master: it delivers nothing")
-
-
-def _cut_log(message_log: SegmentedLog, offset: int) -> tuple[int, int]:
-    records = sum(1 for _ in message_log.iter_from(offset))
-    return records, message_log.truncate(offset)
 
 
 # ------------------------------------------------------------------- opening
@@ -612,9 +621,13 @@ async def open_scheduler(
     # Check the wheel settings before touching the data folder.
     WheelSet(load_ahead_ms=load_ahead_ms, hour_preload_ms=hour_preload_ms, max_loaded=max_loaded)
     root = Path(data_dir)
+    current: dict[str, ScheduleStore] = {}  # the store now open (a cut-back opens it again)
     async with open_blocking(
-        partial(_open_storage, root, segment_size), lambda opened: _close_storage(*opened), run_blocking=run_blocking
+        partial(_open_storage, root, segment_size),
+        lambda opened: _close_storage(opened[0], opened[1], current.get("store", opened[2])),
+        run_blocking=run_blocking,
     ) as (message_log, state, store):
+        current["store"] = store
         history, member_id = await run_blocking(partial(_member_identity, state))
         async with AsyncExitStack() as stack:
             if peers is None:
@@ -649,7 +662,7 @@ async def open_scheduler(
                 wheels: WheelSet, deliver: Deliver, on_recorded: Callable[[dict[int, list[int]]], None]
             ) -> Dispatcher:
                 return Dispatcher(
-                    store=store,
+                    store=member.store,  # a cut-back (async divergence) may have opened it again
                     wheels=wheels,
                     deliver=deliver,
                     clock=clock,
@@ -663,6 +676,7 @@ async def open_scheduler(
 
             scheduler = Scheduler(
                 member=member,
+                stores=current,
                 limits=limits,
                 retention_ms=retention_ms,
                 cleanup_interval_ms=cleanup_interval_ms,

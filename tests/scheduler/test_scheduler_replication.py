@@ -376,3 +376,38 @@ async def test_a_slave_far_behind_catches_up_over_many_fetches(sched: Any, tmp_p
         assert slave.statistics().replication["fetches"] >= 2  # 4 MiB at most per answer
         assert log_bytes(slave) == log_bytes(master)
         assert hour_files(slave) == hour_files(master)
+
+
+async def test_under_async_a_deposed_master_cuts_even_what_it_had_filed_and_counts_it(
+    sched: Any, tmp_path: Path, autojump_clock: Any
+) -> None:
+    async with sched.open_cluster(tmp_path, meta=META_OPTIONS) as cluster:
+        receiver = cluster.receiver()
+        partition = Partition(cluster.net)
+        now = cluster.clock.now_ms()
+        due = now + 30 * SECOND
+        old = await start_member(cluster, A, replication="async", min_insync=1)
+        new = await start_member(cluster, B, replication="async", min_insync=1, peers=partition)
+        await wait_until(lambda: old.role == "master" and new.role == "slave")
+        await wait_until(lambda: old.replica_info().get("in_sync") == [B])
+        await schedule(cluster, sched, ["kept"], due, A)
+        await wait_until(lambda: new.store.checkpoint == old.member.log.end_offset)
+        partition.cut.add(A)
+        await wait_until(lambda: new.statistics().replication["fetch_failures"] > 0)
+        await schedule(cluster, sched, ["lost-with-the-old-master"], due, A)  # answered: async
+        await wait_until(lambda: old.store.checkpoint == old.member.log.end_offset)  # and filed at once
+        old.crash()
+        cluster.net.remove(A)
+        partition.cut.clear()
+        await wait_until(lambda: new.role == "master")
+        await schedule(cluster, sched, ["after-the-failover"], due, B)  # takes the lost one's entry number
+        rejoined = await start_member(cluster, A, replication="async", min_insync=1)
+        await wait_until(lambda: rejoined.role == "slave" and rejoined.store.checkpoint == new.member.log.end_offset)
+        assert rejoined.statistics().replication["cut_records"] == 1
+        assert log_bytes(rejoined) == log_bytes(new)
+        assert hour_files(rejoined) == hour_files(new)
+        await receiver.wait_for(2)
+        await trio.sleep(5)
+        assert sorted(receiver.ids()) == ["after-the-failover", "kept"]
+        hour = due // 3_600_000
+        await wait_until(lambda: rejoined.store.delivered(hour) == new.store.delivered(hour) == {0, 1})
