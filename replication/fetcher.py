@@ -29,6 +29,7 @@ from delaymq.protocol.errors import PeerError, ProtocolError
 from delaymq.protocol.transport import AsyncCaller, TransportError
 from delaymq.replication.epochs import EpochHistory
 from delaymq.replication.wire import OFFSET_DELETED, FetchAnswer, FetchRequest
+from delaymq.storage.errors import StorageError
 from delaymq.storage.log import SegmentedLog
 from delaymq.storage.state import StateStore
 from delaymq.storage.threads import RunBlocking
@@ -133,7 +134,7 @@ class ReplicaFetcher:
         while True:
             try:
                 await self.fetch_once()
-            except (TransportError, ProtocolError) as error:
+            except (TransportError, ProtocolError, StorageError) as error:  # a full disk too: retried
                 self._failures += 1
                 if failing_since is None:
                     failing_since = self._clock.monotonic_ms()
@@ -196,7 +197,7 @@ class ReplicaFetcher:
                     code="bad_metadata",
                     field="offset",
                 )
-            await self._run_blocking(partial(_append_durably, self._log, body))
+            await self._run_blocking(partial(_append_durably, self._log, body, answer.offset))
             self._bytes += len(body)
         if self._history.adopt(answer.history, self._log.end_offset):
             await self._run_blocking(partial(self._history.save, self._state))
@@ -208,8 +209,8 @@ class ReplicaFetcher:
         return answer
 
 
-def _append_durably(log_: SegmentedLog, data: bytes) -> None:
-    log_.append(data)
+def _append_durably(log_: SegmentedLog, data: bytes, at: int) -> None:
+    log_.append(data, at=at)
     log_.flush()
 
 

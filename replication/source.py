@@ -254,7 +254,8 @@ class ReplicationSource:
             raise RemoteProtocolError(
                 f"FETCH from {request.address} at offset {request.offset}: this master's message log starts at "
                 f"{log_.start_offset} (older segments were filed and deleted). Stop the slave, replace its data "
-                "folder with a copy of the master's (taken while the master is stopped), and start it again",
+                "folder with a copy of the master's (taken while the master is stopped) without the copy's "
+                "'member' file, and start it again",
                 code=OFFSET_DELETED,
                 field="offset",
                 limit=log_.start_offset,

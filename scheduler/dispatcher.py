@@ -136,6 +136,7 @@ class Dispatcher:
         self._on_recorded = on_recorded
         self._paused = False
         self._confirming = False
+        self._handing_out = 0  # firer rounds between popping due entries and putting them in lanes
         self.load_alarm = Alarm(clock)
         self.fire_alarm = Alarm(clock)
         self._confirm_alarm = Alarm(clock)
@@ -185,7 +186,7 @@ class Dispatcher:
         (a graceful handover: the slave taking over then holds every dispatch record)."""
         self._paused = True
         self.fire_alarm.poke()
-        while self._waiting or self._to_confirm or self._confirming:
+        while self._handing_out or self._waiting or self._to_confirm or self._confirming:
             self._confirm_alarm.poke()
             await self._clock.sleep_ms(5)
 
@@ -318,6 +319,13 @@ class Dispatcher:
 
     async def _hand_out(self, due: Due) -> None:
         """Put each due record in its subject's lane, in firing order."""
+        self._handing_out += 1
+        try:
+            await self._hand_out_hours(due)
+        finally:
+            self._handing_out -= 1
+
+    async def _hand_out_hours(self, due: Due) -> None:
         for hour, items in due:
             cache = self._cache.setdefault(hour, {})
             missing = [entry for _at, entry in items if entry not in cache]

@@ -46,6 +46,7 @@ from delaymq.scheduler.wheelset import WheelSet
 from delaymq.storage.log import SegmentedLog
 from delaymq.storage.state import StateStore
 from delaymq.storage.threads import RunBlocking
+from delaymq.storage.writer import LogWriter
 from delaymq.wheel import Tick
 from delaymq.wheel.clock import Clock
 
@@ -54,6 +55,8 @@ log = logging.getLogger(__name__)
 #: A master whose event loop did not run for this long past its watchdog's moment
 #: (frozen, starved) confirms its mastership with the metaserver before it goes on.
 SUSPENDED_MS = 1_000
+#: A graceful handover that has not finished by then is given up: the master serves again.
+HANDOVER_TIMEOUT_S = 30.0
 #: How often replay looks again while the log holds appended, not yet durable records.
 _UNFLUSHED_POLL_MS = 50
 
@@ -79,6 +82,8 @@ class Member:
     #: Held around each filing step and dispatch-record write of a slave, and around a
     #: cut-back (which closes and reopens the store).
     filing: trio.Lock = field(default_factory=trio.Lock)
+    #: The master's SCHEDULE writer (set once it is open): a handover waits for it to be idle.
+    writer: LogWriter | None = None
 
 
 class NotMaster(RemoteProtocolError):
@@ -142,7 +147,9 @@ class Mastership:
                 await self._clock.sleep_ms(20)
             view = registration.view()
             if view.role != "master" or view.epoch != self._epoch:
-                await trio.sleep_forever()  # the role loop replaces this session
+                raise NotMaster(
+                    f"this member is no longer master of epoch {self._epoch} (the metaserver says {view.role})"
+                )
             self.confirmations += 1
             self._stalled_ms = 0
             self._deadline = self._clock.monotonic_ms()
@@ -250,28 +257,33 @@ class MasterSession:
                 await self.replay_alarm.wait(None)
 
     async def _handover_loop(self, registration: Registration) -> None:
-        """Carry out each handover the metaserver asks for; undo one it drops."""
+        """Carry out each handover the metaserver asks for; undo one that is dropped or
+        does not finish within ``HANDOVER_TIMEOUT_S``."""
         view = registration.view()
         while True:
             while not view.handover_to:
                 view = await registration.wait_view_change(view)
             target = view.handover_to
-            async with trio.open_nursery() as nursery:
+            with trio.move_on_after(HANDOVER_TIMEOUT_S):
+                async with trio.open_nursery() as nursery:
 
-                async def watch(seen: MembershipView = view, target: str = target) -> None:
-                    while seen.handover_to == target:
-                        seen = await registration.wait_view_change(seen)
-                    nursery.cancel_scope.cancel()
+                    async def watch(seen: MembershipView = view, target: str = target) -> None:
+                        while seen.handover_to == target:
+                            seen = await registration.wait_view_change(seen)
+                        nursery.cancel_scope.cancel()
 
-                nursery.start_soon(watch)
-                await self._hand_over(target, registration)
-            # Still master: the metaserver dropped (or replaced) the handover. Serve again.
-            log.warning("scheduler %s: handover to %s dropped; serving again", self.member.group, target)
+                    nursery.start_soon(watch)
+                    await self._hand_over(target, registration)
+            view = registration.view()
+            if view.role != "master" or view.epoch != self.epoch:
+                await trio.sleep_forever()  # promoted the target: the role loop ends this session
+            log.warning("scheduler %s: handover to %s did not happen; serving again", self.member.group, target)
             self.handed_over = None
             assert self.dispatcher is not None
             self.dispatcher.resume()
             self.accepting = True
-            view = registration.view()
+            while view.handover_to == target:  # asked again only once the metaserver's word changes
+                view = await registration.wait_view_change(view)
 
     async def _hand_over(self, target: str, registration: Registration) -> None:
         member = self.member
@@ -279,6 +291,11 @@ class MasterSession:
         self.accepting = False
         assert self.dispatcher is not None
         await self.dispatcher.drain()
+        # SCHEDULEs accepted before the stop: written and durable before the target is asked to hold them.
+        while (member.writer is not None and member.writer.statistics().pending) or (
+            member.log.flushed_offset < member.log.end_offset
+        ):
+            await member.clock.sleep_ms(5)
         self.source.poke()  # the last tick and records go out now
         while not self.source.holds_all(target):
             await member.clock.sleep_ms(10)

@@ -29,6 +29,7 @@ Shutdown writes nothing the server would not also have written had it been kille
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -49,7 +50,6 @@ from delaymq.protocol.records import rewrite_delivery, scan_batch
 from delaymq.protocol.routes import ServerKind
 from delaymq.protocol.serving import Task, serve_frames
 from delaymq.protocol.transport import AsyncCaller, FrameServer, Request, open_peers, split_listen
-from delaymq.replication.epochs import DB as REPLICATION_DB
 from delaymq.replication.epochs import EpochHistory
 from delaymq.replication.wire import FetchRequest
 from delaymq.scheduler.cutback import cut_schedule_folder
@@ -79,8 +79,8 @@ DEFAULT_CLEANUP_INTERVAL_MS = 60_000
 DEFAULT_REPLICATION_TIMEOUT_MS = 5_000
 #: How long ``open_scheduler`` waits for the metaserver to name the member's role.
 FIRST_ROLE_WAIT_S = 5.0
-#: Where the member's stable id (sent to the metaserver) is kept.
-MEMBER_KEY = b"member"
+#: The file in the data folder holding the member's stable id (sent to the metaserver).
+MEMBER_FILE = "member"
 
 
 class Scheduler:
@@ -338,8 +338,10 @@ class Scheduler:
                 parts.append(record)
             data = b"".join(parts)
         assert self._writer is not None
+        if self.session is not session or not session.accepting:  # changed while confirming: nothing queued yet
+            raise NotMaster(f"SCHEDULE: scheduler {self.address or '-'} stopped being master; ask the metaserver")
         try:
-            offset = await self._writer.append(data)
+            offset = await self._writer.append(data)  # queued at once: a session that ends later waits for it
         except StorageError as error:  # the disk failed (full?): retried here later, or another group takes it
             raise storage_refusal("SCHEDULE: the message log could not store the batch", error) from error
         session.source.poke()
@@ -417,7 +419,13 @@ class Scheduler:
                     "scheduler %s: no longer master of epoch %d: dispatch stopped", self.group, self.session.epoch
                 )
             self.session = None
+            await self._writer_idle()  # SCHEDULEs queued by the old master land before a fetcher appends
             view = new
+
+    async def _writer_idle(self) -> None:
+        writer = self._writer
+        while writer is not None and writer.statistics().pending:
+            await self._clock.sleep_ms(5)
 
     async def _next_view(self, registration: Registration, view: MembershipView) -> MembershipView:
         """The metaserver's next word that changes the role, epoch or master; or the current
@@ -628,7 +636,7 @@ async def open_scheduler(
         run_blocking=run_blocking,
     ) as (message_log, state, store):
         current["store"] = store
-        history, member_id = await run_blocking(partial(_member_identity, state))
+        history, member_id = await run_blocking(partial(_member_identity, root, state))
         async with AsyncExitStack() as stack:
             if peers is None:
                 peers = await stack.enter_async_context(open_peers(limits=limits, request_timeout=send_timeout))
@@ -709,7 +717,7 @@ async def open_scheduler(
             with trio.CancelScope() as life:
                 scheduler._life = life
                 async with open_log_writer(message_log, flush=flush, run_blocking=run_blocking) as writer:
-                    scheduler._writer = writer
+                    scheduler._writer = member.writer = writer
                     async with serve_frames(
                         scheduler.frame_server,
                         bind=bind,
@@ -755,13 +763,29 @@ def _delivery(
     return deliver
 
 
-def _member_identity(state: StateStore) -> tuple[EpochHistory, str]:
-    """The member's epoch history and its stable id (made at its first start)."""
-    member = state.get(REPLICATION_DB, MEMBER_KEY)
-    if member is None:
-        member = secrets.token_hex(8).encode()
-        state.put(REPLICATION_DB, MEMBER_KEY, member)
-    return EpochHistory.load(state), member.decode()
+def _member_identity(root: Path, state: StateStore) -> tuple[EpochHistory, str]:
+    """The member's epoch history and its stable id, made at its first start and kept in the
+    file ``member`` beside the data (not in lmdb, so a copied data folder is made a member
+    of its own by deleting that one file: docs/replication.md)."""
+    path = root / MEMBER_FILE
+    try:
+        member = path.read_text(encoding="ascii").strip()
+    except FileNotFoundError:
+        member = ""
+    if not member:
+        member = secrets.token_hex(8)
+        temporary = path.with_name(MEMBER_FILE + ".new")
+        with open(temporary, "w", encoding="ascii") as file:
+            file.write(member + "\n")
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+        directory = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+    return EpochHistory.load(state), member
 
 
 def _open_storage(root: Path, segment_size: int) -> tuple[SegmentedLog, StateStore, ScheduleStore]:

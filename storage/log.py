@@ -235,17 +235,23 @@ class SegmentedLog:
 
     # ---------------------------------------------------------------- appending
 
-    def append(self, data: bytes | bytearray | memoryview) -> int:
+    def append(self, data: bytes | bytearray | memoryview, *, at: int | None = None) -> int:
         """Append whole records (a batch the caller has checked) in one write.
 
         Returns the offset of the batch's first byte. On a failed write the
-        segment is cut back to where it was and ``LogIOError`` is raised.
+        segment is cut back to where it was and ``LogIOError`` is raised. ``at``:
+        the offset the batch must start at (a replica copying its master's bytes);
+        ``OffsetBeyondEnd`` if the log ends elsewhere, checked under the append lock.
         """
         size = len(data)
         if size == 0:
             raise ValueError("data is empty: append takes one or more whole records")
         with self._append_lock:
             self._check_usable()
+            if at is not None and at != self._end:
+                raise OffsetBeyondEnd(
+                    f"the batch is for offset {at} but the log ends at {self._end}", at, self.start_offset, self._end
+                )
             if size > self._max_record + HEADER_SIZE:
                 self._check_record_sizes(data)
             segment = self._active
