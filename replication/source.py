@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -110,8 +109,12 @@ class ReplicationSource:
         self._snapshot = snapshot
         self._lag_ms = lag_ms
         self._tick_interval_ms = tick_interval_ms
-        self._journal: deque[bytes] = deque(maxlen=journal_entries)
-        self._seq = 0  # entries ever added this session; the journal holds the last len() of them
+        # The journal's entries numbered ``_journal_first + 1 ..``; cut back to the newest
+        # ``journal_entries`` once it holds twice that, so an append and an answer's slice stay cheap.
+        self._journal: list[bytes] = []
+        self._journal_first = 0
+        self._journal_entries = journal_entries
+        self._seq = 0  # entries ever added this session
         self._retain_for_ms = retain_for_ms
         self._replicas: dict[str, _Replica] = {}
         self._news = trio.Event()  # set when the log or the journal grew: wakes waiting fetches
@@ -138,6 +141,10 @@ class ReplicationSource:
         """Add a side record (written durably by the owner first); slaves get it in order."""
         self._journal.append(payload)
         self._seq += 1
+        if len(self._journal) >= 2 * self._journal_entries:
+            drop = len(self._journal) - self._journal_entries
+            del self._journal[:drop]
+            self._journal_first += drop
         self.poke()
 
     def in_sync(self) -> list[str]:
@@ -198,6 +205,11 @@ class ReplicationSource:
             and replica.session == self.session
             and replica.seq >= self._seq
         )
+
+    async def wait_holds_all(self, address: str) -> None:
+        """Return once ``address`` holds everything (``holds_all``); it tells so in its next FETCH."""
+        while not self.holds_all(address):
+            await self._acks.wait()
 
     def retain_from(self) -> int | None:
         """The lowest offset a slave heard from lately still needs (None: no such slave)."""
@@ -261,7 +273,7 @@ class ReplicationSource:
                 limit=log_.start_offset,
             )
         self._acknowledge(request, durable)
-        reset = request.session != self.session or request.seq < self._seq - len(self._journal)
+        reset = request.session != self.session or request.seq < self._journal_first
         if not reset and request.offset >= durable and request.seq >= self._seq:
             news = self._news
             with trio.move_on_after(self._tick_interval_ms / 1000):
@@ -272,13 +284,13 @@ class ReplicationSource:
             want = min(request.max_bytes, durable - request.offset)
             body, _after = await self._run_blocking(partial(log_.read_raw, request.offset, want))
             self._bytes_sent += len(body)
+        reset = reset or request.seq < self._journal_first  # the journal may have moved on meanwhile
+        seq = self._seq
         if reset:
-            seq = self._seq
             journal = await self._run_blocking(self._snapshot)
             self._resets += 1
         else:
-            seq = self._seq
-            journal = list(self._journal)[len(self._journal) - (seq - request.seq) :] if seq > request.seq else []
+            journal = self._journal[request.seq - self._journal_first :]
         return self._answer(request, journal=journal, reset=reset, seq=seq, durable=durable), body
 
     def _acknowledge(self, request: FetchRequest, durable: int) -> None:

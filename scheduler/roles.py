@@ -297,8 +297,7 @@ class MasterSession:
         ):
             await member.clock.sleep_ms(5)
         self.source.poke()  # the last tick and records go out now
-        while not self.source.holds_all(target):
-            await member.clock.sleep_ms(10)
+        await self.source.wait_holds_all(target)
         self.handed_over = self.epoch
         log.warning(
             "scheduler %s: %s holds everything (log end %d); handed over", member.group, target, member.log.end_offset

@@ -191,3 +191,26 @@ def test_fetch_metadata_is_checked_field_by_field() -> None:
     with pytest.raises(RemoteProtocolError) as refused:
         FetchAnswer.from_metadata({"journal": "nope"})
     assert refused.value.field == "journal"
+
+
+async def test_a_slave_the_journal_has_moved_past_gets_a_snapshot_the_others_only_what_they_lack(
+    tmp_path: Path, autojump_clock: Any
+) -> None:
+    clock = TrioClock(1_700_000_000_000)
+    master = Master(tmp_path, clock, journal_entries=4)
+    with master.log:
+        master.write(1)
+        end = master.log.end_offset
+        first, _body = await master.source.serve_fetch(
+            FetchRequest(group="g", address=SLAVE, epoch=1, offset=end, last_epoch=1)
+        )
+        assert first.reset and first.journal == [b"everything"]
+        for i in range(10):  # the journal keeps at least the newest 4 entries
+            master.source.journal_append(f"round-{i}".encode())
+        near = FetchRequest(group="g", address=SLAVE, epoch=1, offset=end, last_epoch=1, session=first.session, seq=7)
+        answer, _body = await master.source.serve_fetch(near)
+        assert (answer.reset, answer.journal, answer.seq) == (False, [b"round-7", b"round-8", b"round-9"], 10)
+        far = FetchRequest(group="g", address=SLAVE, epoch=1, offset=end, last_epoch=1, session=first.session, seq=1)
+        answer, _body = await master.source.serve_fetch(far)
+        assert (answer.reset, answer.journal, answer.seq) == (True, [b"everything"], 10)
+        assert master.snapshots == 2
