@@ -122,12 +122,7 @@ class DispatchLog:
             ) from None
         if not numbers:
             return 0
-        if not _BIG_ENDIAN:
-            wire = array("I", numbers)
-            wire.byteswap()
-        else:
-            wire = numbers
-        raw = memoryview(wire).cast("B")
+        raw = memoryview(pack_entries(numbers))
         step = MAX_ENTRIES_PER_RECORD * 4
         data = b"".join(encode(_DISPATCH, raw[i : i + step]) for i in range(0, len(raw), step))
         with self._lock:
@@ -264,8 +259,23 @@ def _decode(data: bytes, start: int, end: int, kind: int, path: Path) -> array[i
     size = end - start - HEADER_SIZE
     if size % 4:
         raise CorruptSchedule(f"dispatch log {path}: record at byte {start} holds {size} bytes, not whole u32 entries")
+    return unpack_entries(data[start + HEADER_SIZE : end])
+
+
+def pack_entries(numbers: array[int]) -> bytes:
+    """Entry numbers as a dispatch record's payload: u32 big-endian each (also the
+    replication journal's form, ``delaymq.scheduler.replica``)."""
+    if _BIG_ENDIAN:
+        return numbers.tobytes()
+    wire = array("I", numbers)
+    wire.byteswap()
+    return wire.tobytes()
+
+
+def unpack_entries(payload: bytes | memoryview) -> array[int]:
+    """``pack_entries`` read back (the payload's length is a multiple of 4)."""
     numbers = array("I")
-    numbers.frombytes(data[start + HEADER_SIZE : end])
+    numbers.frombytes(payload)
     if not _BIG_ENDIAN:
         numbers.byteswap()
     return numbers
@@ -325,4 +335,11 @@ def _append_or_cut_back(fd: int, data: bytes, position: int, path: Path) -> None
         raise ScheduleError(f"append of {len(data)} bytes to dispatch log {path} failed: {error}") from error
 
 
-__all__ = ["MAX_ENTRIES_PER_RECORD", "DispatchLog", "DispatchLogCache", "read_delivered"]
+__all__ = [
+    "MAX_ENTRIES_PER_RECORD",
+    "DispatchLog",
+    "DispatchLogCache",
+    "pack_entries",
+    "read_delivered",
+    "unpack_entries",
+]

@@ -22,20 +22,18 @@ from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from delaymq.scheduler.dispatchlog import pack_entries, unpack_entries
 from delaymq.scheduler.schedulelog import ScheduleStore
 from delaymq.wheel import Tick
 
 _HEAD = struct.Struct(">Bq")
-_DISPATCH = ord("d")  # entry numbers follow, u32 big-endian each
+_DISPATCH = ord("d")  # entry numbers follow as a dispatch log's payload (``pack_entries``)
 _FINISHED = ord("f")  # a u32 count follows: entries 0 .. count-1 are all delivered
 _COUNT = struct.Struct(">I")
 
 
 def dispatch_record(hour: int, entries: Iterable[int]) -> bytes:
-    numbers = array("I", entries)
-    if struct.pack("=I", 1) != struct.pack(">I", 1):
-        numbers.byteswap()
-    return _HEAD.pack(_DISPATCH, hour) + numbers.tobytes()
+    return _HEAD.pack(_DISPATCH, hour) + pack_entries(array("I", entries))
 
 
 def finished_record(hour: int, count: int) -> bytes:
@@ -51,11 +49,7 @@ def decode_record(payload: bytes) -> tuple[int, Iterable[int]]:
     if kind == _FINISHED and len(rest) == _COUNT.size:
         return hour, range(_COUNT.unpack(rest)[0])
     if kind == _DISPATCH and len(rest) % 4 == 0:
-        numbers = array("I")
-        numbers.frombytes(rest)
-        if struct.pack("=I", 1) != struct.pack(">I", 1):
-            numbers.byteswap()
-        return hour, numbers
+        return hour, unpack_entries(rest)
     raise ValueError(f"dispatch journal record of kind {kind} and {len(rest)} bytes is malformed")
 
 
@@ -121,7 +115,7 @@ class DispatchRecords:
     def drop(self) -> int:
         """Forget what this member never filed (promotion); returns how many entries."""
         with self._lock:
-            count = sum(map(len, self._held.values()))
+            count = self.held
             self._held.clear()
         return count
 
