@@ -88,61 +88,72 @@ async def start_member(cluster: Any, address: str, **options: Any) -> Scheduler:
     return member
 
 
+async def start_pair(
+    cluster: Any, *, master: dict[str, Any] | None = None, slave: dict[str, Any] | None = None, **both: Any
+) -> tuple[Scheduler, Scheduler]:
+    """Members A (first: master) and B (its slave), once A reports B in sync."""
+    first = await start_member(cluster, A, **both, **(master or {}))
+    second = await start_member(cluster, B, **both, **(slave or {}))
+    await wait_until(lambda: first.role == "master" and second.role == "slave")
+    await wait_until(lambda: first.replica_info().get("in_sync") == [B])
+    return first, second
+
+
 async def test_a_slave_holds_the_masters_log_and_hour_files_byte_for_byte(
     sched: Any, tmp_path: Path, autojump_clock: Any
 ) -> None:
     async with sched.open_cluster(tmp_path, meta=META_OPTIONS) as cluster:
-        async with cluster.scheduler(A, min_insync=1) as master, cluster.scheduler(B, min_insync=1) as slave:
-            await wait_until(lambda: master.role == "master" and slave.role == "slave")
-            await wait_until(
-                lambda: A in master.replica_info().get("in_sync", []) or B in master.replica_info().get("in_sync", [])
+        master, slave = await start_pair(cluster, min_insync=1)
+        await wait_until(lambda: master.role == "master" and slave.role == "slave")
+        await wait_until(
+            lambda: A in master.replica_info().get("in_sync", []) or B in master.replica_info().get("in_sync", [])
+        )
+        start = cluster.clock.now_ms()
+        for batch in range(20):
+            names = [f"m{batch}-{i}" for i in range(50)]
+            await schedule(cluster, sched, names, start + 3 * 3_600_000 + batch * 7_919, A)
+        # Answered under sync replication: the slave held every byte before each answer.
+        assert slave.member.log.flushed_offset >= master.member.log.flushed_offset
+        await wait_until(lambda: slave.store.checkpoint == master.store.checkpoint == master.member.log.end_offset)
+        assert log_bytes(slave) == log_bytes(master)
+        assert hour_files(slave) == hour_files(master) != {}
+        status = master.statistics().replication
+        assert [r["address"] for r in status["replicas"]] == [B]
+        assert status["replicas"][0]["lag_bytes"] == 0
+        # What `delaymq status` prints of each member.
+        shown = {
+            address: format_scheduler(
+                "scheduler-1", address, (await cluster.net.call(address, Command.STATUS, {})).metadata
             )
-            start = cluster.clock.now_ms()
-            for batch in range(20):
-                names = [f"m{batch}-{i}" for i in range(50)]
-                await schedule(cluster, sched, names, start + 3 * 3_600_000 + batch * 7_919, A)
-            # Answered under sync replication: the slave held every byte before each answer.
-            assert slave.member.log.flushed_offset >= master.member.log.flushed_offset
-            await wait_until(lambda: slave.store.checkpoint == master.store.checkpoint == master.member.log.end_offset)
-            assert log_bytes(slave) == log_bytes(master)
-            assert hour_files(slave) == hour_files(master) != {}
-            status = master.statistics().replication
-            assert [r["address"] for r in status["replicas"]] == [B]
-            assert status["replicas"][0]["lag_bytes"] == 0
-            # What `delaymq status` prints of each member.
-            shown = {
-                address: format_scheduler(
-                    "scheduler-1", address, (await cluster.net.call(address, Command.STATUS, {})).metadata
-                )
-                for address in (A, B)
-            }
-            assert f"{A}: master (epoch {master.epoch})" in shown[A]
-            assert f"slave {B}: in sync, lag 0 bytes / 0 ms" in shown[A]
-            assert f"{B}: slave (epoch {master.epoch})" in shown[B]
-            assert "behind the master by 0 bytes; tick held" in shown[B]
+            for address in (A, B)
+        }
+        assert f"{A}: master (epoch {master.epoch})" in shown[A]
+        assert f"slave {B}: in sync, lag 0 bytes / 0 ms" in shown[A]
+        assert f"{B}: slave (epoch {master.epoch})" in shown[B]
+        assert "behind the master by 0 bytes; tick held" in shown[B]
 
 
 async def test_the_tick_and_dispatch_records_reach_the_slave(sched: Any, tmp_path: Path, autojump_clock: Any) -> None:
     async with sched.open_cluster(tmp_path, meta=META_OPTIONS) as cluster:
         receiver = cluster.receiver()
-        async with cluster.scheduler(A, min_insync=1) as master, cluster.scheduler(B, min_insync=1) as slave:
-            await wait_until(lambda: master.role == "master" and slave.role == "slave")
-            await wait_until(lambda: master.replica_info().get("in_sync") == [B])
-            now = cluster.clock.now_ms()
-            names = [f"t{i}" for i in range(200)]
-            for i, name in enumerate(names):
-                await schedule(cluster, sched, [name], now + 2 * SECOND + i * 37, A)
-            await receiver.wait_for(len(names))
-            hour = (now + 2 * SECOND) // 3_600_000
-            await wait_until(lambda: slave.store.delivered(hour) == master.store.delivered(hour))
-            assert len(slave.store.delivered(hour)) == len(names)
-            held = slave.statistics().tick
-            assert held == master.statistics().tick
-            # The tick keeps coming about every 50 ms while nothing happens.
-            before = slave.session.held_tick.received_ms  # type: ignore[union-attr]
-            await trio.sleep(1)
-            assert slave.session.held_tick.received_ms > before  # type: ignore[union-attr]
-            assert slave.statistics().replication["tick_age_ms"] <= 100
+        master, slave = await start_pair(cluster, min_insync=1)
+        await wait_until(lambda: master.role == "master" and slave.role == "slave")
+        await wait_until(lambda: master.replica_info().get("in_sync") == [B])
+        now = cluster.clock.now_ms()
+        names = [f"t{i}" for i in range(200)]
+        for i, name in enumerate(names):
+            await schedule(cluster, sched, [name], now + 2 * SECOND + i * 37, A)
+        await receiver.wait_for(len(names))
+        hour = (now + 2 * SECOND) // 3_600_000
+        await wait_until(lambda: slave.store.delivered(hour) == master.store.delivered(hour))
+        assert len(slave.store.delivered(hour)) == len(names)
+        held = slave.statistics().tick
+        assert held == master.statistics().tick
+        # The tick keeps coming about every 50 ms while nothing happens.
+        before = slave.session.held_tick.received_ms  # type: ignore[union-attr]
+        await trio.sleep(1)
+        assert slave.session.held_tick.received_ms > before  # type: ignore[union-attr]
+        assert slave.statistics().replication["tick_age_ms"] <= 100
 
 
 async def test_a_killed_master_is_replaced_by_its_slave_and_nothing_is_lost_early_or_twice(
@@ -153,23 +164,19 @@ async def test_a_killed_master_is_replaced_by_its_slave_and_nothing_is_lost_earl
         now = cluster.clock.now_ms()
         names = [f"k{i}" for i in range(600)]
         due = {name: now + 1_000 + i * 33 for i, name in enumerate(names)}  # due over 20 s
-        master = await start_member(cluster, A, min_insync=1)
-        slave = await start_member(cluster, B, min_insync=1)
-        if True:
-            await wait_until(lambda: master.role == "master" and slave.role == "slave")
-            await wait_until(lambda: master.replica_info().get("in_sync") == [B])
-            for name in names:
-                await schedule(cluster, sched, [name], due[name], A)
-            await trio.sleep(6)  # let a part go out through the first master
-            master.crash()
-            cluster.net.remove(A)
-            killed_at = cluster.clock.now_ms()
-            await wait_until(lambda: slave.role == "master")
-            promoted_ms = cluster.clock.now_ms() - killed_at
-            assert promoted_ms <= 5_000 + 2_000
-            assert slave.epoch > 0
-            await receiver.wait_for(len(names))
-            await trio.sleep(2)
+        master, slave = await start_pair(cluster, min_insync=1)
+        for name in names:
+            await schedule(cluster, sched, [name], due[name], A)
+        await trio.sleep(6)  # let a part go out through the first master
+        master.crash()
+        cluster.net.remove(A)
+        killed_at = cluster.clock.now_ms()
+        await wait_until(lambda: slave.role == "master")
+        promoted_ms = cluster.clock.now_ms() - killed_at
+        assert promoted_ms <= 5_000 + 2_000
+        assert slave.epoch > 0
+        await receiver.wait_for(len(names))
+        await trio.sleep(2)
         got = Counter(receiver.ids())
         assert set(got) == set(names)
         assert [n for n, c in got.items() if c > 1] == []
@@ -185,27 +192,24 @@ async def test_a_replaced_master_is_fenced_by_the_realtime_server_and_rejoins_as
         partition = Partition(cluster.net)
         now = cluster.clock.now_ms()
         names = [f"f{i}" for i in range(300)]
-        async with (
-            cluster.scheduler(A, min_insync=1, peers=partition) as old,
-            cluster.scheduler(B, min_insync=1) as new,
-        ):
-            await wait_until(lambda: old.role == "master" and new.role == "slave")
-            await wait_until(lambda: old.replica_info().get("in_sync") == [B])
-            await schedule(cluster, sched, ["warm-up"], now, A)  # the old master learns the route
-            await receiver.wait_for(1)
-            for i, name in enumerate(names):
-                await schedule(cluster, sched, [name], now + 8 * SECOND + i * 40, A)
-            first_epoch = old.epoch
-            partition.cut.add("meta.test:1")  # the old master no longer hears the metaserver
-            await wait_until(lambda: new.role == "master")
-            assert new.epoch > first_epoch
-            # Both dispatch what falls due; the realtime server refuses the old epoch.
-            await wait_until(lambda: cluster.realtime["rt1"].statistics().fenced > 0)
-            assert old.role != "master"
-            partition.cut.clear()
-            await wait_until(lambda: old.role == "slave")
-            await receiver.wait_for(len(names) + 1)
-            await trio.sleep(2)
+        old, new = await start_pair(cluster, min_insync=1, master={"peers": partition})
+        await wait_until(lambda: old.role == "master" and new.role == "slave")
+        await wait_until(lambda: old.replica_info().get("in_sync") == [B])
+        await schedule(cluster, sched, ["warm-up"], now, A)  # the old master learns the route
+        await receiver.wait_for(1)
+        for i, name in enumerate(names):
+            await schedule(cluster, sched, [name], now + 8 * SECOND + i * 40, A)
+        first_epoch = old.epoch
+        partition.cut.add("meta.test:1")  # the old master no longer hears the metaserver
+        await wait_until(lambda: new.role == "master")
+        assert new.epoch > first_epoch
+        # Both dispatch what falls due; the realtime server refuses the old epoch.
+        await wait_until(lambda: cluster.realtime["rt1"].statistics().fenced > 0)
+        assert old.role != "master"
+        partition.cut.clear()
+        await wait_until(lambda: old.role == "slave")
+        await receiver.wait_for(len(names) + 1)
+        await trio.sleep(2)
         got = Counter(receiver.ids())
         assert set(got) == {*names, "warm-up"} and max(got.values()) == 1
         assert [r.id for r in receiver.got if r.received_at < r.deliver_at] == []
@@ -216,18 +220,18 @@ async def test_a_graceful_handover_sends_nothing_twice(sched: Any, tmp_path: Pat
         receiver = cluster.receiver()
         now = cluster.clock.now_ms()
         names = [f"h{i}" for i in range(400)]
-        async with cluster.scheduler(A, min_insync=1) as first, cluster.scheduler(B, min_insync=1) as second:
-            await wait_until(lambda: first.role == "master" and second.role == "slave")
-            await wait_until(lambda: first.replica_info().get("in_sync") == [B])
-            for i, name in enumerate(names):
-                await schedule(cluster, sched, [name], now + SECOND + i * 25, A)
-            await trio.sleep(4)  # in the middle of the run
-            answer = await cluster.net.call("meta.test:1", Command.HANDOVER, {"group": "scheduler-1", "to": B})
-            assert answer.metadata["to"] == B
-            await wait_until(lambda: second.role == "master" and first.role == "slave")
-            await receiver.wait_for(len(names))
-            await trio.sleep(2)
-            rt = cluster.realtime["rt1"].statistics()
+        first, second = await start_pair(cluster, min_insync=1)
+        await wait_until(lambda: first.role == "master" and second.role == "slave")
+        await wait_until(lambda: first.replica_info().get("in_sync") == [B])
+        for i, name in enumerate(names):
+            await schedule(cluster, sched, [name], now + SECOND + i * 25, A)
+        await trio.sleep(4)  # in the middle of the run
+        answer = await cluster.net.call("meta.test:1", Command.HANDOVER, {"group": "scheduler-1", "to": B})
+        assert answer.metadata["to"] == B
+        await wait_until(lambda: second.role == "master" and first.role == "slave")
+        await receiver.wait_for(len(names))
+        await trio.sleep(2)
+        rt = cluster.realtime["rt1"].statistics()
         got = Counter(receiver.ids())
         assert set(got) == set(names) and max(got.values()) == 1
         assert rt.duplicates == 0  # not one re-send reached the realtime server's dedup
@@ -242,18 +246,14 @@ async def test_a_new_master_with_a_skewed_clock_delivers_nothing_early_by_its_ow
         skewed = TrioClock(cluster.clock.now_ms() + skew_ms)
         now = cluster.clock.now_ms()
         names = [f"s{i}" for i in range(300)]
-        master = await start_member(cluster, A, min_insync=1)
-        slave = await start_member(cluster, B, min_insync=1, clock=skewed)
-        if True:
-            await wait_until(lambda: master.role == "master" and slave.role == "slave")
-            await wait_until(lambda: master.replica_info().get("in_sync") == [B])
-            for i, name in enumerate(names):
-                await schedule(cluster, sched, [name], now + SECOND + i * 30, A)
-            await trio.sleep(3)
-            master.crash()
-            cluster.net.remove(A)
-            await wait_until(lambda: slave.role == "master")
-            await receiver.wait_for(len(names))
+        master, slave = await start_pair(cluster, min_insync=1, slave={"clock": skewed})
+        for i, name in enumerate(names):
+            await schedule(cluster, sched, [name], now + SECOND + i * 30, A)
+        await trio.sleep(3)
+        master.crash()
+        cluster.net.remove(A)
+        await wait_until(lambda: slave.role == "master")
+        await receiver.wait_for(len(names))
         got = Counter(receiver.ids())
         assert set(got) == set(names) and max(got.values()) == 1
         # Received times are the cluster's clock; the new master's reads skew_ms more.
@@ -268,10 +268,7 @@ async def test_a_deposed_master_rejoins_as_a_slave_cutting_the_tail_its_successo
         receiver = cluster.receiver()
         partition = Partition(cluster.net)
         now = cluster.clock.now_ms()
-        old = await start_member(cluster, A, min_insync=1)
-        new = await start_member(cluster, B, min_insync=1, peers=partition)
-        await wait_until(lambda: old.role == "master" and new.role == "slave")
-        await wait_until(lambda: old.replica_info().get("in_sync") == [B])
+        old, new = await start_pair(cluster, min_insync=1, slave={"peers": partition})
         await schedule(cluster, sched, ["kept"], now + 20 * SECOND, A)
         partition.cut.add(A)  # the slave stops hearing its master
         await wait_until(lambda: new.statistics().replication["fetch_failures"] > 0)
@@ -305,10 +302,7 @@ async def test_a_handover_the_metaserver_drops_leaves_the_master_serving(
 ) -> None:
     async with sched.open_cluster(tmp_path, meta=META_OPTIONS) as cluster:
         receiver = cluster.receiver()
-        master = await start_member(cluster, A)
-        target = await start_member(cluster, B)
-        await wait_until(lambda: master.role == "master" and target.role == "slave")
-        await wait_until(lambda: master.replica_info().get("in_sync") == [B])
+        master, target = await start_pair(cluster)
         target.crash()  # the target dies right as the handover is asked
         cluster.net.remove(B)
         await schedule(cluster, sched, ["before"], cluster.clock.now_ms() + 30 * SECOND, A)  # B never gets it
@@ -386,10 +380,7 @@ async def test_under_async_a_deposed_master_cuts_even_what_it_had_filed_and_coun
         partition = Partition(cluster.net)
         now = cluster.clock.now_ms()
         due = now + 30 * SECOND
-        old = await start_member(cluster, A, replication="async", min_insync=1)
-        new = await start_member(cluster, B, replication="async", min_insync=1, peers=partition)
-        await wait_until(lambda: old.role == "master" and new.role == "slave")
-        await wait_until(lambda: old.replica_info().get("in_sync") == [B])
+        old, new = await start_pair(cluster, replication="async", min_insync=1, slave={"peers": partition})
         await schedule(cluster, sched, ["kept"], due, A)
         await wait_until(lambda: new.store.checkpoint == old.member.log.end_offset)
         partition.cut.add(A)
