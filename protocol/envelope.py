@@ -37,6 +37,7 @@ class RecordKind(enum.IntEnum):
     MESSAGE = 1
     DISPATCH = 2
     STATE = 3
+    PROGRESS = 4  # a realtime master's consumer progress, shipped to its slaves in the message log
     OPAQUE = 15
 
 

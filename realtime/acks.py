@@ -48,6 +48,8 @@ class AckHandler:
         self._parked = parked
         self._sweeper = sweeper
         self._commit_snapshot = commit
+        #: Under sync replication: returns once the in-sync slaves hold the log appended so far.
+        self.replicated: Callable[[], Awaitable[None]] | None = None
         self._clock = clock
         self._limits = limits
 
@@ -57,7 +59,7 @@ class AckHandler:
         acked = self._groups.ack(consumer, ack.start, ack.end, _names(ack))
         assert consumer is not None
         self._consumers.seen(consumer)
-        await self._commit()
+        await self.commit()
         return {"acked": acked}
 
     async def nack(self, request: Request) -> dict[str, Any]:
@@ -80,7 +82,7 @@ class AckHandler:
             acked = consumer.acked
         self._sweeper.poke()
         self._parked.wake([share.subject for share in shares])
-        await self._commit()
+        await self.commit()
         return {"acked": acked}
 
     async def heartbeat(self, request: Request) -> dict[str, Any]:
@@ -93,9 +95,12 @@ class AckHandler:
         self._sweeper.poke()
         return {}
 
-    async def _commit(self) -> None:
+    async def commit(self) -> None:
+        """Make the changes so far durable (and replicated), or refuse retryably."""
         try:
             await self._commit_snapshot()
+            if self.replicated is not None:
+                await self.replicated()
         except Exception as error:
             raise RemoteProtocolError(
                 f"the server could not make the change durable ({type(error).__name__}: {error}); "

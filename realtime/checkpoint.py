@@ -32,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import struct
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -42,12 +42,14 @@ import trio
 from delaymq.protocol.ranges import AckRanges
 from delaymq.realtime import dedup
 from delaymq.realtime.consumelog import ConsumeLog, subject_stem
+from delaymq.realtime.fences import FENCES_DB
 from delaymq.realtime.groups import ConsumerState, Share
+from delaymq.realtime.progress import Progress
 from delaymq.realtime.pulllog import PullLog
 from delaymq.storage.errors import StorageError, describe
 from delaymq.storage.folder import fsync_directory
 from delaymq.storage.log import SegmentedLog
-from delaymq.storage.state import StateStore, pack, unpack
+from delaymq.storage.state import StateStore, WriteBatch, pack, unpack
 from delaymq.storage.threads import RunBlocking
 
 log = logging.getLogger(__name__)
@@ -119,7 +121,7 @@ def consumer_from_record(
 ) -> ConsumerState:
     """A consumer as committed, with its pull-log entries ``[acked, length)``."""
     consumer = ConsumerState(key, record["subject"], record["group"], record["consumer"], share)
-    consumer.length = record["length"]
+    consumer.length = consumer.shipped = record["length"]
     consumer.progress = AckRanges(record["acked"], [(start, end) for start, end in record["done"]])
     consumer.window_base = record["acked"]
     consumer.sequences.extend(sequences)
@@ -139,10 +141,15 @@ class LoadedState:
     dedup_buckets: list[int]
 
 
+def load_index_offset(store: StateStore) -> int:
+    """The message-log offset the last checkpoint indexed below."""
+    raw = store.get(META_DB, _INDEX_OFFSET)
+    return _U64.unpack(raw)[0] if raw is not None else 0
+
+
 def load_state(store: StateStore) -> LoadedState:
     """Everything the last checkpoint committed (blocking; start-up)."""
-    raw = store.get(META_DB, _INDEX_OFFSET)
-    index_offset = _U64.unpack(raw)[0] if raw is not None else 0
+    index_offset = load_index_offset(store)
     counts = {key.hex(): _U64.unpack(value)[0] for key, value in store.items(COUNTS_DB)}
     shares = {key: decode_share(key, value) for key, value in store.items(SHARES_DB)}
     consumers = {key: decode_consumer(value) for key, value in store.items(CONSUMERS_DB)}
@@ -168,12 +175,16 @@ class Snapshot:
     shares: list[tuple[Share, bytes]]
     consumers: list[tuple[ConsumerState, bytes]]
     now: int
+    #: Under replication: the progress record the master appends (and has replicated) first.
+    ship: Progress | None = None
+    #: On a slave: state records out of the master's progress records, written as they are.
+    records: Progress | None = None
     # Filled by the writer.
     pruned: int = 0
     folders: set[Any] = field(default_factory=set)
 
     def empty(self) -> bool:
-        return not (self.consume or self.pull_logs or self.dedup_ids or self.shares or self.consumers)
+        return not (self.consume or self.pull_logs or self.dedup_ids or self.shares or self.consumers or self.records)
 
 
 def write_snapshot(
@@ -212,7 +223,27 @@ def write_snapshot(
             batch.put(SHARES_DB, share.key, record)
         for consumer, record in snapshot.consumers:
             batch.put(CONSUMERS_DB, consumer.key, record)
+        if snapshot.records is not None:
+            _write_records(store, batch, snapshot.records)
     snapshot.pruned = dedup.prune(store, dedup_buckets, snapshot.now, window_ms)
+
+
+def _write_records(store: StateStore, batch: WriteBatch, records: Progress) -> None:
+    """A slave's state records (``delaymq.realtime.progress``); a reset deletes the keys it does not name."""
+    if records.reset:
+        named = {SHARES_DB: {key for key, _ in records.shares}, CONSUMERS_DB: {c.key for c in records.consumers}}
+        for db, keys in named.items():
+            for key, _value in store.items(db):
+                if key not in keys:
+                    batch.delete(db, key)
+    for key, record in records.shares:
+        batch.put(SHARES_DB, key, record)
+    for consumer in records.consumers:
+        batch.put(CONSUMERS_DB, consumer.key, consumer.record)
+    for group, epoch in records.fences.items():
+        raw = store.get(FENCES_DB, group.encode())
+        if raw is None or _U64.unpack(raw)[0] < epoch:
+            batch.put(FENCES_DB, group.encode(), _U64.pack(epoch))
 
 
 class Committer:
@@ -227,8 +258,11 @@ class Committer:
         failed: Callable[[Snapshot], None],
         interval_ms: int,
         run_blocking: RunBlocking,
+        ship: Callable[[Progress], Awaitable[None]] | None = None,
     ) -> None:
         self._run_blocking = run_blocking
+        #: Under replication: append a snapshot's progress record and wait until it is replicated.
+        self.ship = ship
         self._take = take
         self._write = write
         self._done = done
@@ -270,6 +304,8 @@ class Committer:
             number = self._taken
             try:
                 if not snapshot.empty():
+                    if self.ship is not None and snapshot.ship is not None and not snapshot.ship.empty():
+                        await self.ship(snapshot.ship)  # cancelled: the session ends, its state is read again
                     # Not cancellable: once taken, a snapshot is written or restored.
                     with trio.CancelScope(shield=True):
                         await self._run_blocking(partial(self._write, snapshot))
@@ -306,6 +342,7 @@ __all__ = [
     "encode_consumer",
     "encode_share",
     "load_consumer",
+    "load_index_offset",
     "load_state",
     "share_key",
     "write_snapshot",

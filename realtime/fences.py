@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import struct
+from collections.abc import Awaitable, Callable
 from functools import partial
 
 import trio
@@ -67,6 +68,8 @@ class Fences:
         self._writing = trio.Lock()
         self.refused = 0  # SENDs refused for a lower epoch
         self.raised = 0  # epochs committed higher than before
+        #: Under replication: ships the raised epochs to the slaves (before the SEND's batch).
+        self.on_raise: Callable[[dict[str, int]], Awaitable[None]] | None = None
 
     def table(self) -> dict[str, int]:
         """The durable table, group -> epoch (for STATUS)."""
@@ -97,6 +100,8 @@ class Fences:
             await self._run_blocking(partial(write_fences, self._store, raised))
         except StorageError as error:
             raise storage_refusal("SEND: the fence table could not record the epoch", error) from error
+        if self.on_raise is not None:
+            await self.on_raise(raised)
         for group, epoch in raised.items():
             before = self.durable.get(group)
             self.durable[group] = epoch

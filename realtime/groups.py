@@ -73,6 +73,7 @@ class ConsumerState:
     waiting: int = 0  # pulls parked right now
     live: bool = False
     claimed: list[tuple[int, int]] = field(default_factory=list)  # pull-log ranges being retried
+    shipped: int = 0  # pull-log entries put in a progress record (replication) or loaded from lmdb
 
     @property
     def broadcast(self) -> bool:

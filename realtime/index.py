@@ -26,10 +26,12 @@ from pathlib import Path
 import trio
 
 from delaymq.protocol.backoff import Backoff, BackoffRun
+from delaymq.protocol.envelope import HEADER_SIZE, iter_spans
 from delaymq.protocol.limits import Limits
 from delaymq.protocol.records import MessageBatch, scan_batch, tags_mask
 from delaymq.realtime.consumelog import ConsumeLog, list_subjects, subject_stem
 from delaymq.realtime.dedup import dedup_keys
+from delaymq.realtime.progress import MESSAGE_KIND, PROGRESS_KIND, kind_runs
 from delaymq.storage.errors import CorruptLog, describe
 from delaymq.storage.log import SegmentedLog
 from delaymq.wheel.clock import Clock
@@ -112,22 +114,35 @@ class Indexer:
     def replay(self, message_log: SegmentedLog, now: int, *, chunk: int = 4 << 20) -> int:
         """Index the message log from ``indexed_offset`` to its end (blocking; start-up).
 
-        Returns the number of records replayed.
+        Progress records (a replicated master's consumer state) are passed over: the
+        lmdb state holds what they hold. Returns the number of records replayed.
         """
-        offset = self.indexed_offset
         count = 0
         while True:
-            data, next_offset = message_log.read_raw(offset, chunk)
+            data, _next_offset = message_log.read_raw(self.indexed_offset, chunk)
             if not data:
                 break
-            batch = scan_batch(data, REPLAY_LIMITS)
-            items = batch_items(batch, offset, range(len(batch)))
-            self._waiting[offset] = (next_offset, items, dedup_keys(batch), now)
-            self._advance()  # a disk error here fails the start-up
-            count += len(items)
-            offset = next_offset
+            count += self.index_raw(data, self.indexed_offset, now)  # a disk error here fails the start-up
         for consume_log in self.logs.values():
             consume_log.finish_recovery()
+        return count
+
+    def index_raw(self, data: bytes, base: int, now: int, *, on_progress: Callable[[bytes], None] | None = None) -> int:
+        """Index whole records read from the log at ``base`` (= ``indexed_offset``); hand each
+        progress record's payload to ``on_progress`` in log order. Returns the messages indexed."""
+        count = 0
+        for kind, start, end in kind_runs(data):
+            if kind == MESSAGE_KIND:
+                batch = scan_batch(data[start:end], REPLAY_LIMITS)
+                items = batch_items(batch, base + start, range(len(batch)))
+                self._waiting[base + start] = (base + end, items, dedup_keys(batch), now)
+                count += len(items)
+            else:
+                for span in iter_spans(data, start, end):  # checks each record's CRC
+                    if span.kind == PROGRESS_KIND and on_progress is not None:
+                        on_progress(data[span.start + HEADER_SIZE : span.end])
+                self._waiting[base + start] = (base + end, [], [], now)
+            self._advance()
         return count
 
     # ----------------------------------------------------------- indexing

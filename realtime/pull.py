@@ -13,6 +13,7 @@ is due back by the ack timeout.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
@@ -62,6 +63,8 @@ class PullHandler:
         self._limits = limits
         self.pulls = 0  # PULL requests answered
         self.delivered = 0  # records handed out, redeliveries included
+        #: Under sync replication: returns once the hand-outs are replicated (a checkpoint).
+        self.handed_out: Callable[[], Awaitable[None]] | None = None
 
     async def handle(self, request: Request) -> tuple[dict[str, Any], bytes]:
         pull = parse_pull(request.metadata, self._limits)
@@ -109,6 +112,8 @@ class PullHandler:
             if not kept:
                 return {"pull_start": consumer.length, "count": 0, "acked": consumer.acked}, b""
             start = self._consumers.record_pull(consumer, kept, now)
+        if self.handed_out is not None:
+            await self.handed_out()
         self.delivered += len(kept)
         return {"pull_start": start, "count": len(kept), "acked": consumer.acked}, body
 

@@ -163,6 +163,7 @@ def recover(
     dedup: DedupWindow,
     now: int,
     found: MessageFiles | None = None,
+    replay: bool = True,
 ) -> tuple[Indexer, list[int], list[tuple[ConsumerState, PullLog]]]:
     """Catch the consume logs up with the message log and load the groups (blocking).
 
@@ -171,6 +172,8 @@ def recover(
     checkpoint lost records the state refers to: the consume logs are cut back
     to its end and the checkpoint lowered, and ``handouts.reconcile`` drops what
     pointed past it. Whatever recovery repairs is committed before it returns.
+    ``replay=False`` leaves the records past the checkpoint to the caller (a slave
+    applies them with their progress records: ``delaymq.realtime.replica``).
     """
     state = load_state(store)
     found = found or MessageFiles(disk_end=message_log.end_offset)
@@ -186,7 +189,7 @@ def recover(
     indexer = Indexer(consume_dir, indexed_offset=index_offset, on_ids=dedup.indexed)
     try:
         indexer.open_existing(counts)
-        replayed = indexer.replay(message_log, now)
+        replayed = indexer.replay(message_log, now) if replay else 0
         if replayed:
             log.info(
                 "realtime: indexed %d record(s) of the message log past the checkpoint at %d",

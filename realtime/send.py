@@ -20,6 +20,7 @@ looked at by the dedup window or stored, and refuses an older epoch (``fenced``)
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
@@ -69,6 +70,8 @@ class SendHandler:
         self.stored = 0
         self.duplicates = 0  # records answered "duplicate"
         self._appending: dict[str, trio.Event] = {}  # ids in an append not finished yet
+        #: Under replication: waits until the in-sync slaves hold the log below an offset.
+        self.replicated: Callable[[int], Awaitable[None]] | None = None
 
     async def handle(self, request: Request) -> dict[str, Any]:
         fence = Fence.from_metadata(request.metadata)
@@ -130,6 +133,8 @@ class SendHandler:
         items = batch_items(batch, base, kept)
         self._indexer.submit(base, base + len(data), items, kept_ids, self._clock.now_ms())
         self.stored += len(kept)
+        if self.replicated is not None:
+            await self.replicated(base + len(data))  # sync: answered once the in-sync slaves hold it
         return fresh
 
 

@@ -1,68 +1,61 @@
-"""The realtime server: SEND, PULL, ACK, NACK and CONSUMER_HEARTBEAT over the shared transport.
+"""The realtime server: SEND, PULL, ACK, NACK, CONSUMER_HEARTBEAT, FETCH and STATUS.
 
-``open_realtime_server`` opens the data folder (``recovery.open_storage``),
-catches the consume logs up with the message log, then serves until its block
-ends (``delaymq.protocol.serving``). Start-up and shutdown order follow the
-nesting: the log writer outlives the handlers, and a last checkpoint is written
-after both. Every blocking call (fsync, lmdb, reads) goes through the
-``run_blocking`` it is given.
-
-``RealtimeServer`` puts the parts together, each in a module of its own:
-
-- ``send.SendHandler``: SEND, and storing batches (dedup, message log, index);
-  ``fences.Fences`` refuses SENDs of a deposed scheduler master (``fenced``);
-- ``pull.PullHandler``: PULL, long polls parked per subject (``parked``);
-- ``acks.AckHandler``: ACK, NACK, CONSUMER_HEARTBEAT; ``retries.Retries`` sends
-  nacked messages back through a scheduler or to the dead letters;
-- ``consumers.Consumers``: consumer state (memory, lmdb) and pull logs;
-- ``redelivery.RedeliverySweeper``: gives back what timed out;
-- ``checkpoint.Committer``: snapshots of all their small state, into lmdb.
+``open_realtime_server`` opens the data folder (``recovery.open_storage``) and runs one
+member of a realtime group until its block ends. The metaserver says whether the member
+is master or slave (``delaymq.realtime.roles``; docs/replication.md): a master serves
+from a ``master.RealtimeMaster`` (the state a restart recovers, and the handlers over
+it) and ships its log to its slaves (FETCH), its consumer progress included; a slave
+copies the log, indexes it and applies that progress, and refuses the rest with
+``not_master``. A realtime server without a metaserver is master for good (epoch 0).
+Start-up and shutdown order follow the nesting: the log writer outlives the handlers,
+and a master session's last checkpoint is written as it ends. Every blocking call
+(fsync, lmdb, reads) goes through the ``run_blocking`` it is given.
 
 STATUS (command 14, as the scheduler's) takes no metadata and answers
 ``{group, address, now_ms, fences: {scheduler group: epoch}, statistics: {...}}``:
-``fences`` is the durable fence table, ``statistics`` ``RealtimeStatistics`` as a map.
+``fences`` is the durable fence table, ``statistics`` ``RealtimeStatistics`` as a map
+(``role``, ``epoch`` and ``replication`` as the scheduler's).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from delaymq.client.registration import Registration, start_registration
+from delaymq.client.registration import MembershipView, Registration, start_registration
 from delaymq.client.routes import RouteClient, meta_addresses
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import RemoteProtocolError
 from delaymq.protocol.limits import DEFAULT_LIMITS, Limits
 from delaymq.protocol.routes import ServerKind
 from delaymq.protocol.serving import serve_frames
-from delaymq.protocol.transport import FrameServer, Peers, Request, split_listen
-from delaymq.realtime.acks import AckHandler
-from delaymq.realtime.checkpoint import Committer, Snapshot, encode_consumer, encode_share, write_snapshot
-from delaymq.realtime.consumers import Consumers
-from delaymq.realtime.dedup import DedupWindow
-from delaymq.realtime.fences import Fences, load_fences
-from delaymq.realtime.groups import Groups
-from delaymq.realtime.index import Indexer
-from delaymq.realtime.parked import ParkedPulls
-from delaymq.realtime.pull import PullHandler
-from delaymq.realtime.recovery import open_storage, recover
-from delaymq.realtime.redelivery import RedeliverySweeper
-from delaymq.realtime.retries import Retries
-from delaymq.realtime.send import SendHandler
-from delaymq.storage.log import DEFAULT_SEGMENT_SIZE, SegmentedLog, check_max_record
-from delaymq.storage.state import StateStore
+from delaymq.protocol.transport import AsyncCaller, FrameServer, Peers, Request, open_peers, split_listen
+from delaymq.realtime.fences import load_fences
+from delaymq.realtime.master import MasterSettings, RealtimeMaster
+from delaymq.realtime.recovery import open_storage
+from delaymq.realtime.roles import MasterSession, Member, SlaveSession
+from delaymq.replication.membership import member_identity
+from delaymq.replication.roles import NotMaster, RoleLoop
+from delaymq.replication.wire import FetchRequest
+from delaymq.storage.log import DEFAULT_SEGMENT_SIZE, check_max_record
 from delaymq.storage.threads import RunBlocking, open_blocking, run_in_thread
 from delaymq.storage.writer import FlushPolicy, open_log_writer
 from delaymq.wheel.clock import Clock
 
 log = logging.getLogger(__name__)
+
+#: How long a SEND, a PULL's hand-outs or an ACK wait for ``min_insync`` slaves under sync replication.
+DEFAULT_REPLICATION_TIMEOUT_MS = 5_000
+_COUNTERS = ("sends messages_stored duplicates pulls pulls_waiting messages_delivered acks nacks redeliveries "
+             "retries_scheduled retries_stored dead_letters retries_given_back consumers subjects indexed_offset "
+             "dedup_ids_in_memory checkpoints checkpoint_failures fenced fence_raises").split()  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,114 +86,81 @@ class RealtimeStatistics:
     checkpoint_failures: int
     fenced: int  # SENDs refused for an older epoch of their scheduler group
     fence_raises: int  # scheduler groups' epochs raised (committed) since start
+    role: str = "master"  # "master", "slave" or "waiting" (for the metaserver's word)
+    epoch: int = 0
+    master: str = ""  # the group's master as the metaserver says (this server's address standalone)
+    replication: dict[str, Any] = field(default_factory=dict)
 
 
 class RealtimeServer:
-    """One realtime server group. Build it with ``open_realtime_server``."""
+    """One realtime member. Build it with ``open_realtime_server``."""
 
-    def __init__(
-        self,
-        *,
-        group: str,
-        clock: Clock,
-        limits: Limits,
-        message_log: SegmentedLog,
-        store: StateStore,
-        indexer: Indexer,
-        dedup: DedupWindow,
-        groups: Groups,
-        pull_dir: Path,
-        consume_dir: Path,
-        dedup_buckets: list[int],
-        fences: dict[str, int],
-        run_blocking: RunBlocking,
-        checkpoint_interval_ms: int = 1000,
-    ) -> None:
-        self.group = group
-        self.address = ""
+    def __init__(self, member: Member, *, managed: bool, limits: Limits) -> None:
+        self.member = member
+        self.group = member.group
         self.registration: Registration | None = None
         self.crashed = False
         self._life: trio.CancelScope | None = None
-        self._clock = clock
-        self._log = message_log
-        self._store = store
-        self._indexer = indexer
-        self._dedup = dedup
-        self._groups = groups
-        self._pull_dir = pull_dir
-        self._consume_dir = consume_dir
-        self._dedup_buckets = dedup_buckets
-        self.parked = ParkedPulls()
-        self.sweeper = RedeliverySweeper(groups=groups, clock=clock, parked=self.parked)
-        self.consumers = Consumers(
-            groups=groups,
-            indexer=indexer,
-            store=store,
-            pull_dir=pull_dir,
-            clock=clock,
-            sweeper=self.sweeper,
-            run_blocking=run_blocking,
+        self._managed = managed
+        self._clock = member.clock
+        self.roles: RoleLoop[MasterSession | SlaveSession] = RoleLoop(
+            what="realtime",
+            session_for=self._session_for,
+            standalone=lambda: MasterSession(member, epoch=0, managed=False),
+            between=self._between_sessions,
         )
-        self.committer = Committer(
-            take=self._take_snapshot,
-            write=self._write_snapshot,
-            done=self._snapshot_done,
-            failed=self._snapshot_failed,
-            interval_ms=checkpoint_interval_ms,
-            run_blocking=run_blocking,
-        )
-        self.fences = Fences(store=store, run_blocking=run_blocking, durable=fences)
-        self.send_handler = SendHandler(
-            clock=clock,
-            limits=limits,
-            store=store,
-            indexer=indexer,
-            dedup=dedup,
-            fences=self.fences,
-            run_blocking=run_blocking,
-        )
-        self.pull_handler = PullHandler(
-            consumers=self.consumers,
-            groups=groups,
-            indexer=indexer,
-            parked=self.parked,
-            sweeper=self.sweeper,
-            message_log=message_log,
-            clock=clock,
-            limits=limits,
-            run_blocking=run_blocking,
-        )
-        self.retries = Retries(
-            groups=groups,
-            indexer=indexer,
-            message_log=message_log,
-            sender=self.send_handler,
-            clock=clock,
-            run_blocking=run_blocking,
-        )
-        self.ack_handler = AckHandler(
-            consumers=self.consumers,
-            groups=groups,
-            retries=self.retries,
-            parked=self.parked,
-            sweeper=self.sweeper,
-            commit=self.committer.commit,
-            clock=clock,
-            limits=limits,
-        )
-        indexer.on_indexed = self.parked.wake
-        indexer.on_ids = dedup.indexed
+        self._cut = {"cut_records": 0, "cut_messages": 0, "cut_bytes": 0}
         self.frame_server = FrameServer(
             {
-                Command.SEND: self.send_handler.handle,
-                Command.PULL: self.pull_handler.handle,
-                Command.ACK: self.ack_handler.ack,
-                Command.NACK: self.ack_handler.nack,
-                Command.CONSUMER_HEARTBEAT: self.ack_handler.heartbeat,
+                Command.SEND: self._send,
+                Command.PULL: self._pull,
+                Command.ACK: self._ack,
+                Command.NACK: self._nack,
+                Command.CONSUMER_HEARTBEAT: self._heartbeat,
+                Command.FETCH: self._fetch,
                 Command.STATUS: self._status,
             },
             limits=limits,
         )
+
+    # --------------------------------------------------------------- public
+
+    @property
+    def address(self) -> str:
+        return self.member.address
+
+    @property
+    def session(self) -> MasterSession | SlaveSession | None:
+        return self.roles.session
+
+    @property
+    def master(self) -> RealtimeMaster | None:
+        """The state this member serves from while it is master (None otherwise)."""
+        session = self.session
+        return session.master if isinstance(session, MasterSession) else None
+
+    @property
+    def role(self) -> str:
+        """ "master", "slave", or "waiting" (for the metaserver's word)."""
+        session = self.session
+        if isinstance(session, MasterSession):
+            return "master" if session.accepting else "waiting"
+        return "slave" if isinstance(session, SlaveSession) else "waiting"
+
+    @property
+    def epoch(self) -> int:
+        return self.session.epoch if self.session is not None else 0
+
+    @property
+    def scheduler_routes(self) -> RouteClient | None:
+        """Where retries go: a scheduler of the ``delayed-producer`` route (set up with a meta_address)."""
+        return self.member.scheduler_routes
+
+    @scheduler_routes.setter
+    def scheduler_routes(self, routes: RouteClient | None) -> None:
+        self.member.scheduler_routes = routes
+        if self.master is not None:
+            self.master.retries.scheduler_routes = routes
 
     def crash(self) -> None:
         """Test hook: stop now, as a killed process would.
@@ -210,52 +170,117 @@ class RealtimeServer:
         committed: no last checkpoint. What was written stays, as the page cache
         keeps it for the next process.
         """
-        self.crashed = True
+        self.crashed = self.member.crashed = True
         if self._life is not None:
             self._life.cancel()
-
-    @property
-    def scheduler_routes(self) -> RouteClient | None:
-        """Where retries go: a scheduler of the ``delayed-producer`` route (set up with a meta_address)."""
-        return self.retries.scheduler_routes
-
-    @scheduler_routes.setter
-    def scheduler_routes(self, routes: RouteClient | None) -> None:
-        self.retries.scheduler_routes = routes
 
     async def serve_stream(self, stream: trio.abc.Stream) -> None:
         """Serve one connection (tests use it with in-memory streams)."""
         await self.frame_server.serve_stream(stream)
 
     def statistics(self) -> RealtimeStatistics:
-        groups = self._groups
-        sent, pulled, retries = self.send_handler, self.pull_handler, self.retries
+        master = self.master
+        counters = master.counters() if master is not None else dict.fromkeys(_COUNTERS, 0)
         return RealtimeStatistics(
             address=self.address,
             group=self.group,
-            sends=sent.sends,
-            messages_stored=sent.stored,
-            duplicates=sent.duplicates,
-            pulls=pulled.pulls,
-            pulls_waiting=self.parked.count,
-            messages_delivered=pulled.delivered,
-            acks=groups.acks,
-            nacks=groups.nacks,
-            redeliveries=groups.redelivered,
-            retries_scheduled=retries.scheduled,
-            retries_stored=retries.stored,
-            dead_letters=retries.dead_letters,
-            retries_given_back=retries.given_back,
-            consumers=len(groups.live),
-            subjects=len(self._indexer.logs),
-            message_log_end=self._log.end_offset,
-            indexed_offset=self._indexer.indexed_offset,
-            dedup_ids_in_memory=len(self._dedup),
-            checkpoints=self.committer.commits,
-            checkpoint_failures=self.committer.failures,
-            fenced=self.fences.refused,
-            fence_raises=self.fences.raised,
+            message_log_end=self.member.storage.message_log.end_offset,
+            role=self.role,
+            epoch=self.epoch,
+            master=(self.registration.master if self.registration is not None else None) or self.address,
+            replication=self._replication_statistics(),
+            **counters,
         )
+
+    def _replication_statistics(self) -> dict[str, Any]:
+        member = self.member
+        info: dict[str, Any] = {
+            "mode": member.mode,
+            "min_insync": member.min_insync,
+            "durable_end": member.storage.message_log.flushed_offset,
+            "history": member.history.entries,
+            **self._cut,
+        }
+        session = self.session
+        if isinstance(session, SlaveSession):
+            for key in self._cut:
+                info[key] += getattr(session, key)
+        if isinstance(session, MasterSession) and session.source is not None:
+            source = session.source.statistics()
+            info["high_watermark"] = source.high_watermark
+            info["replicas"] = [asdict(replica) for replica in source.replicas]
+            info["accepting"] = session.accepting
+        if isinstance(session, SlaveSession):
+            fetched = session.fetcher.statistics()
+            info["master_durable_end"] = fetched.master_durable_end
+            info["lag_bytes"] = max(0, fetched.master_durable_end - member.storage.message_log.flushed_offset)
+            info["fetches"] = fetched.fetches
+            info["fetch_failures"] = fetched.failures
+            info["applied_offset"] = session.applied_offset
+        return info
+
+    def replica_info(self) -> dict[str, Any]:
+        """The ``replica`` field of each heartbeat (metaserver contract)."""
+        info: dict[str, Any] = {
+            "offset": self.member.storage.message_log.flushed_offset,
+            "epoch": self.epoch,
+            "mode": self.member.mode,
+        }
+        session = self.session
+        if isinstance(session, MasterSession) and session.source is not None:
+            info["in_sync"] = session.source.in_sync()
+        return info
+
+    # --------------------------------------------------------------- requests
+
+    def _accepting(self, what: str) -> MasterSession:
+        session = self.session
+        if isinstance(session, MasterSession) and session.accepting and session.master is not None:
+            return session
+        if isinstance(session, SlaveSession):
+            state = f"is a slave (its master is {session.master})"
+        else:
+            state = "is not master now (waiting for the metaserver's word)"
+        raise NotMaster(
+            f"{what}: realtime server {self.address or '-'} of group {self.group} {state}; ask the metaserver"
+        )
+
+    async def _master_for(self, what: str, *, replicated: bool = True) -> RealtimeMaster:
+        session = self._accepting(what)
+        if replicated and session.source is not None:
+            session.source.check_insync(what)  # too few slaves in sync: refused before anything changes
+        await session.mastership.confirm()  # woken from a freeze: still master?
+        assert session.master is not None
+        return session.master
+
+    async def _send(self, request: Request) -> dict[str, Any]:
+        return await (await self._master_for("SEND")).send_handler.handle(request)
+
+    async def _pull(self, request: Request) -> tuple[dict[str, Any], bytes]:
+        return await (await self._master_for("PULL")).pull_handler.handle(request)
+
+    async def _ack(self, request: Request) -> dict[str, Any]:
+        return await (await self._master_for("ACK")).ack_handler.ack(request)
+
+    async def _nack(self, request: Request) -> dict[str, Any]:
+        return await (await self._master_for("NACK")).ack_handler.nack(request)
+
+    async def _heartbeat(self, request: Request) -> dict[str, Any]:
+        return await (await self._master_for("CONSUMER_HEARTBEAT", replicated=False)).ack_handler.heartbeat(request)
+
+    async def _fetch(self, request: Request) -> tuple[dict[str, Any], bytes]:
+        fetch = FetchRequest.from_metadata(request.metadata)
+        session = self.session
+        if not isinstance(session, MasterSession) or session.source is None:
+            raise NotMaster(f"FETCH: realtime server {self.address or '-'} of group {self.group} is not master now")
+        if fetch.group != self.group:
+            raise RemoteProtocolError(
+                f"FETCH for group {fetch.group!r} at a member of group {self.group!r}",
+                code="bad_request",
+                field="group",
+            )
+        answer, body = await session.source.serve_fetch(fetch)
+        return answer.as_metadata(), body
 
     async def _status(self, request: Request) -> dict[str, Any]:
         if request.metadata:
@@ -263,50 +288,41 @@ class RealtimeServer:
             raise RemoteProtocolError(
                 f"STATUS: unknown field {key!r} (STATUS takes none)", code="bad_request", field=key
             )
+        master = self.master
+        fences = (
+            master.fences.table()
+            if master is not None
+            else await self.member.run_blocking(partial(load_fences, self.member.storage.store))
+        )
         return {
             "group": self.group,
             "address": self.address,
             "now_ms": self._clock.now_ms(),
-            "fences": self.fences.table(),
+            "fences": dict(sorted(fences.items())),
             "statistics": asdict(self.statistics()),
         }
 
-    # --------------------------------------------------------------- checkpoints
+    # --------------------------------------------------------------- roles
 
-    def _take_snapshot(self) -> Snapshot:
-        shares, consumers = self._groups.take_dirty()
-        pull_logs = self.consumers.take_written()
-        return Snapshot(
-            index_offset=self._indexer.indexed_offset,
-            consume=[(consume_log, consume_log.count) for consume_log in self._indexer.take_dirty()],
-            pull_logs=pull_logs,
-            dedup_ids=self._dedup.take_unpersisted(),
-            shares=[(share, encode_share(share)) for share in shares],
-            consumers=[(consumer, encode_consumer(consumer)) for consumer in consumers],
-            now=self._clock.now_ms(),
-        )
+    async def _role_loop(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        await self.roles.run(self.registration, task_status=task_status)
 
-    def _write_snapshot(self, snapshot: Snapshot) -> None:
-        write_snapshot(
-            snapshot,
-            store=self._store,
-            message_log=self._log,
-            consume_dir=self._consume_dir,
-            pull_dir=self._pull_dir,
-            dedup_buckets=self._dedup_buckets,
-            window_ms=self._dedup.window_ms,
-        )
+    def _session_for(self, view: MembershipView) -> MasterSession | SlaveSession | None:
+        if view.role == "master":
+            return MasterSession(self.member, epoch=view.epoch, managed=self._managed)
+        if view.role == "slave" and view.master and view.master != self.address:
+            return SlaveSession(self.member, master=view.master, epoch=view.epoch)
+        return None
 
-    def _snapshot_done(self, snapshot: Snapshot) -> None:
-        self._dedup.committed(snapshot.dedup_ids, self._clock.now_ms())
-        self.consumers.forget_idle()
-
-    def _snapshot_failed(self, snapshot: Snapshot) -> None:
-        self._dedup.restore_unpersisted(snapshot.dedup_ids)
-        self._groups.dirty_shares.update(share for share, _ in snapshot.shares)
-        self._groups.dirty_consumers.update(consumer for consumer, _ in snapshot.consumers)
-        self._indexer.dirty.update(consume_log for consume_log, _ in snapshot.consume)
-        self.consumers.restore_written(snapshot.pull_logs)
+    async def _between_sessions(self, ended: MasterSession | SlaveSession | None) -> None:
+        if isinstance(ended, MasterSession):
+            log.warning("realtime %s: no longer master of epoch %d", self.group, ended.epoch)
+        if isinstance(ended, SlaveSession):
+            for key in self._cut:
+                self._cut[key] += getattr(ended, key)
+        writer = self.member.writer  # SENDs queued by the old master land before a fetcher appends
+        while writer is not None and writer.statistics().pending:
+            await self._clock.sleep_ms(5)
 
 
 # ------------------------------------------------------------------- opening
@@ -317,7 +333,7 @@ async def open_realtime_server(
     *,
     data_dir: str | Path,
     clock: Clock,
-    listen: str = "127.0.0.1:0",
+    listen: str | None = "127.0.0.1:0",
     group: str = "realtime-1",
     meta_address: str | Sequence[str] | None = None,
     advertise_address: str | None = None,
@@ -330,111 +346,111 @@ async def open_realtime_server(
     checkpoint_interval_ms: int = 1000,
     segment_size: int = DEFAULT_SEGMENT_SIZE,
     run_blocking: RunBlocking = run_in_thread,
+    replication: str = "sync",
+    min_insync: int = 0,
+    replication_timeout_ms: int = DEFAULT_REPLICATION_TIMEOUT_MS,
+    peers: AsyncCaller | None = None,
 ) -> AsyncIterator[RealtimeServer]:
-    """Open the data folder, catch up, serve on ``listen`` until the block ends.
+    """Open the data folder, serve on ``listen`` until the block ends.
 
     ``flush="sync"`` answers a SEND once its records are fsynced; ``"async"``
     once written (fsync every 100 ms: a crash may lose the last moments).
-    ``meta_address`` (one or several) registers the server with a metaserver as
-    ``advertise_address`` (default: the bound address, ``server.address``);
-    ``server.registration`` then holds the metaserver's latest word.
+    ``meta_address`` (one or several) makes the server a member of its group: it
+    registers as ``advertise_address`` (default: the bound address,
+    ``server.address``) and the metaserver names it master or slave;
+    ``server.registration`` then holds the metaserver's latest word. Under
+    ``replication="sync"`` a master answers a SEND, a PULL's hand-outs and an ACK
+    once ``min_insync`` in-sync slaves hold them (``unavailable`` after
+    ``replication_timeout_ms``); ``"async"`` does not wait for slaves.
     ``run_blocking`` runs the disk work (default: a worker thread; ``run_inline``
-    for autojump tests).
+    for autojump tests); ``listen=None`` opens no listener (connections go to
+    ``serve_stream``) and ``peers`` replaces the connections to other servers.
     """
     check_max_record(limits.max_record)
     if checkpoint_interval_ms <= 0:
         raise ValueError(f"checkpoint_interval_ms must be positive, got {checkpoint_interval_ms}")
-    bind = split_listen(listen)
+    if replication not in ("sync", "async"):
+        raise ValueError(f"replication must be 'sync' or 'async', got {replication!r}")
+    if min_insync < 0:
+        raise ValueError(f"min_insync must be >= 0, got {min_insync}")
+    if replication_timeout_ms <= 0:
+        raise ValueError(f"replication_timeout_ms must be positive, got {replication_timeout_ms}")
+    if ack_timeout_ms <= 0 or consumer_timeout_ms <= 0:
+        raise ValueError(
+            f"ack_timeout_ms ({ack_timeout_ms}) and consumer_timeout_ms ({consumer_timeout_ms}) must be positive"
+        )
+    bind = split_listen(listen) if listen is not None else None
+    if listen is None and meta_address is not None and advertise_address is None:
+        raise ValueError("listen=None with a meta_address needs an advertise_address to register")
     root = Path(data_dir)
-    groups = Groups(ack_timeout_ms=ack_timeout_ms, consumer_timeout_ms=consumer_timeout_ms)
-    start_ms = clock.now_ms()
-    dedup = DedupWindow(window_ms=dedup_window_ms, memory_ids=dedup_memory_ids, covers_from=start_ms)
-
-    indexer: Indexer | None = None  # known once recovered; closed with the storage (read at close time)
+    settings = MasterSettings(
+        dedup_window_ms=dedup_window_ms,
+        dedup_memory_ids=dedup_memory_ids,
+        ack_timeout_ms=ack_timeout_ms,
+        consumer_timeout_ms=consumer_timeout_ms,
+        checkpoint_interval_ms=checkpoint_interval_ms,
+        replication_timeout_ms=replication_timeout_ms,
+    )
     async with open_blocking(
         partial(open_storage, root, segment_size=segment_size),
-        lambda storage: storage.close(indexer),
+        lambda storage: storage.close(),
         run_blocking=run_blocking,
     ) as storage:
-        message_log = storage.message_log
-        recovered, dedup_buckets, in_flight = await run_blocking(
-            lambda: recover(
-                message_log=message_log,
-                store=storage.store,
-                consume_dir=storage.consume_folder.path,
-                pull_dir=storage.pull_folder.path,
-                groups=groups,
-                dedup=dedup,
-                now=start_ms,
-                found=storage.found,
-            )
-        )
-        indexer = recovered
-        fences = await run_blocking(partial(load_fences, storage.store))
-        server = RealtimeServer(
-            group=group,
-            clock=clock,
-            limits=limits,
-            message_log=message_log,
-            store=storage.store,
-            indexer=recovered,
-            dedup=dedup,
-            groups=groups,
-            pull_dir=storage.pull_folder.path,
-            consume_dir=storage.consume_folder.path,
-            dedup_buckets=dedup_buckets,
-            fences=fences,
-            run_blocking=run_blocking,
-            checkpoint_interval_ms=checkpoint_interval_ms,
-        )
-        now = clock.monotonic_ms()  # the groups' timeouts are intervals: a wall-clock step must not fire them
-        for consumer, pull_log in in_flight:
-            server.consumers.adopt(consumer, pull_log, now)
-
-        async def register(nursery: trio.Nursery, address: str) -> None:
-            """Retries go to a scheduler the metaserver routes to; the server registers with it."""
-            assert meta_address is not None
-            server.scheduler_routes = RouteClient(
-                Peers(nursery, limits=limits), meta_addresses(meta_address), clock=clock
-            )
-            server.registration = await start_registration(
-                nursery,
-                Peers(nursery),
+        history, member_id = await run_blocking(partial(member_identity, root, storage.store))
+        async with AsyncExitStack() as stack:
+            if peers is None and meta_address is not None:
+                peers = await stack.enter_async_context(open_peers(limits=limits))
+            member = Member(
                 group=group,
-                kind=ServerKind.REALTIME,
-                address=address,
-                meta_address=meta_address,
+                address=advertise_address or "",
                 clock=clock,
+                limits=limits,
+                storage=storage,
+                history=history,
+                settings=settings,
+                run_blocking=run_blocking,
+                peers=peers,
+                registration=None,
+                mode=replication,
+                min_insync=min_insync,
             )
+            server = RealtimeServer(member, managed=meta_address is not None, limits=limits)
 
-        body_error: Exception | None = None
-        async with open_log_writer(message_log, flush=flush, run_blocking=run_blocking) as writer:
-            server.send_handler.writer = writer
-            # The crash scope sits inside the writer: a SEND's shielded append still gets its answer.
+            async def register(nursery: trio.Nursery, address: str) -> None:
+                """Retries go to a scheduler the metaserver routes to; the member registers with it."""
+                assert meta_address is not None and peers is not None
+                member.address = address
+                server.scheduler_routes = RouteClient(
+                    Peers(nursery, limits=limits), meta_addresses(meta_address), clock=clock
+                )
+                member.registration = server.registration = await start_registration(
+                    nursery,
+                    peers,
+                    group=group,
+                    kind=ServerKind.REALTIME,
+                    address=address,
+                    meta_address=meta_address,
+                    clock=clock,
+                    member=member_id,
+                    replica=server.replica_info,
+                )
+                await nursery.start(server._role_loop)
+
+            # The crash scope holds the writer too: nothing more is written on the way out.
             with trio.CancelScope() as life:
                 server._life = life
-                async with serve_frames(
-                    server.frame_server,
-                    bind=bind,
-                    advertise_address=advertise_address,
-                    tasks=[
-                        server.committer.run,
-                        server.sweeper.run,
-                        partial(recovered.run, clock=clock),  # retries a stalled index step
-                    ],
-                    register=register if meta_address is not None else None,
-                ) as address:
-                    server.address = address
-                    log.info("realtime server %s serving on %s (data %s)", group, server.address, root)
-                    try:
+                async with open_log_writer(storage.message_log, flush=flush, run_blocking=run_blocking) as writer:
+                    member.writer = writer
+                    async with serve_frames(
+                        server.frame_server,
+                        bind=bind,
+                        advertise_address=advertise_address,
+                        tasks=[server._role_loop] if meta_address is None else [],
+                        register=register if meta_address is not None else None,
+                    ) as address:
+                        member.address = address
+                        log.info("realtime server %s serving on %s (data %s)", group, address or "-", root)
                         yield server
-                    except Exception as error:
-                        body_error = error  # raised after the last checkpoint
-        if not server.crashed:
-            with trio.CancelScope(shield=True):
-                await server.committer.commit_now()
-        if body_error is not None:
-            raise body_error
 
 
-__all__ = ["RealtimeServer", "RealtimeStatistics", "open_realtime_server"]
+__all__ = ["DEFAULT_REPLICATION_TIMEOUT_MS", "RealtimeServer", "RealtimeStatistics", "open_realtime_server"]

@@ -196,6 +196,17 @@ class ReplicationSource:
                 await acks.wait()
         return False
 
+    async def confirm_replicated(self, offset: int, *, timeout_ms: int, what: str) -> None:
+        """``wait_replicated``, refusing retryably (``unavailable``) on timeout."""
+        if not await self.wait_replicated(offset, timeout_ms=timeout_ms):
+            raise RemoteProtocolError(
+                f"{what}: stored on the master but not confirmed by {self.min_insync} in-sync slave(s) within "
+                f"{timeout_ms} ms; retry with the same ids",
+                code="unavailable",
+                field="min_insync",
+                limit=self.min_insync,
+            )
+
     def holds_all(self, address: str) -> bool:
         """``address`` holds the whole durable log and every journal entry (a handover may end)."""
         replica = self._replicas.get(address)

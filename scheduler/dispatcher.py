@@ -37,12 +37,12 @@ import trio
 
 from delaymq.protocol.backoff import Backoff, BackoffRun, RandomSource
 from delaymq.protocol.records import record_subject
-from delaymq.scheduler.alarm import Alarm
 from delaymq.scheduler.delayindex import Heads
 from delaymq.scheduler.hourlog import HourLog
 from delaymq.scheduler.schedulelog import ScheduleStore
 from delaymq.scheduler.wheelset import Due, Load, WheelSet
 from delaymq.storage.threads import RunBlocking
+from delaymq.wheel.alarm import Alarm
 from delaymq.wheel.clock import Clock
 
 log = logging.getLogger(__name__)

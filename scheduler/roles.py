@@ -17,8 +17,8 @@ master changes. Both sessions share the member's storage (``Member``).
   dispatch record, then reports ``handed_over``.
 - ``SlaveSession.run``: a ``ReplicaFetcher`` and a replay loop that files what arrives
   and writes held dispatch records once their entries are filed.
-- ``Mastership``: a master frozen (SIGSTOP) or starved for longer than
-  ``SUSPENDED_MS`` asks the metaserver again before it dispatches or accepts anything.
+- ``delaymq.replication.roles.Mastership``: a master frozen (SIGSTOP) or starved asks
+  the metaserver again before it dispatches or accepts anything.
 """
 
 from __future__ import annotations
@@ -31,12 +31,11 @@ from functools import partial
 import trio
 
 from delaymq.client.registration import MembershipView, Registration
-from delaymq.protocol.errors import RemoteProtocolError
 from delaymq.protocol.transport import AsyncCaller
 from delaymq.replication.epochs import EpochHistory
 from delaymq.replication.fetcher import ReplicaFetcher
+from delaymq.replication.roles import Mastership
 from delaymq.replication.source import ReplicationSource
-from delaymq.scheduler.alarm import Alarm
 from delaymq.scheduler.dispatcher import Deliver, Dispatcher
 from delaymq.scheduler.replay import replay_step, replay_until_caught_up
 from delaymq.scheduler.replica import DispatchRecords, HeldTick, dispatch_record, snapshot_records
@@ -48,13 +47,11 @@ from delaymq.storage.state import StateStore
 from delaymq.storage.threads import RunBlocking
 from delaymq.storage.writer import LogWriter
 from delaymq.wheel import Tick
+from delaymq.wheel.alarm import Alarm
 from delaymq.wheel.clock import Clock
 
 log = logging.getLogger(__name__)
 
-#: A master whose event loop did not run for this long past its watchdog's moment
-#: (frozen, starved) confirms its mastership with the metaserver before it goes on.
-SUSPENDED_MS = 1_000
 #: A graceful handover that has not finished by then is given up: the master serves again.
 HANDOVER_TIMEOUT_S = 30.0
 #: How often replay looks again while the log holds appended, not yet durable records.
@@ -84,78 +81,6 @@ class Member:
     filing: trio.Lock = field(default_factory=trio.Lock)
     #: The master's SCHEDULE writer (set once it is open): a handover waits for it to be idle.
     writer: LogWriter | None = None
-
-
-class NotMaster(RemoteProtocolError):
-    """SCHEDULE at a member that is not (or no longer, or not yet) its group's master."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, code="not_master")
-
-
-class Mastership:
-    """Notices that this process was frozen or starved, and then re-confirms mastership.
-
-    A watchdog wakes at the heartbeat interval the metaserver names (1 s for a group
-    that fails over after 5 s) and notes when it means to wake next; a SEND or a
-    SCHEDULE that finds that moment more than ``SUSPENDED_MS`` past (the loop did not
-    run) first asks the metaserver. Any freeze long enough for a failover spans
-    several wake-ups, so it is always noticed; an idle master wakes once per interval.
-    """
-
-    def __init__(self, clock: Clock, registration: Registration | None, epoch: int) -> None:
-        self._clock = clock
-        self._registration = registration
-        self._epoch = epoch
-        self._deadline = clock.monotonic_ms()
-        self._stalled_ms = 0  # how long the last stall the watchdog saw lasted (0: none pending)
-        self._confirmed: trio.Event | None = None  # set when the confirmation under way ends
-        self.confirmations = 0
-
-    async def watch(self) -> None:
-        registration = self._registration
-        if registration is None:  # no metaserver: nobody can replace this master
-            return
-        while True:
-            interval = max(registration.heartbeat_interval_ms, 1)
-            self._deadline = self._clock.monotonic_ms() + interval
-            await self._clock.sleep_ms(interval)
-            late = self._clock.monotonic_ms() - self._deadline
-            if late > SUSPENDED_MS:
-                self._stalled_ms = max(self._stalled_ms, late)
-
-    async def confirm(self) -> None:
-        """Return at once unless the loop stalled past ``SUSPENDED_MS``; then only once the
-        metaserver has answered again naming this member master of the same epoch."""
-        registration = self._registration
-        if registration is None:
-            return
-        stalled = max(self._stalled_ms, self._clock.monotonic_ms() - self._deadline)
-        if stalled <= SUSPENDED_MS:
-            return
-        if self._confirmed is not None:  # another caller is asking already
-            await self._confirmed.wait()
-            return await self.confirm()
-        self._confirmed = trio.Event()
-        try:
-            log.warning(
-                "master did not run for %.1f s (frozen?): confirming mastership before going on", stalled / 1000
-            )
-            before = registration.last_answer_ms
-            while registration.last_answer_ms == before:
-                registration.heartbeat_now()
-                await self._clock.sleep_ms(20)
-            view = registration.view()
-            if view.role != "master" or view.epoch != self._epoch:
-                raise NotMaster(
-                    f"this member is no longer master of epoch {self._epoch} (the metaserver says {view.role})"
-                )
-            self.confirmations += 1
-            self._stalled_ms = 0
-            self._deadline = self._clock.monotonic_ms()
-        finally:
-            self._confirmed.set()
-            self._confirmed = None
 
 
 class MasterSession:
@@ -398,4 +323,4 @@ def _file_as_slave(member: Member, until: int) -> ReplayStep:
     return step
 
 
-__all__ = ["SUSPENDED_MS", "MasterSession", "Mastership", "Member", "NotMaster", "SlaveSession"]
+__all__ = ["MasterSession", "Member", "SlaveSession"]

@@ -29,9 +29,7 @@ Shutdown writes nothing the server would not also have written had it been kille
 from __future__ import annotations
 
 import logging
-import os
-import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import asdict
 from functools import partial
@@ -50,14 +48,15 @@ from delaymq.protocol.records import rewrite_delivery, scan_batch
 from delaymq.protocol.routes import ServerKind
 from delaymq.protocol.serving import Task, serve_frames
 from delaymq.protocol.transport import AsyncCaller, FrameServer, Request, open_peers, split_listen
-from delaymq.replication.epochs import EpochHistory
+from delaymq.replication.membership import member_identity
+from delaymq.replication.roles import Mastership, NotMaster, RoleLoop
 from delaymq.replication.wire import FetchRequest
 from delaymq.scheduler.cutback import cut_schedule_folder
 from delaymq.scheduler.dispatcher import DEFAULT_DISPATCH_BATCH, Deliver, Dispatcher
 from delaymq.scheduler.hours import DEFAULT_RETENTION_MS, MAX_DELIVER_AT, ScheduleError, hour_name
 from delaymq.scheduler.replay import DEFAULT_STEP_BYTES
 from delaymq.scheduler.replica import DispatchRecords
-from delaymq.scheduler.roles import MasterSession, Mastership, Member, NotMaster, SlaveSession
+from delaymq.scheduler.roles import MasterSession, Member, SlaveSession
 from delaymq.scheduler.schedulelog import ScheduleStore
 from delaymq.scheduler.status import SchedulerStatistics, parse_status_request, status_answer
 from delaymq.scheduler.wheelset import DEFAULT_HOUR_PRELOAD_MS, DEFAULT_LOAD_AHEAD_MS, DEFAULT_MAX_LOADED, WheelSet
@@ -77,10 +76,6 @@ DELIVERY_ROUTE = "scheduler-delivery"
 DEFAULT_CLEANUP_INTERVAL_MS = 60_000
 #: How long a SCHEDULE waits for ``min_insync`` slaves under sync replication.
 DEFAULT_REPLICATION_TIMEOUT_MS = 5_000
-#: How long ``open_scheduler`` waits for the metaserver to name the member's role.
-FIRST_ROLE_WAIT_S = 5.0
-#: The file in the data folder holding the member's stable id (sent to the metaserver).
-MEMBER_FILE = "member"
 
 
 class Scheduler:
@@ -115,11 +110,15 @@ class Scheduler:
         self._deliver = deliver
         self._writer: LogWriter | None = None
         self._life: trio.CancelScope | None = None
-        self.session: MasterSession | SlaveSession | None = None
+        self.roles: RoleLoop[MasterSession | SlaveSession] = RoleLoop(
+            what="scheduler",
+            session_for=self._session_for,
+            standalone=lambda: self._master_session(0),
+            between=self._between_sessions,
+        )
         self._idle_wheels = make_wheels([])
         self._idle_dispatcher = make_dispatcher(self._idle_wheels, _no_delivery, lambda rounds: None)
         self._fenced_epoch: int | None = None
-        self._kick = trio.Event()  # set when this member was fenced: the role loop looks again
         self.frame_server = FrameServer(
             {Command.SCHEDULE: self._schedule, Command.STATUS: self._status, Command.FETCH: self._fetch},
             limits=limits,
@@ -346,14 +345,9 @@ class Scheduler:
             raise storage_refusal("SCHEDULE: the message log could not store the batch", error) from error
         session.source.poke()
         session.replay_alarm.poke()
-        if not await session.source.wait_replicated(offset + len(data), timeout_ms=self._replication_timeout_ms):
-            raise RemoteProtocolError(
-                f"SCHEDULE: stored on {self.address or '-'} but not confirmed by {session.member.min_insync} in-sync "
-                f"slave(s) within {self._replication_timeout_ms} ms; retry with the same ids",
-                code="unavailable",
-                field="min_insync",
-                limit=session.member.min_insync,
-            )
+        await session.source.confirm_replicated(
+            offset + len(data), timeout_ms=self._replication_timeout_ms, what=f"SCHEDULE at {self.address or '-'}"
+        )
         if self.session is not session:
             raise NotMaster(f"SCHEDULE: scheduler {self.address or '-'} stopped being master while the batch waited")
         self._requests += 1
@@ -389,57 +383,19 @@ class Scheduler:
     # --------------------------------------------------------------- roles
 
     async def _role_loop(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Run the session the metaserver's word calls for; replace it when the word changes.
+        """Run the session the metaserver's word calls for (``RoleLoop``)."""
+        await self.roles.run(self.registration, task_status=task_status)
 
-        Reports started once the first session runs (or after ``FIRST_ROLE_WAIT_S`` without
-        a word from the metaserver: the member then serves, refusing SCHEDULE, until it comes).
-        """
-        registration = self.registration
-        if registration is None:  # standalone: master for good, epoch 0
-            session = self._master_session(0)
-            self.session = session
-            await session.run(task_status=task_status)
-            return
-        started = False
-        with trio.move_on_after(FIRST_ROLE_WAIT_S):
-            await registration.wait_registered()
-        view = registration.view()
-        while True:
-            async with trio.open_nursery() as nursery:
-                run = self._session_for(view)
-                if run is not None:
-                    await nursery.start(self._run_session, run)
-                if not started:
-                    started = True
-                    task_status.started()
-                new = await self._next_view(registration, view)
-                nursery.cancel_scope.cancel()
-            if isinstance(self.session, MasterSession):
-                log.warning(
-                    "scheduler %s: no longer master of epoch %d: dispatch stopped", self.group, self.session.epoch
-                )
-            self.session = None
-            await self._writer_idle()  # SCHEDULEs queued by the old master land before a fetcher appends
-            view = new
+    @property
+    def session(self) -> MasterSession | SlaveSession | None:
+        return self.roles.session
 
-    async def _writer_idle(self) -> None:
-        writer = self._writer
+    async def _between_sessions(self, ended: MasterSession | SlaveSession | None) -> None:
+        if isinstance(ended, MasterSession):
+            log.warning("scheduler %s: no longer master of epoch %d: dispatch stopped", self.group, ended.epoch)
+        writer = self._writer  # SCHEDULEs queued by the old master land before a fetcher appends
         while writer is not None and writer.statistics().pending:
             await self._clock.sleep_ms(5)
-
-    async def _next_view(self, registration: Registration, view: MembershipView) -> MembershipView:
-        """The metaserver's next word that changes the role, epoch or master; or the current
-        word at once when this member was fenced (``_kick``)."""
-        current = view
-        while True:
-            kick = self._kick
-            changed = await _first_of(partial(registration.wait_view_change, current), kick.wait)
-            if changed is None:
-                self._kick = trio.Event()
-                return registration.view()
-            if (changed.role, changed.epoch, changed.master) != (view.role, view.epoch, view.master):
-                return changed
-            current = changed
 
     def _session_for(self, view: MembershipView) -> MasterSession | SlaveSession | None:
         if view.role == "master":
@@ -461,16 +417,6 @@ class Scheduler:
         session.source.on_stale_epoch = self._stale
         return session
 
-    async def _run_session(
-        self, session: MasterSession | SlaveSession, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-    ) -> None:
-        self.session = session
-        try:
-            await session.run(task_status=task_status)
-        finally:
-            if self.session is session:
-                self.session = None
-
     def fenced(self, epoch: int, highest: int) -> None:
         """A realtime server refused this master's epoch: stop dispatching at once."""
         if self._fenced_epoch is None or epoch > self._fenced_epoch:
@@ -484,7 +430,7 @@ class Scheduler:
             self.session.accepting = False
             if self.registration is not None:
                 self.registration.heartbeat_now()
-        self._kick.set()
+        self.roles.kick()
 
     def _stale(self, epoch: int) -> None:
         if self.registration is not None:
@@ -542,26 +488,6 @@ class Scheduler:
                 continue
             deleted.append(hour)
         return segments, deleted
-
-
-async def _first_of(
-    wanted: Callable[[], Awaitable[MembershipView]], other: Callable[[], Awaitable[object]]
-) -> MembershipView | None:
-    """``wanted()``'s result, or None if ``other()`` returns first (the loser is cancelled)."""
-    result: list[MembershipView] = []
-    async with trio.open_nursery() as nursery:
-
-        async def run_wanted() -> None:
-            result.append(await wanted())
-            nursery.cancel_scope.cancel()
-
-        async def run_other() -> None:
-            await other()
-            nursery.cancel_scope.cancel()
-
-        nursery.start_soon(run_wanted)
-        nursery.start_soon(run_other)
-    return result[0] if result else None
 
 
 async def _no_delivery(subject: str, body: bytes) -> list[str]:
@@ -636,7 +562,7 @@ async def open_scheduler(
         run_blocking=run_blocking,
     ) as (message_log, state, store):
         current["store"] = store
-        history, member_id = await run_blocking(partial(_member_identity, root, state))
+        history, member_id = await run_blocking(partial(member_identity, root, state))
         async with AsyncExitStack() as stack:
             if peers is None:
                 peers = await stack.enter_async_context(open_peers(limits=limits, request_timeout=send_timeout))
@@ -761,31 +687,6 @@ def _delivery(
         return results
 
     return deliver
-
-
-def _member_identity(root: Path, state: StateStore) -> tuple[EpochHistory, str]:
-    """The member's epoch history and its stable id, made at its first start and kept in the
-    file ``member`` beside the data (not in lmdb, so a copied data folder is made a member
-    of its own by deleting that one file: docs/replication.md)."""
-    path = root / MEMBER_FILE
-    try:
-        member = path.read_text(encoding="ascii").strip()
-    except FileNotFoundError:
-        member = ""
-    if not member:
-        member = secrets.token_hex(8)
-        temporary = path.with_name(MEMBER_FILE + ".new")
-        with open(temporary, "w", encoding="ascii") as file:
-            file.write(member + "\n")
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-        directory = os.open(root, os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
-    return EpochHistory.load(state), member
 
 
 def _open_storage(root: Path, segment_size: int) -> tuple[SegmentedLog, StateStore, ScheduleStore]:

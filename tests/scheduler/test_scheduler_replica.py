@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from delaymq.replication.membership import MEMBER_FILE, member_identity
 from delaymq.scheduler.replica import DispatchRecords, decode_record, dispatch_record, finished_record
-from delaymq.scheduler.server import MEMBER_FILE, _member_identity
 from delaymq.storage.state import StateStore
 
 
@@ -79,7 +79,7 @@ def test_the_journal_and_the_replay_loop_may_settle_the_same_hour_from_two_threa
 
 def test_a_data_folder_keeps_its_member_id_and_a_copy_without_the_file_gets_a_new_one(tmp_path: Path) -> None:
     with StateStore.open(tmp_path / "state") as state:
-        _history, first = _member_identity(tmp_path, state)
-        assert _member_identity(tmp_path, state)[1] == first  # kept across restarts
+        _history, first = member_identity(tmp_path, state)
+        assert member_identity(tmp_path, state)[1] == first  # kept across restarts
         (tmp_path / MEMBER_FILE).unlink()  # what the docs tell an operator to do with a copied folder
-        assert _member_identity(tmp_path, state)[1] != first
+        assert member_identity(tmp_path, state)[1] != first

@@ -1,0 +1,363 @@
+"""The realtime master: the recovered state of a data folder and the handlers over it.
+
+``open_master`` brings the state back as a restart does (``recovery.recover``) and
+builds a ``RealtimeMaster``; the server (``delaymq.realtime.server``) routes SEND,
+PULL, ACK, NACK and CONSUMER_HEARTBEAT to it while the member is master. The parts,
+each in a module of its own:
+
+- ``send.SendHandler``: SEND, and storing batches (dedup, message log, index);
+  ``fences.Fences`` refuses SENDs of a deposed scheduler master (``fenced``);
+- ``pull.PullHandler``: PULL, long polls parked per subject (``parked``);
+- ``acks.AckHandler``: ACK, NACK, CONSUMER_HEARTBEAT; ``retries.Retries`` sends
+  nacked messages back through a scheduler or to the dead letters;
+- ``consumers.Consumers``: consumer state (memory, lmdb) and pull logs;
+- ``redelivery.RedeliverySweeper``: gives back what timed out;
+- ``checkpoint.Committer``: snapshots of all their small state, into lmdb.
+
+Under replication (``source``) each snapshot's consumer state is first appended to the
+message log as a progress record (``delaymq.realtime.progress``) and, under sync
+replication, waits for the in-sync slaves; so does every SEND, and a PULL's hand-outs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import trio
+
+from delaymq.client.routes import RouteClient
+from delaymq.protocol.limits import Limits
+from delaymq.realtime.acks import AckHandler
+from delaymq.realtime.checkpoint import Committer, Snapshot, encode_consumer, encode_share, write_snapshot
+from delaymq.realtime.consumers import Consumers
+from delaymq.realtime.dedup import DedupWindow
+from delaymq.realtime.fences import Fences, load_fences
+from delaymq.realtime.groups import Groups
+from delaymq.realtime.index import Indexer
+from delaymq.realtime.parked import ParkedPulls
+from delaymq.realtime.progress import ConsumerProgress, Progress, ship_consumers, unship
+from delaymq.realtime.pull import PullHandler
+from delaymq.realtime.recovery import Storage, recover
+from delaymq.realtime.redelivery import RedeliverySweeper
+from delaymq.realtime.retries import Retries
+from delaymq.realtime.send import SendHandler
+from delaymq.replication.source import ReplicationSource
+from delaymq.storage.errors import StorageError, storage_refusal
+from delaymq.storage.log import SegmentedLog
+from delaymq.storage.state import StateStore
+from delaymq.storage.threads import RunBlocking
+from delaymq.storage.writer import LogWriter
+from delaymq.wheel.clock import Clock
+
+log = logging.getLogger(__name__)
+
+
+class RealtimeMaster:
+    """What a master serves from: the recovered state and the request handlers over it.
+
+    Built by ``open_master`` from the data folder (as a restart does) each time a member
+    becomes master; ``delaymq.realtime.server.RealtimeServer`` routes requests to it.
+    """
+
+    def __init__(
+        self,
+        *,
+        group: str,
+        clock: Clock,
+        limits: Limits,
+        message_log: SegmentedLog,
+        store: StateStore,
+        indexer: Indexer,
+        dedup: DedupWindow,
+        groups: Groups,
+        pull_dir: Path,
+        consume_dir: Path,
+        dedup_buckets: list[int],
+        fences: dict[str, int],
+        run_blocking: RunBlocking,
+        checkpoint_interval_ms: int = 1000,
+        source: ReplicationSource | None = None,
+        replication_timeout_ms: int = 5_000,
+    ) -> None:
+        self.group = group
+        #: Under replication (a managed member): consumer progress is shipped in the log.
+        self.source = source
+        self._replication_timeout_ms = replication_timeout_ms
+        self._clock = clock
+        self._log = message_log
+        self._store = store
+        self._indexer = indexer
+        self._dedup = dedup
+        self._groups = groups
+        self._pull_dir = pull_dir
+        self._consume_dir = consume_dir
+        self._dedup_buckets = dedup_buckets
+        self.parked = ParkedPulls()
+        self.sweeper = RedeliverySweeper(groups=groups, clock=clock, parked=self.parked)
+        self.consumers = Consumers(
+            groups=groups,
+            indexer=indexer,
+            store=store,
+            pull_dir=pull_dir,
+            clock=clock,
+            sweeper=self.sweeper,
+            run_blocking=run_blocking,
+        )
+        self.committer = Committer(
+            take=self._take_snapshot,
+            write=self._write_snapshot,
+            done=self._snapshot_done,
+            failed=self._snapshot_failed,
+            interval_ms=checkpoint_interval_ms,
+            run_blocking=run_blocking,
+        )
+        self.fences = Fences(store=store, run_blocking=run_blocking, durable=fences)
+        self.send_handler = SendHandler(
+            clock=clock,
+            limits=limits,
+            store=store,
+            indexer=indexer,
+            dedup=dedup,
+            fences=self.fences,
+            run_blocking=run_blocking,
+        )
+        self.pull_handler = PullHandler(
+            consumers=self.consumers,
+            groups=groups,
+            indexer=indexer,
+            parked=self.parked,
+            sweeper=self.sweeper,
+            message_log=message_log,
+            clock=clock,
+            limits=limits,
+            run_blocking=run_blocking,
+        )
+        self.retries = Retries(
+            groups=groups,
+            indexer=indexer,
+            message_log=message_log,
+            sender=self.send_handler,
+            clock=clock,
+            run_blocking=run_blocking,
+        )
+        self.ack_handler = AckHandler(
+            consumers=self.consumers,
+            groups=groups,
+            retries=self.retries,
+            parked=self.parked,
+            sweeper=self.sweeper,
+            commit=self.committer.commit,
+            clock=clock,
+            limits=limits,
+        )
+        indexer.on_indexed = self.parked.wake
+        indexer.on_ids = dedup.indexed
+        if source is not None:
+            # Progress records go out with every checkpoint; what a consumer is answered waits for them.
+            self.committer.ship = partial(self.ship, wait=False)
+            self.fences.on_raise = self._ship_fences
+            self.send_handler.replicated = self._replicated
+            if source.mode == "sync" and source.min_insync:
+                self.ack_handler.replicated = lambda: self._replicated(message_log.end_offset)
+                self.pull_handler.handed_out = self.ack_handler.commit  # a hand-out is replicated before it goes
+
+    @property
+    def writer(self) -> LogWriter | None:
+        return self.send_handler.writer
+
+    @writer.setter
+    def writer(self, writer: LogWriter | None) -> None:
+        self.send_handler.writer = writer
+
+    def counters(self) -> dict[str, int]:
+        """This master's counters, for ``RealtimeStatistics``."""
+        groups = self._groups
+        sent, pulled, retries = self.send_handler, self.pull_handler, self.retries
+        return {
+            "sends": sent.sends,
+            "messages_stored": sent.stored,
+            "duplicates": sent.duplicates,
+            "pulls": pulled.pulls,
+            "pulls_waiting": self.parked.count,
+            "messages_delivered": pulled.delivered,
+            "acks": groups.acks,
+            "nacks": groups.nacks,
+            "redeliveries": groups.redelivered,
+            "retries_scheduled": retries.scheduled,
+            "retries_stored": retries.stored,
+            "dead_letters": retries.dead_letters,
+            "retries_given_back": retries.given_back,
+            "consumers": len(groups.live),
+            "subjects": len(self._indexer.logs),
+            "indexed_offset": self._indexer.indexed_offset,
+            "dedup_ids_in_memory": len(self._dedup),
+            "checkpoints": self.committer.commits,
+            "checkpoint_failures": self.committer.failures,
+            "fenced": self.fences.refused,
+            "fence_raises": self.fences.raised,
+        }
+
+    async def indexer_run(self, *, clock: Clock, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Retries a stalled index step (``Indexer.run``)."""
+        await self._indexer.run(clock=clock, task_status=task_status)
+
+    def close(self) -> None:
+        """Close the consume logs (blocking, quick: file descriptors)."""
+        self._indexer.close()
+
+    # --------------------------------------------------------------- replication
+
+    async def _replicated(self, end: int) -> None:
+        """Return once the in-sync slaves hold the log below ``end`` (sync replication)."""
+        assert self.source is not None
+        self.source.poke()
+        await self.source.confirm_replicated(end, timeout_ms=self._replication_timeout_ms, what="the change")
+
+    async def ship(self, progress: Progress, *, wait: bool = True) -> None:
+        """Append a progress record, then (``wait``) wait until it is replicated (sync)."""
+        data = progress.encode()
+        assert self.writer is not None
+        try:
+            base = await self.writer.append(data)
+        except StorageError as error:
+            raise storage_refusal("consumer progress could not be written to the message log", error) from error
+        self._indexer.submit(base, base + len(data), [], [], self._clock.now_ms())  # the index passes over it
+        if wait:
+            await self._replicated(base + len(data))
+        else:
+            assert self.source is not None
+            self.source.poke()
+
+    async def _ship_fences(self, epochs: dict[str, int]) -> None:
+        await self.ship(Progress(fences=dict(epochs)))
+
+    def full_progress(self, stored: list[tuple[bytes, bytes]]) -> Progress:
+        """The master's whole state as one progress record (a new master session's first):
+        every share, every consumer (``stored``: the committed records of those not in memory)."""
+        groups = self._groups
+        in_memory = [(consumer, encode_consumer(consumer)) for consumer in groups.consumers.values()]
+        consumers = ship_consumers(in_memory, whole=True)
+        consumers += [ConsumerProgress(key, record, 0, b"") for key, record in stored if key not in groups.consumers]
+        return Progress(
+            reset=True,
+            shares=[(share.key, encode_share(share)) for share in groups.shares.values()],
+            consumers=consumers,
+            fences=self.fences.table(),
+        )
+
+    # --------------------------------------------------------------- checkpoints
+
+    def _take_snapshot(self) -> Snapshot:
+        shares, consumers = self._groups.take_dirty()
+        pull_logs = self.consumers.take_written()
+        snapshot = Snapshot(
+            index_offset=self._indexer.indexed_offset,
+            consume=[(consume_log, consume_log.count) for consume_log in self._indexer.take_dirty()],
+            pull_logs=pull_logs,
+            dedup_ids=self._dedup.take_unpersisted(),
+            shares=[(share, encode_share(share)) for share in shares],
+            consumers=[(consumer, encode_consumer(consumer)) for consumer in consumers],
+            now=self._clock.now_ms(),
+        )
+        if self.source is not None and (snapshot.shares or snapshot.consumers):
+            snapshot.ship = Progress(
+                shares=[(share.key, record) for share, record in snapshot.shares],
+                consumers=ship_consumers(snapshot.consumers),
+            )
+        return snapshot
+
+    def _write_snapshot(self, snapshot: Snapshot) -> None:
+        write_snapshot(
+            snapshot,
+            store=self._store,
+            message_log=self._log,
+            consume_dir=self._consume_dir,
+            pull_dir=self._pull_dir,
+            dedup_buckets=self._dedup_buckets,
+            window_ms=self._dedup.window_ms,
+        )
+
+    def _snapshot_done(self, snapshot: Snapshot) -> None:
+        self._dedup.committed(snapshot.dedup_ids, self._clock.now_ms())
+        self.consumers.forget_idle()
+
+    def _snapshot_failed(self, snapshot: Snapshot) -> None:
+        self._dedup.restore_unpersisted(snapshot.dedup_ids)
+        self._groups.dirty_shares.update(share for share, _ in snapshot.shares)
+        self._groups.dirty_consumers.update(consumer for consumer, _ in snapshot.consumers)
+        self._indexer.dirty.update(consume_log for consume_log, _ in snapshot.consume)
+        self.consumers.restore_written(snapshot.pull_logs)
+        if snapshot.ship is not None:
+            unship(snapshot.consumers, snapshot.ship)
+
+
+def open_master(
+    storage: Storage,
+    *,
+    group: str,
+    clock: Clock,
+    limits: Limits,
+    settings: MasterSettings,
+    run_blocking: RunBlocking,
+    source: ReplicationSource | None = None,
+    scheduler_routes: RouteClient | None = None,
+) -> RealtimeMaster:
+    """Recover the data folder's state and build a master over it (blocking: a worker thread)."""
+    groups = Groups(ack_timeout_ms=settings.ack_timeout_ms, consumer_timeout_ms=settings.consumer_timeout_ms)
+    start_ms = clock.now_ms()
+    dedup = DedupWindow(window_ms=settings.dedup_window_ms, memory_ids=settings.dedup_memory_ids, covers_from=start_ms)
+    indexer, dedup_buckets, in_flight = recover(
+        message_log=storage.message_log,
+        store=storage.store,
+        consume_dir=storage.consume_folder.path,
+        pull_dir=storage.pull_folder.path,
+        groups=groups,
+        dedup=dedup,
+        now=start_ms,
+        found=storage.found,
+    )
+    try:
+        master = RealtimeMaster(
+            group=group,
+            clock=clock,
+            limits=limits,
+            message_log=storage.message_log,
+            store=storage.store,
+            indexer=indexer,
+            dedup=dedup,
+            groups=groups,
+            pull_dir=storage.pull_folder.path,
+            consume_dir=storage.consume_folder.path,
+            dedup_buckets=dedup_buckets,
+            fences=load_fences(storage.store),
+            run_blocking=run_blocking,
+            checkpoint_interval_ms=settings.checkpoint_interval_ms,
+            source=source,
+            replication_timeout_ms=settings.replication_timeout_ms,
+        )
+    except BaseException:
+        indexer.close()
+        raise
+    master.retries.scheduler_routes = scheduler_routes
+    now = clock.monotonic_ms()  # the groups' timeouts are intervals: a wall-clock step must not fire them
+    for consumer, pull_log in in_flight:
+        master.consumers.adopt(consumer, pull_log, now)
+    return master
+
+
+@dataclass(frozen=True, slots=True)
+class MasterSettings:
+    """A realtime server's options that shape its master (``open_realtime_server`` checks them)."""
+
+    dedup_window_ms: int = 600_000
+    dedup_memory_ids: int = 100_000
+    ack_timeout_ms: int = 60_000
+    consumer_timeout_ms: int = 30_000
+    checkpoint_interval_ms: int = 1000
+    replication_timeout_ms: int = 5_000
+
+
+__all__ = ["MasterSettings", "RealtimeMaster", "open_master"]
