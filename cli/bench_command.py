@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +18,7 @@ Row = tuple[str, float, str]
 SUITES: dict[str, tuple[str, str, bool]] = {
     "codec": ("delaymq.protocol.bench", "bench_codec", False),
     "log": ("delaymq.storage.bench", "bench_log_append", True),
-    "realtime": ("delaymq.cli.bench_cluster", "bench_realtime", True),
+    "realtime": ("delaymq.cli.bench_realtime", "bench_realtime", True),
     "delay": ("delaymq.cli.bench_cluster", "bench_delay", True),
     "failover": ("delaymq.cli.bench_failover", "bench_failover", True),
     "backlog": ("delaymq.backlog.bench", "bench_backlog", True),
@@ -37,6 +38,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="scratch directory for on-disk benchmarks (default: a temporary one)",
     )
+    parser.add_argument(
+        "--realtime",
+        action="store_true",
+        help="failover: SIGKILL the master of a replicated realtime group (instead of a scheduler group's)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -48,14 +54,22 @@ def print_rows(title: str, rows: list[Row]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    names = list(SUITES) if args.suite == "all" else [args.suite]
-    for name in names:
+    if args.realtime and args.suite != "failover":
+        print(
+            "delaymq bench: --realtime goes with the failover suite: delaymq bench failover --realtime", file=sys.stderr
+        )
+        return 2
+    if args.suite == "all":  # every suite, and the failover of a realtime group too
+        runs: list[tuple[str, dict[str, bool]]] = [(name, {}) for name in SUITES] + [("failover", {"realtime": True})]
+    else:
+        runs = [(args.suite, {"realtime": True} if args.realtime else {})]
+    for name, options in runs:
         module_name, function_name, wants_dir = SUITES[name]
         function: Callable[..., list[Row]] = getattr(importlib.import_module(module_name), function_name)
         if wants_dir:
             with tempfile.TemporaryDirectory(dir=args.dir, prefix=f"delaymq-bench-{name}-") as scratch:
-                rows = function(Path(scratch))
+                rows = function(Path(scratch), **options)
         else:
-            rows = function()
-        print_rows(name, rows)
+            rows = function(**options)
+        print_rows(f"{name} --realtime" if options else name, rows)
     return 0

@@ -1,4 +1,5 @@
-"""``delaymq bench failover``: a replicated scheduler group whose master is SIGKILLed.
+"""``delaymq bench failover``: a replicated scheduler (or, ``--realtime``, realtime) group whose
+master is SIGKILLed.
 
 Every server is its own ``delaymq`` process, as in production: a metaserver, a
 realtime server, a scheduler master and a slave (``ReplicatedGroup``; the fault
@@ -14,6 +15,15 @@ is killed at a chosen moment and the slave takes over. Printed, never asserted:
 - the accept rate of one producer (batches of 100, four in flight) into a fresh group
   with sync replication to one slave beside the same into a group of one member
   (``--min-insync 0``, no slave), as a ratio (DESIGN.md section 7 asks >= 0.8).
+
+``--realtime``: a metaserver and a realtime group of a master and two sync slaves
+(``--min-insync 1``, so the group still takes messages with one slave gone). One
+producer sends immediate messages at a steady rate, one consumer takes and acks them;
+the master is SIGKILLed under that load. Printed: the time from the kill to the
+promotion, to the first SEND the new master stored and to the first message it handed
+out (its STATUS, polled every 10 ms), and what the consumer saw: lost, handed out again
+with a raised ``attempts`` (marked: a hand-out whose ack the old master had not
+replicated), and handed out again unmarked (duplicated).
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ from delaymq.protocol.transport import AsyncCaller, open_peers
 
 SUBJECT = "failover"
 GROUP = "scheduler-1"
+REALTIME_GROUP = "realtime-1"
 #: How long a server process may take to log its address.
 START_TIMEOUT_S = 30.0
 _LISTENING = re.compile(rb" listening on (\S+)")
@@ -103,22 +114,41 @@ class ServerChild:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
+def role_of(answer: dict[str, Any]) -> str:
+    """A member's role from its STATUS: a scheduler says it at the top, a realtime server in its statistics."""
+    return str(answer.get("role") or (answer.get("statistics") or {}).get("role") or "")
+
+
+def epoch_of(answer: dict[str, Any]) -> int:
+    """A member's epoch from its STATUS (at the top for a scheduler, in the statistics for a realtime server)."""
+    return int(answer.get("epoch", (answer.get("statistics") or {}).get("epoch", 0)))
+
+
 @dataclass
 class ReplicatedGroup:
-    """A metaserver, a realtime server and the members of one scheduler group, each a process."""
+    """A metaserver and the members of one replicated group, each a process: a scheduler group
+    (``kind="scheduler"``, with the realtime server it delivers to) or a realtime group."""
 
     root: Path
     peers: AsyncCaller
     meta: ServerChild
-    realtime: ServerChild
+    realtime: ServerChild | None  # the realtime server a scheduler group delivers to; None for a realtime group
     members: list[ServerChild]
     failover_after_ms: int
     min_insync: int
+    kind: str = "scheduler"
+    member_options: Sequence[str] = ()  # more options of every member's command
+
+    @property
+    def name(self) -> str:
+        """The replicated group's name."""
+        return GROUP if self.kind == "scheduler" else REALTIME_GROUP
 
     def member(self, name: str, *, replication: str = "sync") -> ServerChild:
-        """A scheduler member of the group on its own data folder (not started)."""
-        arguments = ["scheduler", "--group", GROUP, "--meta", self.meta.address, "--data", str(self.root / name)]
-        arguments += ["--replication", replication, "--min-insync", str(self.min_insync)]
+        """A member of the group (``delaymq scheduler`` or ``delaymq realtime``) on its own data folder
+        (not started)."""
+        arguments = [self.kind, "--group", self.name, "--meta", self.meta.address, "--data", str(self.root / name)]
+        arguments += ["--replication", replication, "--min-insync", str(self.min_insync), *self.member_options]
         child = ServerChild(name, arguments, self.root / f"{name}.log")
         self.members.append(child)
         return child
@@ -148,7 +178,7 @@ class ReplicatedGroup:
         """Until the metaserver knows ``slave`` as an in-sync slave of ``master`` (so it can be promoted)."""
 
         def ready(answer: dict[str, Any]) -> bool:
-            rows = {row["address"]: row for row in answer["rows"] if row["group"] == GROUP}
+            rows = {row["address"]: row for row in answer["rows"] if row["group"] == self.name}
             return (
                 rows.get(master.address, {}).get("role") == "master"
                 and rows.get(slave.address, {}).get("role") == "slave"
@@ -160,10 +190,12 @@ class ReplicatedGroup:
     async def start_member(self, child: ServerChild, *, role: str, timeout: float = 30.0) -> dict[str, Any]:
         """Start a member and wait until its STATUS says ``role``; that STATUS."""
         await child.start()
-        return await self.wait_status(child.address, lambda answer: answer.get("role") == role, timeout=timeout)
+        return await self.wait_status(child.address, lambda answer: role_of(answer) == role, timeout=timeout)
 
     async def kill_all(self) -> None:
         for child in [*self.members, self.realtime, self.meta]:
+            if child is None:
+                continue
             if child.process is not None and child.process.returncode is None:
                 child.send_signal(signal.SIGCONT)  # a stopped one too
             await child.kill()
@@ -171,23 +203,39 @@ class ReplicatedGroup:
 
 @asynccontextmanager
 async def open_replicated_group(
-    root: Path, *, failover_after_ms: int = 5_000, slaves: int = 1, min_insync: int = 1, replication: str = "sync"
+    root: Path,
+    *,
+    kind: str = "scheduler",
+    failover_after_ms: int = 5_000,
+    slaves: int = 1,
+    min_insync: int = 1,
+    replication: str = "sync",
+    member_options: Sequence[str] = (),
 ) -> AsyncIterator[ReplicatedGroup]:
-    """Start a metaserver, a realtime server, the master ``s1`` and ``slaves`` slaves (``s2``...), each
-    a process; yields once every slave is in sync as the metaserver sees it. All are SIGKILLed at the end."""
+    """Start a metaserver, the master and ``slaves`` slaves of a ``kind`` group (scheduler: ``s1``,
+    ``s2``...; realtime: ``r1``, ``r2``...), each a process, and for a scheduler group the realtime
+    server it delivers to (a group of one, ``--min-insync 0``); yields once every slave is in sync as
+    the metaserver sees it. All are SIGKILLed at the end."""
+    if kind not in ("scheduler", "realtime"):
+        raise ValueError(f"kind: {kind!r} is not scheduler or realtime")
     async with open_peers(request_timeout=5.0) as peers:
         meta_arguments = ["metaserver", "--data", str(root / "meta"), "--failover-after", f"{failover_after_ms}ms"]
         meta = ServerChild("meta", meta_arguments, root / "meta.log")
-        realtime = ServerChild("realtime", ["realtime", "--data", str(root / "realtime")], root / "realtime.log")
-        group = ReplicatedGroup(root, peers, meta, realtime, [], failover_after_ms, min_insync)
+        realtime = None
+        if kind == "scheduler":
+            arguments = ["realtime", "--data", str(root / "realtime"), "--min-insync", "0"]
+            realtime = ServerChild("realtime", arguments, root / "realtime.log")
+        group = ReplicatedGroup(root, peers, meta, realtime, [], failover_after_ms, min_insync, kind, member_options)
+        prefix = kind[0]
         try:
             await meta.start()
-            realtime.arguments += ["--meta", meta.address]
-            await realtime.start()
-            master = group.member("s1", replication=replication)
+            if realtime is not None:
+                realtime.arguments += ["--meta", meta.address]
+                await realtime.start()
+            master = group.member(f"{prefix}1", replication=replication)
             await group.start_member(master, role="master")
             for n in range(slaves):
-                slave = group.member(f"s{n + 2}", replication=replication)
+                slave = group.member(f"{prefix}{n + 2}", replication=replication)
                 await group.start_member(slave, role="slave")
                 await group.wait_in_sync(master, slave)
             yield group
@@ -206,6 +254,7 @@ class Tally:
     acked: dict[str, Message] = field(default_factory=dict)
     acked_at: dict[str, int] = field(default_factory=dict)
     received: dict[str, list[int]] = field(default_factory=dict)  # received_at of each delivery
+    attempts: dict[str, list[int]] = field(default_factory=dict)  # the attempts count of each delivery
     received_due: dict[str, int] = field(default_factory=dict)  # deliver_at as delivered (rewritten if it was past)
     send_errors: int = 0
     changed: trio.Event = field(default_factory=trio.Event)
@@ -236,6 +285,18 @@ class Tally:
 
     def duplicated(self) -> int:
         return sum(len(times) - 1 for times in self.received.values())
+
+    def handed_out_again(self) -> tuple[int, int]:
+        """Deliveries after an id's first: (marked: its attempts count above every earlier one's, so
+        the consumer can tell; unmarked: not raised, a duplicate the consumer cannot tell apart)."""
+        marked = unmarked = 0
+        for counts in self.attempts.values():
+            for n, count in enumerate(counts[1:], start=1):
+                if count > max(counts[:n]):
+                    marked += 1
+                else:
+                    unmarked += 1
+        return marked, unmarked
 
     def lateness_ms(self, *, due_from: int = 0, due_until: int | None = None) -> list[float]:
         """Receive time minus due time of the first delivery of messages due in [due_from, due_until)."""
@@ -271,29 +332,49 @@ async def consume(meta: str, tally: Tally, *, task_status: trio.TaskStatus[None]
         task_status.started()
         async for message in consumer:
             tally.received.setdefault(message.id, []).append(message.received_at)
+            tally.attempts.setdefault(message.id, []).append(message.attempts)
             tally.received_due.setdefault(message.id, message.deliver_at)
             await message.ack()
             tally.changed.set()
 
 
-async def schedule_all(meta: str, count: int, tally: Tally, *, delay: tuple[float, float], batch: int = 100) -> float:
-    """Schedule ``count`` messages (batches of ``batch``, ``IN_FLIGHT`` in flight) due ``delay`` s ahead; msg/s."""
+async def send_all(
+    meta: str,
+    count: int,
+    tally: Tally,
+    *,
+    delay: tuple[float, float] | None,
+    batch: int = 100,
+    rate: float | None = None,
+    latencies_ms: list[float] | None = None,
+) -> float:
+    """Send ``count`` messages (batches of ``batch``, ``IN_FLIGHT`` in flight), due ``delay`` s ahead or
+    immediate (``None``), as fast as they are taken or paced at ``rate`` msg/s; msg/s. Each batch's time
+    from its first try to its answer goes into ``latencies_ms``."""
     rng = random.Random(3)
     async with open_producer(meta) as producer:
         window = trio.Semaphore(IN_FLIGHT)
         start = time.perf_counter()
+        paced_from = trio.current_time()
 
         async def send(messages: list[Message]) -> None:
             try:
+                began = time.perf_counter()
                 await send_until_stored(producer, messages, tally)
+                if latencies_ms is not None:
+                    latencies_ms.append((time.perf_counter() - began) * 1000)
             finally:
                 window.release()
 
         async with trio.open_nursery() as senders:
             for first in range(0, count, batch):
-                messages = [
-                    producer.message(SUBJECT, BODY, delay=rng.uniform(*delay)) for _ in range(min(batch, count - first))
-                ]
+                n = min(batch, count - first)
+                if delay is None:
+                    messages = [producer.message(SUBJECT, BODY) for _ in range(n)]
+                else:
+                    messages = [producer.message(SUBJECT, BODY, delay=rng.uniform(*delay)) for _ in range(n)]
+                if rate is not None:
+                    await trio.sleep_until(paced_from + first / rate)  # the producer's pace, not a synchronisation
                 await window.acquire()
                 senders.start_soon(send, messages)
         return count / (time.perf_counter() - start)
@@ -304,52 +385,86 @@ async def schedule_all(meta: str, count: int, tally: Tally, *, delay: tuple[floa
 
 @dataclass
 class Takeover:
+    new_master: ServerChild
     killed_ms: int
     promoted_ms: int
-    first_dispatch_ms: int
+    first_ms: dict[str, int]  # statistics counter -> when the new master first raised it
 
 
-async def kill_master_and_time_takeover(group: ReplicatedGroup, master: ServerChild, slave: ServerChild) -> Takeover:
-    """SIGKILL ``master``; poll ``slave``'s STATUS every 10 ms until it is master and has dispatched."""
+async def kill_master_and_time_takeover(
+    group: ReplicatedGroup, master: ServerChild, slaves: Sequence[ServerChild], counters: Sequence[str]
+) -> Takeover:
+    """SIGKILL ``master``; poll the ``slaves``' STATUS every 10 ms until one is master, then until it has
+    raised each of its statistics ``counters`` (``dispatched``, ``messages_stored``...) above where
+    they stood at its promotion."""
     killed = wall_ms()
     await master.kill()
     timeout = group.failover_after_ms / 1000 + 30
     try:
-        await group.wait_status(slave.address, lambda a: a["role"] == "master", timeout=timeout, poll=0.01)
-        promoted_ms = wall_ms()
-        await group.wait_status(slave.address, lambda a: a["statistics"]["dispatched"] > 0, timeout=timeout, poll=0.01)
+        with trio.fail_after(timeout):
+            new_master, answer = await _wait_promoted(group, slaves)
+            promoted_ms = wall_ms()
+            baseline = {name: answer["statistics"][name] for name in counters}
+            first_ms: dict[str, int] = {}
+            while len(first_ms) < len(counters):
+                await trio.sleep(0.01)  # the poll interval of a bounded wait
+                try:
+                    stats = (await group.status(new_master.address))["statistics"]
+                except Exception:  # not answering now: asked again at the next poll
+                    continue
+                now = wall_ms()
+                for name in counters:
+                    if name not in first_ms and stats[name] > baseline[name]:
+                        first_ms[name] = now
     except trio.TooSlowError:
-        assert slave.process is not None
-        state = "is running" if slave.process.returncode is None else f"exited with {slave.process.returncode}"
+        states = ", ".join(
+            f"{slave.name} {'is running' if slave.process and slave.process.returncode is None else 'exited'}"
+            for slave in slaves
+        )
         raise RuntimeError(
-            f"the slave did not take over within {timeout:.0f} s; it {state} (see {slave.log_path})"
+            f"no slave took over (and served) within {timeout:.0f} s; {states} (see their logs in {group.root})"
         ) from None
-    return Takeover(killed, promoted_ms, wall_ms())
+    return Takeover(new_master, killed, promoted_ms, first_ms)
+
+
+async def _wait_promoted(group: ReplicatedGroup, slaves: Sequence[ServerChild]) -> tuple[ServerChild, dict[str, Any]]:
+    """The first of ``slaves`` whose STATUS says master (polled every 10 ms), and that STATUS."""
+    while True:
+        for slave in slaves:
+            try:
+                answer = await group.status(slave.address)
+            except Exception:  # not answering now: asked again at the next poll
+                continue
+            if role_of(answer) == "master":
+                return slave, answer
+        await trio.sleep(0.01)  # the poll interval of a bounded wait
 
 
 async def _failover_run(root: Path, count: int, kill_after: float) -> list[Row]:
     tally = Tally()
     async with open_replicated_group(root) as group:
         master, slave = group.members
+        assert group.realtime is not None
         async with trio.open_nursery() as nursery:
             await nursery.start(consume, group.meta.address, tally)
             started = trio.current_time()
-            accepted = await schedule_all(group.meta.address, count, tally, delay=(2.0, 20.0))
+            accepted = await send_all(group.meta.address, count, tally, delay=(2.0, 20.0))
             await trio.sleep_until(started + kill_after)  # the chosen moment of the kill, not a synchronisation
-            takeover = await kill_master_and_time_takeover(group, master, slave)
+            takeover = await kill_master_and_time_takeover(group, master, [slave], ["dispatched"])
             try:
                 await tally.wait_all_in(timeout=60)
             except trio.TooSlowError:
                 pass  # reported as lost
             realtime = await group.status(group.realtime.address)
             nursery.cancel_scope.cancel()
-    during = tally.lateness_ms(due_from=takeover.killed_ms, due_until=takeover.first_dispatch_ms)
+    first_dispatch_ms = takeover.first_ms["dispatched"]
+    during = tally.lateness_ms(due_from=takeover.killed_ms, due_until=first_dispatch_ms)
     p50, p99, worst = percentiles(during)
-    after_p50, after_p99, after_worst = percentiles(tally.lateness_ms(due_from=takeover.first_dispatch_ms))
+    after_p50, after_p99, after_worst = percentiles(tally.lateness_ms(due_from=first_dispatch_ms))
     return [
         (f"{count:,} scheduled, sync to 1 slave: accepted", accepted, "msg/s"),
         ("kill to promotion", takeover.promoted_ms - takeover.killed_ms, "ms"),
-        ("kill to the new master's first dispatch", takeover.first_dispatch_ms - takeover.killed_ms, "ms"),
+        ("kill to the new master's first dispatch", first_dispatch_ms - takeover.killed_ms, "ms"),
         ("messages due during the failover", len(during), "msgs"),
         ("  their lateness p50", p50, "ms"),
         ("  their lateness p99", p99, "ms"),
@@ -369,14 +484,94 @@ async def _accept_rate(root: Path, count: int, *, slaves: int) -> float:
     """SCHEDULE msg/s of one producer into a fresh group: sync replication to ``slaves`` slaves
     (``--min-insync`` as many), or one member alone. Due in 60-120 s: nothing is delivered meanwhile."""
     async with open_replicated_group(root, slaves=slaves, min_insync=slaves) as group:
-        return await schedule_all(group.meta.address, count, Tally(), delay=(60.0, 120.0))
+        return await send_all(group.meta.address, count, Tally(), delay=(60.0, 120.0))
+
+
+#: A realtime member's ack timeout in the realtime failover: a hand-out lost with the old master
+#: (its answer never reached the consumer) comes back this soon.
+REALTIME_ACK_TIMEOUT = "5s"
+
+
+async def _realtime_failover_run(root: Path, count: int, kill_after: float, rate: float) -> list[Row]:
+    tally = Tally()
+    options = ["--ack-timeout", REALTIME_ACK_TIMEOUT]
+    async with open_replicated_group(root, kind="realtime", slaves=2, member_options=options) as group:
+        master, *slaves = group.members
+        async with trio.open_nursery() as nursery:
+            await nursery.start(consume, group.meta.address, tally)
+            sent = trio.Event()
+
+            async def produce() -> None:
+                await send_all(group.meta.address, count, tally, delay=None, batch=20, rate=rate)
+                sent.set()
+
+            nursery.start_soon(produce)
+            await trio.sleep(kill_after)  # the chosen moment of the kill, under load; not a synchronisation
+            lag = await _replication_lag(group, master)
+            takeover = await kill_master_and_time_takeover(
+                group, master, slaves, ["messages_stored", "messages_delivered"]
+            )
+            with trio.move_on_after(120):
+                await sent.wait()
+            try:
+                await tally.wait_all_in(timeout=60)
+            except trio.TooSlowError:
+                pass  # reported as lost
+            new_master = await group.status(takeover.new_master.address)
+            nursery.cancel_scope.cancel()
+    marked, unmarked = tally.handed_out_again()
+    stats = new_master["statistics"]
+    return [
+        (f"sent at {rate:,.0f} msg/s, sync to 2 slaves (min-insync 1): acknowledged", len(tally.acked), "msgs"),
+        ("slaves' lag just before the kill (most)", lag, "bytes"),
+        ("kill to promotion", takeover.promoted_ms - takeover.killed_ms, "ms"),
+        (
+            "kill to the first SEND stored by the new master",
+            takeover.first_ms["messages_stored"] - takeover.killed_ms,
+            "ms",
+        ),
+        (
+            "kill to the first message handed out by the new master",
+            takeover.first_ms["messages_delivered"] - takeover.killed_ms,
+            "ms",
+        ),
+        ("SEND retries (whole batches) at the producer", tally.send_errors, ""),
+        ("re-sends answered duplicate by the new master", stats["duplicates"], "msgs"),
+        ("lost", len(tally.missing()), "msgs"),
+        ("handed out again, attempts raised (marked)", marked, "msgs"),
+        ("handed out again, not marked (duplicated)", unmarked, "msgs"),
+    ]
+
+
+async def _replication_lag(group: ReplicatedGroup, master: ServerChild) -> int:
+    """The most bytes a slave was behind ``master``, by its STATUS (-1 if it does not answer)."""
+    try:
+        answer = await group.status(master.address)
+    except Exception:  # a figure for the report, not a condition of the run
+        return -1
+    replicas = (answer["statistics"].get("replication") or {}).get("replicas") or []
+    return max((int(replica.get("lag_bytes") or 0) for replica in replicas), default=0)
 
 
 def bench_failover(
-    scratch: Path, *, count: int = 5_000, kill_after: float = 6.0, accept_count: int = 20_000
+    scratch: Path,
+    *,
+    count: int = 5_000,
+    kill_after: float = 6.0,
+    accept_count: int = 20_000,
+    realtime: bool = False,
+    realtime_count: int = 8_000,
+    realtime_rate: float = 500.0,
 ) -> list[Row]:
     """``count`` messages due 2-20 s ahead, the master SIGKILLed ``kill_after`` s after the first was
-    sent; then the accept rate of ``accept_count`` messages with one sync slave and with none."""
+    sent; then the accept rate of ``accept_count`` messages with one sync slave and with none.
+
+    ``realtime``: instead, ``realtime_count`` immediate messages at ``realtime_rate`` msg/s into a
+    realtime group whose master is SIGKILLed ``kill_after`` s in."""
+    if realtime:
+        return trio.run(
+            _realtime_failover_run, scratch / "failover-realtime", realtime_count, kill_after, realtime_rate
+        )
     rows = trio.run(_failover_run, scratch / "failover", count, kill_after)
     replicated = trio.run(partial(_accept_rate, scratch / "accept-sync", accept_count, slaves=1))
     single = trio.run(partial(_accept_rate, scratch / "accept-single", accept_count, slaves=0))
@@ -389,12 +584,17 @@ def bench_failover(
 
 
 __all__ = [
+    "REALTIME_GROUP",
     "ReplicatedGroup",
     "ServerChild",
     "Tally",
     "bench_failover",
     "consume",
+    "epoch_of",
+    "kill_master_and_time_takeover",
     "open_replicated_group",
+    "role_of",
+    "send_all",
     "send_until_stored",
     "wall_ms",
 ]

@@ -2,7 +2,9 @@
 
 A metaserver, a realtime server and a scheduler, each
 with its own folder under ``--data``; the embedded default a new user starts
-with (``make run``). Stops cleanly on Ctrl-C or SIGTERM.
+with (``make run``). ``--replicas N`` gives the realtime group and the scheduler
+group N slaves each (``DATA/realtime-1-replica-K``, ``DATA/scheduler-1-replica-K``)
+with sync replication and min-insync 1. Stops cleanly on Ctrl-C or SIGTERM.
 
 Each server keeps its address across restarts, so a restart is a pause and not a
 move: clients' cached routes and the metaserver's registry stay right. An
@@ -23,6 +25,7 @@ import json
 import logging
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -87,8 +90,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=_replicas,
         default=0,
         metavar="N",
-        help="scheduler slaves to run beside the master (data in DATA/scheduler-1-replica-K); with one or more, "
-        "replication is sync with min-insync 1 and the metaserver fails over to a slave (default: %(default)s)",
+        help="slaves to run beside the realtime master and beside the scheduler master (data in "
+        "DATA/realtime-1-replica-K and DATA/scheduler-1-replica-K); with one or more, replication is sync with "
+        "min-insync 1 and the metaserver fails over to a slave (default: %(default)s)",
     )
     parser.set_defaults(func=run)
 
@@ -163,6 +167,23 @@ async def _enter_listening(
     return await stack.enter_async_context(open_server(format_address(host, 0)))
 
 
+async def _enter_replicas(
+    stack: AsyncExitStack,
+    open_member: Callable[[Path, str], AbstractAsyncContextManager[Any]],
+    master_data: Path,
+    count: int,
+) -> list[Any]:
+    """``count`` more members of a master's group, each on a free port with data in MASTER_DATA-replica-K.
+
+    Opened after the master, so the metaserver makes them its slaves."""
+    return [
+        await stack.enter_async_context(
+            open_member(master_data.with_name(f"{master_data.name}-replica-{k}"), "127.0.0.1:0")
+        )
+        for k in range(1, count + 1)
+    ]
+
+
 async def _serve(args: argparse.Namespace) -> None:
     data: Path = args.data
     clock = SystemClock()
@@ -176,49 +197,52 @@ async def _serve(args: argparse.Namespace) -> None:
             remembered.get("metaserver"),
             lambda listen: open_metaserver(listen=listen, data_dir=data / "metaserver", clock=clock),
         )
+        min_insync = min(1, args.replicas)
+
+        def realtime_member(data_dir: Path, listen: str) -> AbstractAsyncContextManager[Any]:
+            return open_realtime_server(
+                data_dir=data_dir,
+                clock=clock,
+                listen=listen,
+                meta_address=meta.address,
+                flush=args.flush,
+                min_insync=min_insync,
+            )
+
+        def scheduler_member(data_dir: Path, listen: str) -> AbstractAsyncContextManager[Any]:
+            return open_scheduler(
+                data_dir=data_dir,
+                clock=clock,
+                listen=listen,
+                meta_address=meta.address,
+                flush=args.flush,
+                min_insync=min_insync,
+            )
+
         realtime = await _enter_listening(
             stack,
             "realtime server",
             args.realtime_listen,
             remembered.get("realtime"),
-            lambda listen: open_realtime_server(
-                data_dir=data / "realtime-1", clock=clock, listen=listen, meta_address=meta.address, flush=args.flush
-            ),
+            partial(realtime_member, data / "realtime-1"),
         )
+        realtime_replicas = await _enter_replicas(stack, realtime_member, data / "realtime-1", args.replicas)
         scheduler = await _enter_listening(
             stack,
             "scheduler",
             args.scheduler_listen,
             remembered.get("scheduler"),
-            lambda listen: open_scheduler(
-                data_dir=data / "scheduler-1",
-                clock=clock,
-                listen=listen,
-                meta_address=meta.address,
-                flush=args.flush,
-                min_insync=min(1, args.replicas),
-            ),
+            partial(scheduler_member, data / "scheduler-1"),
         )
-        replicas = []
-        for k in range(1, args.replicas + 1):
-            replicas.append(
-                await stack.enter_async_context(
-                    open_scheduler(
-                        data_dir=data / f"scheduler-1-replica-{k}",
-                        clock=clock,
-                        listen="127.0.0.1:0",
-                        meta_address=meta.address,
-                        flush=args.flush,
-                        min_insync=min(1, args.replicas),
-                    )
-                )
-            )
+        replicas = await _enter_replicas(stack, scheduler_member, data / "scheduler-1", args.replicas)
         bound = {"metaserver": meta.address, "realtime": realtime.address, "scheduler": scheduler.address}
         if bound != remembered:
             record = {"format": LISTEN_FORMAT, **bound}
             await run_in_thread(lambda: write_json_atomically(data / LISTEN_FILE, record))
         print(f"metaserver  {meta.address}", flush=True)
         print(f"realtime    {realtime.address}  (group {realtime.group})", flush=True)
+        for replica in realtime_replicas:
+            print(f"realtime    {replica.address}  (group {replica.group}, a replica)", flush=True)
         print(f"scheduler   {scheduler.address}  (group {scheduler.group})", flush=True)
         for replica in replicas:
             print(f"scheduler   {replica.address}  (group {replica.group}, a replica)", flush=True)

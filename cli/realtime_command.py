@@ -1,7 +1,9 @@
 """``delaymq realtime``: run a realtime server until Ctrl-C or SIGTERM.
 
 It logs the address it bound (``realtime server GROUP listening on HOST:PORT``)
-and registers with the metaserver given by ``--meta``.
+and registers with the metaserver given by ``--meta``, which makes it the master of
+its group or a slave of the master there is (a second ``delaymq realtime --group G``
+on another data folder joins G as a slave).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import logging
 from delaymq.cli import options
 from delaymq.cli.connection_options import connection_limits
 from delaymq.cli.options import add_duration
-from delaymq.cli.server_options import add_server_options
+from delaymq.cli.server_options import add_replication_options, add_server_options
 from delaymq.cli.serving import fail, run_server, wait_for_stop_signal
 from delaymq.client.producer import DEFAULT_META
 from delaymq.protocol.limits import Limits
@@ -35,6 +37,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_duration(parser, "--dedup-window", "10m", "a message id seen again within this window is stored once")
     add_duration(parser, "--ack-timeout", "60s", "a message pulled and not acked within this goes back to its group")
     add_duration(parser, "--consumer-timeout", "30s", "a consumer silent this long loses what it holds to its group")
+    add_replication_options(parser, writes="a SEND, PULL or ACK")
     parser.set_defaults(func=run)
 
 
@@ -67,12 +70,17 @@ async def _serve(args: argparse.Namespace, meta: list[str], settings: dict[str, 
         dedup_window_ms=settings["dedup_window_ms"],
         ack_timeout_ms=settings["ack_timeout_ms"],
         consumer_timeout_ms=settings["consumer_timeout_ms"],
+        replication=args.replication,
+        min_insync=args.min_insync,
     ) as server:
         log.info(
-            "realtime server %s listening on %s (data %s, metaserver %s)",
+            "realtime server %s listening on %s (data %s, metaserver %s, replication %s, min-insync %d); "
+            "master or slave as the metaserver says",
             args.group,
             server.address,
             args.data,
             ", ".join(meta),
+            args.replication,
+            args.min_insync,
         )
         await wait_for_stop_signal()

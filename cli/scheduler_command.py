@@ -13,7 +13,7 @@ import logging
 from delaymq.cli import options
 from delaymq.cli.connection_options import connection_limits
 from delaymq.cli.options import add_duration
-from delaymq.cli.server_options import add_server_options
+from delaymq.cli.server_options import add_replication_options, add_server_options
 from delaymq.cli.serving import fail, run_server, wait_for_stop_signal
 from delaymq.client.producer import DEFAULT_META
 from delaymq.protocol.limits import Limits
@@ -35,32 +35,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_server_options(parser, group="scheduler-1")
     add_duration(parser, "--horizon", "732d", "how far ahead a message may be scheduled; later ones are refused")
     add_duration(parser, "--retention", "72h", "how long a fully delivered hour's files are kept")
-    parser.add_argument(
-        "--replication",
-        choices=("sync", "async"),
-        default="sync",
-        help="as master: answer a SCHEDULE only once --min-insync slaves hold it (sync), or at once (async) "
-        "(default: %(default)s)",
-    )
-    parser.add_argument(
-        "--min-insync",
-        type=_count,
-        default=1,
-        metavar="N",
-        help="in-sync slaves that must hold each SCHEDULE under sync replication; with fewer in sync a SCHEDULE "
-        "is refused (retryable) and nothing is stored. 0: none needed (default: %(default)s)",
-    )
+    add_replication_options(parser, writes="each SCHEDULE")
     parser.set_defaults(func=run)
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be 0 or more")
-    return value
 
 
 def run(args: argparse.Namespace) -> int:

@@ -37,4 +37,35 @@ def add_server_options(parser: argparse.ArgumentParser, *, group: str) -> None:
     add_connection_options(parser)
 
 
-__all__ = ["add_server_options"]
+def add_replication_options(parser: argparse.ArgumentParser, *, writes: str) -> None:
+    """``--replication`` and ``--min-insync`` of a replicated server group (scheduler, realtime).
+
+    ``writes`` names the requests a master answers only once its in-sync slaves hold them."""
+    parser.add_argument(
+        "--replication",
+        choices=("sync", "async"),
+        default="sync",
+        help=f"as master: answer {writes} only once --min-insync slaves hold it (sync), or at once (async) "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--min-insync",
+        type=_count,
+        default=1,
+        metavar="N",
+        help=f"in-sync slaves that must hold {writes} under sync replication; with fewer in sync it "
+        "is refused (retryable) and nothing is stored. 0: none needed (default: %(default)s)",
+    )
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be 0 or more")
+    return value
+
+
+__all__ = ["add_replication_options", "add_server_options"]

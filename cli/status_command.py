@@ -1,7 +1,9 @@
 """``delaymq status``: the metaserver's view of every server, as a table or JSON.
 
-Each scheduler the metaserver knows (and has not evicted) is asked for its own
-STATUS: its tick and the pending count of each hour with messages still to deliver.
+Each scheduler and realtime server the metaserver knows (and has not evicted) is
+asked for its own STATUS: every member's role, epoch and replication lag (one
+rendering for both kinds), a scheduler's tick and the pending count of each hour
+with messages still to deliver, a realtime server's message and consumer counts.
 """
 
 from __future__ import annotations
@@ -83,46 +85,63 @@ def run(args: argparse.Namespace) -> int:
     answer = ask_metaserver("status", args, Command.STATUS, {})
     if answer is None:
         return 1
-    schedulers = ask_schedulers(args, answer.get("rows") or [])
+    members = ask_members(args, answer.get("rows") or [])
     if args.json:
-        print(json.dumps({"metaserver": args.meta, **answer, "schedulers": schedulers}, indent=2, sort_keys=True))
+        shown = {"metaserver": args.meta, **answer, "schedulers": members["scheduler"], "realtime": members["realtime"]}
+        print(json.dumps(shown, indent=2, sort_keys=True))
         return 0
     print(format_table(args.meta, answer))
     for row in answer.get("rows") or []:
         key = f"{row['group']} {row['address']}"
-        if key in schedulers:
-            print(format_scheduler(row["group"], row["address"], schedulers[key]))
+        if key in members["scheduler"]:
+            print(format_scheduler(row["group"], row["address"], members["scheduler"][key]))
+        if key in members["realtime"]:
+            print(format_realtime(row["group"], row["address"], members["realtime"][key]))
     return 0
 
 
-def ask_schedulers(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Each live scheduler's STATUS answer (or ``{"error": ...}``), keyed "GROUP ADDRESS"."""
-    wanted = [row for row in rows if row.get("kind") == "scheduler" and not row.get("evicted")]
+def ask_members(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Each live scheduler's and realtime server's STATUS answer (or ``{"error": ...}``), by kind and
+    then keyed "GROUP ADDRESS". A scheduler is asked for its first ``--hours`` hours; a realtime
+    server's STATUS takes no fields."""
+    answers: dict[str, dict[str, dict[str, Any]]] = {"scheduler": {}, "realtime": {}}
+    wanted = [row for row in rows if row.get("kind") in answers and not row.get("evicted")]
     if not wanted:
-        return {}
-    answers: dict[str, dict[str, Any]] = {}
+        return answers
     timeout = options.duration_ms(args.timeout) / 1000
     with BlockingPeers(connect_timeout=timeout, request_timeout=timeout) as peers:
         for row in wanted:
             key = f"{row['group']} {row['address']}"
+            metadata = {"hours": args.hours} if row["kind"] == "scheduler" else {}
             try:
-                answers[key] = peers.call(row["address"], Command.STATUS, {"hours": args.hours}).metadata
+                answers[row["kind"]][key] = peers.call(row["address"], Command.STATUS, metadata).metadata
             except (TransportError, ProtocolError) as error:
-                answers[key] = {"error": str(error)}
+                answers[row["kind"]][key] = {"error": str(error)}
     return answers
 
 
+def format_member(kind: str, group: str, address: str, answer: dict[str, Any]) -> str:
+    """The head of a member's lines, the same for every kind: ``KIND GROUP at ADDRESS: ROLE (epoch N)``.
+
+    A scheduler answers role and epoch at the top of its STATUS, a realtime server in its statistics."""
+    stats = answer.get("statistics") or {}
+    role = answer.get("role", stats.get("role", "master"))
+    epoch = answer.get("epoch", stats.get("epoch", 0))
+    master = stats.get("master")
+    of = f" of {master}" if role == "slave" and master else ""
+    return f"{kind} {group} at {address}: {role} (epoch {epoch}){of}"
+
+
 def format_scheduler(group: str, address: str, answer: dict[str, Any]) -> str:
-    """A scheduler's tick and pending hours, for people."""
-    head = f"scheduler {group} at {address}"
+    """A scheduler's role, replication, tick and pending hours, for people."""
     if "error" in answer:
-        return f"{head}: no status ({answer['error']})"
+        return f"scheduler {group} at {address}: no status ({answer['error']})"
     tick = answer.get("tick") or {}
     stats = answer.get("statistics") or {}
     second = int(tick.get("second", 0))
     clock = f"{second // 3600 % 24:02d}:{second // 60 % 60:02d}:{second % 60:02d}"
     lines = [
-        f"{head}: {answer.get('role', 'master')} (epoch {answer.get('epoch', 0)}), "
+        f"{format_member('scheduler', group, address, answer)}, "
         f"tick {tick.get('hour', '?')} {clock} UTC (+{tick.get('done', 0)} done), "
         f"{stats.get('pending', '?')} pending, {stats.get('dispatched', '?')} dispatched, "
         f"lateness max {stats.get('lateness_max_ms', '?')} ms"
@@ -139,8 +158,29 @@ def format_scheduler(group: str, address: str, answer: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_realtime(group: str, address: str, answer: dict[str, Any]) -> str:
+    """A realtime server's role, replication, message and consumer counts, for people."""
+    if "error" in answer:
+        return f"realtime {group} at {address}: no status ({answer['error']})"
+    stats = answer.get("statistics") or {}
+    lines = [
+        f"{format_member('realtime', group, address, answer)}, "
+        f"{stats.get('messages_stored', '?')} stored, {stats.get('messages_delivered', '?')} handed out, "
+        f"{stats.get('acks', '?')} acked, {stats.get('consumers', '?')} consumers, "
+        f"message log end {stats.get('message_log_end', '?')}"
+    ]
+    lines.extend(format_replication(stats.get("replication") or {}))
+    fences = answer.get("fences") or {}
+    if fences:
+        lines.append(
+            "  scheduler epochs accepted: " + ", ".join(f"{name} {epoch}" for name, epoch in sorted(fences.items()))
+        )
+    return "\n".join(lines)
+
+
 def format_replication(replication: dict[str, Any]) -> list[str]:
-    """A member's replication: a master's slaves and their lag, or a slave's lag and held tick."""
+    """A member's replication: a master's slaves and their lag, or a slave's lag (and a scheduler
+    slave's held tick, a realtime slave's applied offset)."""
     if not replication:
         return []
     lines = [
@@ -154,11 +194,16 @@ def format_replication(replication: dict[str, Any]) -> list[str]:
             f"lag {replica.get('lag_bytes')} bytes / {lag_ms if lag_ms is not None and lag_ms >= 0 else '?'} ms"
         )
     if "lag_bytes" in replication:
-        age = replication.get("tick_age_ms")
-        lines.append(
-            f"  behind the master by {replication['lag_bytes']} bytes; tick held "
-            f"{'never' if age is None else f'{age} ms ago'}, {replication.get('tick_behind_ms', '?')} ms behind the master's clock"
-        )
+        line = f"  behind the master by {replication['lag_bytes']} bytes"
+        if "tick_age_ms" in replication:
+            age = replication.get("tick_age_ms")
+            line += (
+                f"; tick held {'never' if age is None else f'{age} ms ago'}, "
+                f"{replication.get('tick_behind_ms', '?')} ms behind the master's clock"
+            )
+        if "applied_offset" in replication:
+            line += f"; applied up to offset {replication['applied_offset']}"
+        lines.append(line)
     if replication.get("cut_records"):
         lines.append(f"  cut {replication['cut_records']} record(s) the master never had")
     return lines

@@ -40,7 +40,7 @@ from delaymq.realtime.index import Indexer
 from delaymq.realtime.parked import ParkedPulls
 from delaymq.realtime.progress import ConsumerProgress, Progress, ship_consumers, unship
 from delaymq.realtime.pull import PullHandler
-from delaymq.realtime.recovery import Storage, recover
+from delaymq.realtime.recovery import Storage, recover_storage
 from delaymq.realtime.redelivery import RedeliverySweeper
 from delaymq.realtime.retries import Retries
 from delaymq.realtime.send import SendHandler
@@ -161,7 +161,7 @@ class RealtimeMaster:
             self.fences.on_raise = self._ship_fences
             self.send_handler.replicated = self._replicated
             if source.mode == "sync" and source.min_insync:
-                self.ack_handler.replicated = lambda: self._replicated(message_log.end_offset)
+                self.ack_handler.replicated = partial(self._replicated, None)
                 self.pull_handler.handed_out = self.ack_handler.commit  # a hand-out is replicated before it goes
 
     @property
@@ -210,9 +210,12 @@ class RealtimeMaster:
 
     # --------------------------------------------------------------- replication
 
-    async def _replicated(self, end: int) -> None:
-        """Return once the in-sync slaves hold the log below ``end`` (sync replication)."""
+    async def _replicated(self, end: int | None) -> None:
+        """Return once the in-sync slaves hold the log below ``end`` (None: all of it so far;
+        sync replication)."""
         assert self.source is not None
+        if end is None:
+            end = self._log.end_offset
         self.source.poke()
         await self.source.confirm_replicated(end, timeout_ms=self._replication_timeout_ms, what="the change")
 
@@ -309,16 +312,7 @@ def open_master(
     groups = Groups(ack_timeout_ms=settings.ack_timeout_ms, consumer_timeout_ms=settings.consumer_timeout_ms)
     start_ms = clock.now_ms()
     dedup = DedupWindow(window_ms=settings.dedup_window_ms, memory_ids=settings.dedup_memory_ids, covers_from=start_ms)
-    indexer, dedup_buckets, in_flight = recover(
-        message_log=storage.message_log,
-        store=storage.store,
-        consume_dir=storage.consume_folder.path,
-        pull_dir=storage.pull_folder.path,
-        groups=groups,
-        dedup=dedup,
-        now=start_ms,
-        found=storage.found,
-    )
+    indexer, dedup_buckets, in_flight = recover_storage(storage, groups=groups, dedup=dedup, now=start_ms)
     try:
         master = RealtimeMaster(
             group=group,

@@ -41,5 +41,9 @@ class ParkedPulls:
             if lot is not None:
                 lot.unpark_all()
 
+    def wake_all(self) -> None:
+        """Wake every parked pull (the master session ends: they are answered at once)."""
+        self.wake(list(self._lots))
+
 
 __all__ = ["ParkedPulls"]

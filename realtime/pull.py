@@ -29,6 +29,7 @@ from delaymq.realtime.index import Indexer
 from delaymq.realtime.parked import ParkedPulls
 from delaymq.realtime.redelivery import RedeliverySweeper
 from delaymq.realtime.requests import parse_pull
+from delaymq.replication.roles import NotMaster
 from delaymq.storage.log import SegmentedLog
 from delaymq.storage.threads import RunBlocking
 from delaymq.wheel.clock import Clock
@@ -65,6 +66,13 @@ class PullHandler:
         self.delivered = 0  # records handed out, redeliveries included
         #: Under sync replication: returns once the hand-outs are replicated (a checkpoint).
         self.handed_out: Callable[[], Awaitable[None]] | None = None
+        #: Why this handler hands nothing out any more (its master session ended), or None.
+        self.closed: str | None = None
+
+    def close(self, reason: str) -> None:
+        """Hand nothing out from now on: parked pulls wake and are refused (``not_master``)."""
+        self.closed = reason
+        self._parked.wake_all()
 
     async def handle(self, request: Request) -> tuple[dict[str, Any], bytes]:
         pull = parse_pull(request.metadata, self._limits)
@@ -78,6 +86,8 @@ class PullHandler:
         consumer.waiting += 1  # a consumer in a long poll is alive
         try:
             while True:
+                if self.closed is not None:
+                    raise NotMaster(f"PULL: {self.closed}; ask the metaserver")
                 picked, more = pick(
                     self._indexer.consume_log(subject), groups, consumer.share, pull.max, pull.max_bytes, mask
                 )

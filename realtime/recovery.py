@@ -249,6 +249,23 @@ def recover(
     return indexer, state.dedup_buckets, in_flight
 
 
+def recover_storage(
+    storage: Storage, *, groups: Groups, dedup: DedupWindow, now: int, replay: bool = True
+) -> tuple[Indexer, list[int], list[tuple[ConsumerState, PullLog]]]:
+    """``recover`` over an open data folder (blocking)."""
+    return recover(
+        message_log=storage.message_log,
+        store=storage.store,
+        consume_dir=storage.consume_folder.path,
+        pull_dir=storage.pull_folder.path,
+        groups=groups,
+        dedup=dedup,
+        now=now,
+        found=storage.found,
+        replay=replay,
+    )
+
+
 def load_members(
     pull_dir: Path, records: dict[bytes, dict[str, Any]], groups: Groups, indexer: Indexer
 ) -> tuple[list[Member], dict[ConsumerState, PullLog], set[Share]]:
@@ -353,4 +370,13 @@ def _log_damage(
     )
 
 
-__all__ = ["MessageFiles", "Storage", "load_members", "move_aside_after_gap", "open_folder", "open_storage", "recover"]
+__all__ = [
+    "MessageFiles",
+    "Storage",
+    "load_members",
+    "move_aside_after_gap",
+    "open_folder",
+    "open_storage",
+    "recover",
+    "recover_storage",
+]

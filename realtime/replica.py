@@ -24,7 +24,7 @@ from delaymq.realtime.groups import Groups
 from delaymq.realtime.index import Indexer
 from delaymq.realtime.progress import Progress
 from delaymq.realtime.pulllog import PullLog
-from delaymq.realtime.recovery import Storage, recover
+from delaymq.realtime.recovery import Storage, recover_storage
 
 DEFAULT_STEP_BYTES = 4 << 20
 
@@ -52,17 +52,7 @@ class ReplicaState:
         """The folder's state as committed (blocking); records past the checkpoint are left to ``step``."""
         dedup = DedupWindow(window_ms=dedup_window_ms, memory_ids=dedup_memory_ids, covers_from=now)
         groups = Groups(ack_timeout_ms=1, consumer_timeout_ms=1)  # a slave hands nothing out
-        indexer, buckets, _in_flight = recover(
-            message_log=storage.message_log,
-            store=storage.store,
-            consume_dir=storage.consume_folder.path,
-            pull_dir=storage.pull_folder.path,
-            groups=groups,
-            dedup=dedup,
-            now=now,
-            found=storage.found,
-            replay=False,
-        )
+        indexer, buckets, _in_flight = recover_storage(storage, groups=groups, dedup=dedup, now=now, replay=False)
         indexer.on_ids = dedup.indexed
         return cls(storage, indexer=indexer, dedup=dedup, dedup_buckets=buckets)
 

@@ -39,7 +39,7 @@ from delaymq.realtime.recovery import Storage
 from delaymq.realtime.replica import ReplicaState
 from delaymq.replication.epochs import EpochHistory
 from delaymq.replication.fetcher import ReplicaFetcher
-from delaymq.replication.roles import Mastership
+from delaymq.replication.roles import Handover, Mastership
 from delaymq.replication.source import ReplicationSource
 from delaymq.storage.errors import StorageError, describe
 from delaymq.storage.threads import RunBlocking
@@ -101,6 +101,9 @@ class MasterSession:
                 self.source.on_joined_in_sync = lambda address: registration.heartbeat_now()
                 self.source.on_stale_epoch = lambda epoch: registration.heartbeat_now()
         self.master: RealtimeMaster | None = None
+        self.handover = Handover(
+            what=f"realtime {member.group}", epoch=epoch, hand_over=self._hand_over, resume=self._resume
+        )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         member = self.member
@@ -108,12 +111,22 @@ class MasterSession:
         master, applied, stored = await member.run_blocking(partial(_take_over, member, self.epoch, self.source))
         self.master = master
         master.writer = member.writer
+        replicated = master.pull_handler.handed_out
+
+        async def handed_out() -> None:
+            await self.mastership.confirm()  # woken from a freeze: nothing goes out unless still master
+            if replicated is not None:
+                await replicated()
+
+        master.pull_handler.handed_out = handed_out
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(master.committer.run)
                 await nursery.start(master.sweeper.run)
                 await nursery.start(partial(master.indexer_run, clock=member.clock))
                 nursery.start_soon(self.mastership.watch)
+                if self.source is not None and member.registration is not None:
+                    nursery.start_soon(self.handover.run, member.registration)
                 if self.source is not None:
                     # The whole state first: a slave that was behind (or a deposed master) starts from it.
                     await master.ship(master.full_progress(stored), wait=False)
@@ -128,11 +141,35 @@ class MasterSession:
                 task_status.started()
         finally:
             self.accepting = False
+            master.pull_handler.close(
+                f"realtime server {member.address or '-'} is no longer master of epoch {self.epoch}"
+            )
             if not member.crashed:
                 with trio.CancelScope(shield=True):
                     master.committer.ship = None  # the slaves follow the next master now
                     await master.committer.commit_now()
             master.close()
+
+    async def _hand_over(self, target: str) -> None:
+        """Stop taking requests, ship the last progress, wait until ``target`` holds the whole log."""
+        member, master, source = self.member, self.master, self.source
+        assert master is not None and source is not None
+        self.accepting = False
+        master.pull_handler.closed = f"realtime server {member.address or '-'} is handing over to {target}"
+        master.parked.wake_all()
+        await master.committer.commit_now()  # what consumers did so far goes out as a progress record
+        message_log = member.storage.message_log
+        while (member.writer is not None and member.writer.statistics().pending) or (
+            message_log.flushed_offset < message_log.end_offset
+        ):
+            await member.clock.sleep_ms(5)
+        source.poke()
+        await source.wait_holds_all(target)
+
+    def _resume(self) -> None:
+        assert self.master is not None
+        self.master.pull_handler.closed = None
+        self.accepting = True
 
 
 def _take_over(
@@ -296,7 +333,7 @@ def _cut(storage: Storage, offset: int) -> tuple[int, int, int, int]:
     (``recovery.recover`` cuts them back to the log's end)."""
     message_log = storage.message_log
     checkpoint = load_index_offset(storage.store)
-    records = messages = indexed = 0
+    messages = indexed = 0
     ids: list[str] = []
     position = offset
     while True:
@@ -304,14 +341,13 @@ def _cut(storage: Storage, offset: int) -> tuple[int, int, int, int]:
         if not data:
             break
         for kind, start, end in kind_runs(data):
-            records += 1 if kind != MESSAGE_KIND else 0
             if kind == MESSAGE_KIND:
                 batch = scan_batch(data[start:end], REPLAY_LIMITS)
                 ids += dedup_keys(batch)
                 messages += len(batch)
-                records += len(batch)
-                indexed += sum(1 for s in batch.starts if position + start + s < checkpoint)
+                indexed += sum(1 for first in batch.starts if position + start + first < checkpoint)
         position = next_offset
+    records = sum(1 for _ in message_log.iter_from(offset))
     size = message_log.truncate(offset)
     if ids:
         with storage.store.write() as batch_:

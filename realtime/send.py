@@ -70,8 +70,9 @@ class SendHandler:
         self.stored = 0
         self.duplicates = 0  # records answered "duplicate"
         self._appending: dict[str, trio.Event] = {}  # ids in an append not finished yet
-        #: Under replication: waits until the in-sync slaves hold the log below an offset.
-        self.replicated: Callable[[int], Awaitable[None]] | None = None
+        #: Under replication: waits until the in-sync slaves hold the log below an offset
+        #: (None: all of it so far).
+        self.replicated: Callable[[int | None], Awaitable[None]] | None = None
 
     async def handle(self, request: Request) -> dict[str, Any]:
         fence = Fence.from_metadata(request.metadata)
@@ -104,6 +105,8 @@ class SendHandler:
         kept = [index for index, new in enumerate(fresh) if new]
         self.duplicates += len(ids) - len(kept)
         if not kept:
+            if self.replicated is not None:
+                await self.replicated(None)  # a "duplicate" is an answer too: its first copy is replicated
             return fresh
         if len(kept) == len(ids):
             data = batch.buf

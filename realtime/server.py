@@ -104,7 +104,6 @@ class RealtimeServer:
         self._managed = managed
         self._clock = member.clock
         self.roles: RoleLoop[MasterSession | SlaveSession] = RoleLoop(
-            what="realtime",
             session_for=self._session_for,
             standalone=lambda: MasterSession(member, epoch=0, managed=False),
             between=self._between_sessions,
@@ -229,6 +228,8 @@ class RealtimeServer:
         session = self.session
         if isinstance(session, MasterSession) and session.source is not None:
             info["in_sync"] = session.source.in_sync()
+            if session.handover.handed_over is not None:
+                info["handed_over"] = session.handover.handed_over
         return info
 
     # --------------------------------------------------------------- requests

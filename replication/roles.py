@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 SUSPENDED_MS = 1_000
 #: How long a member waits for the metaserver to name its role before it serves (refusing).
 FIRST_ROLE_WAIT_S = 5.0
+#: A graceful handover that has not finished by then is given up: the master serves again.
+HANDOVER_TIMEOUT_S = 30.0
 
 
 class NotMaster(RemoteProtocolError):
@@ -60,12 +62,10 @@ class RoleLoop(Generic[S]):
     def __init__(
         self,
         *,
-        what: str,
         session_for: Callable[[MembershipView], S | None],
         standalone: Callable[[], S],
         between: Callable[[S | None], Awaitable[None]],
     ) -> None:
-        self._what = what
         self._session_for = session_for
         self._standalone = standalone
         self._between = between
@@ -149,6 +149,61 @@ async def first_of(wanted: Callable[[], Awaitable[T]], other: Callable[[], Await
     return result[0] if result else None
 
 
+class Handover:
+    """A master's side of a graceful handover (``delaymq admin handover``).
+
+    ``run`` carries out each handover the metaserver asks for (``handover_to``):
+    ``hand_over(target)`` stops taking requests, drains and returns once the target holds
+    everything; then ``handed_over`` is the epoch handed over (reported to the metaserver,
+    which promotes the target: the role loop ends the session). A handover the metaserver
+    drops, or one not finished within ``HANDOVER_TIMEOUT_S``, is undone (``resume``).
+    """
+
+    def __init__(
+        self,
+        *,
+        what: str,
+        epoch: int,
+        hand_over: Callable[[str], Awaitable[None]],
+        resume: Callable[[], None],
+    ) -> None:
+        self._what = what
+        self._epoch = epoch
+        self._hand_over = hand_over
+        self._resume = resume
+        self.handed_over: int | None = None
+
+    async def run(self, registration: Registration) -> None:
+        view = registration.view()
+        while True:
+            while not view.handover_to:
+                view = await registration.wait_view_change(view)
+            target = view.handover_to
+            with trio.move_on_after(HANDOVER_TIMEOUT_S):
+                async with trio.open_nursery() as nursery:
+
+                    async def watch(seen: MembershipView = view, target: str = target) -> None:
+                        while seen.handover_to == target:
+                            seen = await registration.wait_view_change(seen)
+                        nursery.cancel_scope.cancel()
+
+                    nursery.start_soon(watch)
+                    log.warning("%s: handing over to %s: requests stopped, draining", self._what, target)
+                    await self._hand_over(target)
+                    self.handed_over = self._epoch
+                    log.warning("%s: %s holds everything; handed over", self._what, target)
+                    registration.heartbeat_now()
+                    await trio.sleep_forever()  # the role loop ends this session when the target is promoted
+            view = registration.view()
+            if view.role != "master" or view.epoch != self._epoch:
+                await trio.sleep_forever()  # promoted the target: the role loop ends this session
+            log.warning("%s: handover to %s did not happen; serving again", self._what, target)
+            self.handed_over = None
+            self._resume()
+            while view.handover_to == target:  # asked again only once the metaserver's word changes
+                view = await registration.wait_view_change(view)
+
+
 class Mastership:
     """Notices that this process was frozen or starved, and then re-confirms mastership.
 
@@ -214,4 +269,14 @@ class Mastership:
             self._confirmed = None
 
 
-__all__ = ["FIRST_ROLE_WAIT_S", "SUSPENDED_MS", "Mastership", "NotMaster", "RoleLoop", "Session", "first_of"]
+__all__ = [
+    "FIRST_ROLE_WAIT_S",
+    "HANDOVER_TIMEOUT_S",
+    "SUSPENDED_MS",
+    "Handover",
+    "Mastership",
+    "NotMaster",
+    "RoleLoop",
+    "Session",
+    "first_of",
+]

@@ -30,11 +30,11 @@ from functools import partial
 
 import trio
 
-from delaymq.client.registration import MembershipView, Registration
+from delaymq.client.registration import Registration
 from delaymq.protocol.transport import AsyncCaller
 from delaymq.replication.epochs import EpochHistory
 from delaymq.replication.fetcher import ReplicaFetcher
-from delaymq.replication.roles import Mastership
+from delaymq.replication.roles import Handover, Mastership
 from delaymq.replication.source import ReplicationSource
 from delaymq.scheduler.dispatcher import Deliver, Dispatcher
 from delaymq.scheduler.replay import replay_step, replay_until_caught_up
@@ -52,8 +52,6 @@ from delaymq.wheel.clock import Clock
 
 log = logging.getLogger(__name__)
 
-#: A graceful handover that has not finished by then is given up: the master serves again.
-HANDOVER_TIMEOUT_S = 30.0
 #: How often replay looks again while the log holds appended, not yet durable records.
 _UNFLUSHED_POLL_MS = 50
 
@@ -98,7 +96,9 @@ class MasterSession:
         self.member = member
         self.epoch = epoch
         self.accepting = False
-        self.handed_over: int | None = None
+        self.handover = Handover(
+            what=f"scheduler {member.group}", epoch=epoch, hand_over=self._hand_over, resume=self._resume
+        )
         self.mastership = Mastership(member.clock, member.registration, epoch)
         self.wheels = make_wheels([])
         self.source = ReplicationSource(
@@ -155,7 +155,7 @@ class MasterSession:
             nursery.start_soon(self._replay_loop)
             nursery.start_soon(self.mastership.watch)
             if member.registration is not None:
-                nursery.start_soon(self._handover_loop, member.registration)
+                nursery.start_soon(self.handover.run, member.registration)
             self.accepting = True
             task_status.started()
 
@@ -181,38 +181,8 @@ class MasterSession:
             else:
                 await self.replay_alarm.wait(None)
 
-    async def _handover_loop(self, registration: Registration) -> None:
-        """Carry out each handover the metaserver asks for; undo one that is dropped or
-        does not finish within ``HANDOVER_TIMEOUT_S``."""
-        view = registration.view()
-        while True:
-            while not view.handover_to:
-                view = await registration.wait_view_change(view)
-            target = view.handover_to
-            with trio.move_on_after(HANDOVER_TIMEOUT_S):
-                async with trio.open_nursery() as nursery:
-
-                    async def watch(seen: MembershipView = view, target: str = target) -> None:
-                        while seen.handover_to == target:
-                            seen = await registration.wait_view_change(seen)
-                        nursery.cancel_scope.cancel()
-
-                    nursery.start_soon(watch)
-                    await self._hand_over(target, registration)
-            view = registration.view()
-            if view.role != "master" or view.epoch != self.epoch:
-                await trio.sleep_forever()  # promoted the target: the role loop ends this session
-            log.warning("scheduler %s: handover to %s did not happen; serving again", self.member.group, target)
-            self.handed_over = None
-            assert self.dispatcher is not None
-            self.dispatcher.resume()
-            self.accepting = True
-            while view.handover_to == target:  # asked again only once the metaserver's word changes
-                view = await registration.wait_view_change(view)
-
-    async def _hand_over(self, target: str, registration: Registration) -> None:
+    async def _hand_over(self, target: str) -> None:
         member = self.member
-        log.warning("scheduler %s: handing over to %s: SCHEDULE stopped, draining dispatch", member.group, target)
         self.accepting = False
         assert self.dispatcher is not None
         await self.dispatcher.drain()
@@ -223,12 +193,11 @@ class MasterSession:
             await member.clock.sleep_ms(5)
         self.source.poke()  # the last tick and records go out now
         await self.source.wait_holds_all(target)
-        self.handed_over = self.epoch
-        log.warning(
-            "scheduler %s: %s holds everything (log end %d); handed over", member.group, target, member.log.end_offset
-        )
-        registration.heartbeat_now()
-        await trio.sleep_forever()  # the role loop ends this session when the metaserver promotes the target
+
+    def _resume(self) -> None:
+        assert self.dispatcher is not None
+        self.dispatcher.resume()
+        self.accepting = True
 
 
 def _take_over(member: Member, epoch: int) -> tuple[ReplayStep, list[int], int, int]:

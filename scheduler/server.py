@@ -111,7 +111,6 @@ class Scheduler:
         self._writer: LogWriter | None = None
         self._life: trio.CancelScope | None = None
         self.roles: RoleLoop[MasterSession | SlaveSession] = RoleLoop(
-            what="scheduler",
             session_for=self._session_for,
             standalone=lambda: self._master_session(0),
             between=self._between_sessions,
@@ -247,8 +246,8 @@ class Scheduler:
         session = self.session
         if isinstance(session, MasterSession):
             info["in_sync"] = session.source.in_sync()
-            if session.handed_over is not None:
-                info["handed_over"] = session.handed_over
+            if session.handover.handed_over is not None:
+                info["handed_over"] = session.handover.handed_over
         return info
 
     def crash(self) -> None:

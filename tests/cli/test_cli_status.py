@@ -122,7 +122,8 @@ def test_status_table_is_readable(metaserver: MetaserverProcess, capsys: pytest.
     assert "no server has registered" in capsys.readouterr().out
     register(metaserver.address, "rt1", "10.0.0.1:20881")
     assert main(["status", "--meta", metaserver.address]) == 0
-    header, columns, row = capsys.readouterr().out.splitlines()
+    header, columns, row, member = capsys.readouterr().out.splitlines()
+    assert member.startswith("realtime rt1 at 10.0.0.1:20881: no status (")  # registered, not really there
     assert header.startswith(f"metaserver {metaserver.address}: 1 groups, 1 servers, route version ")
     assert columns.split() == [
         "GROUP",

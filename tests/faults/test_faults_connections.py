@@ -17,7 +17,7 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,10 +26,12 @@ from typing import Any
 import pytest
 import trio
 
+from delaymq.metaserver.server import open_metaserver
 from delaymq.protocol.commands import Command
 from delaymq.protocol.frames import FRAME_HEADER_SIZE, Frame, FrameDecoder, encode_frame, request
 from delaymq.protocol.records import Message, decode_batch, encode_batch
 from delaymq.protocol.transport import Peers, PeerUnavailable, open_peers
+from delaymq.wheel.clock import SystemClock
 
 pytestmark = pytest.mark.faults
 
@@ -66,8 +68,18 @@ async def realtime_process(data: Path, *options: str) -> AsyncIterator[tuple[Ser
         _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         resource.setrlimit(resource.RLIMIT_NOFILE, (FILE_LIMIT, hard))
 
-    command = [sys.executable, "-P", "-m", "delaymq.cli", "--log-level", "info", "realtime"]
-    command += ["--data", str(data), "--listen", "127.0.0.1:0", "--meta", "127.0.0.1:1", *options]
+    # A realtime server obeys its metaserver (master or slave), so one runs here; a group of one member.
+    async with open_metaserver(data_dir=data.parent / "meta", clock=SystemClock()) as meta:
+        command = [sys.executable, "-P", "-m", "delaymq.cli", "--log-level", "info", "realtime", "--data", str(data)]
+        command += ["--listen", "127.0.0.1:0", "--meta", meta.address, "--min-insync", "0", *options]
+        async with _realtime_child(command, lower_file_limit) as started:
+            yield started
+
+
+@asynccontextmanager
+async def _realtime_child(
+    command: list[str], lower_file_limit: Callable[[], None]
+) -> AsyncIterator[tuple[ServerProcess, RealClient]]:
     process = await trio.lowlevel.open_process(command, stderr=subprocess.PIPE, preexec_fn=lower_file_limit)
     server = ServerProcess(process)
     started = trio.Event()

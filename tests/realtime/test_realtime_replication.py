@@ -270,3 +270,27 @@ async def test_a_deposed_async_master_rejoins_as_a_slave_cutting_what_its_succes
         replication = back.statistics().replication
         assert replication["cut_messages"] == 2
         assert replication["cut_bytes"] > 0
+
+
+async def test_a_graceful_handover_keeps_every_ack_and_hands_nothing_out_twice(
+    tmp_path: Path, autojump_clock: Any
+) -> None:
+    async with open_cluster(tmp_path) as cluster:
+        master, slave = await cluster.pair(min_insync=1)
+        third = await cluster.start(C, min_insync=1)
+        await wait_until(lambda: third.role == "slave" and master.replica_info().get("in_sync") == [B, C])
+        names = [f"h{i}" for i in range(30)]
+        assert await cluster.send(A, names) == ["stored"] * 30
+        start, got = await cluster.pull(A, 10)
+        await cluster.ack(A, start, start + 10)
+        answer = await cluster.net.call(META, Command.HANDOVER, {"group": GROUP, "to": B})
+        assert answer.metadata["to"] == B
+        await wait_until(lambda: slave.role == "master" and master.role == "slave")
+        await wait_until(lambda: slave.replica_info().get("in_sync") == [A, C])
+        seen: list[tuple[str, int]] = []
+        while len(seen) < 20:
+            start, got = await cluster.pull(B, 100)
+            seen += got
+            if got:
+                await cluster.ack(B, start, start + len(got))
+        assert seen == [(name, 0) for name in names[10:]]  # in order, each once, none marked
