@@ -9,6 +9,16 @@ batches of ``[start, end)`` pull-log ranges, one sends CONSUMER_HEARTBEAT.
 The decisions (what to pull, the exact tag filter, flow control, ack ranges)
 are ``delaymq.client.delivery.ConsumerCore``'s, shared with the blocking twin.
 
+Every request goes to the group's address as the route says now. A replicated
+group's master may change (a failover): the new master holds the same pull
+logs, so the same ranges are acked there. A request refused with ``not_master``
+(or another "try again" code) or left unanswered marks its group as lost: the
+route is asked again, at most once per ``ROUTE_RETRY`` seconds, until the group
+answers; acks and nacks that did not go stay queued and are sent again after
+a backoff (``SETTLE_BACKOFF``), pulls after theirs (``PULL_BACKOFF``). When the
+route moves a group, a long poll still held by its old address is given up and
+the waits end at once, so nothing waits on a master that is gone.
+
 Example::
 
     async with open_consumer("127.0.0.1:20880", "orders", group="billing", tags=["paid"]) as consumer:
@@ -40,9 +50,10 @@ from typing import Any
 
 import trio
 
-from delaymq.client.delivery import ConsumerCore, ConsumerStatistics, ReceivedMessage, Settlement
+from delaymq.client.delivery import SETTLE_BACKOFF, ConsumerCore, ConsumerStatistics, ReceivedMessage, Settlement
 from delaymq.client.retry import DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_DELAYS
 from delaymq.client.routes import RouteClient, RouteTable, meta_addresses
+from delaymq.protocol.backoff import BackoffRun
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError, ProtocolError
 from delaymq.protocol.limits import DEFAULT_LIMITS, Limits, MiB
@@ -54,6 +65,8 @@ log = logging.getLogger(__name__)
 
 #: Extra time a long poll's request is given beyond the poll itself.
 POLL_MARGIN = 10.0
+#: While a group's requests fail, the consumer route is asked again at most this often (seconds).
+ROUTE_RETRY = 1.0
 #: Error codes an ACK/NACK may get that retrying cannot fix: the ranges are dropped.
 _GIVE_UP_CODES = frozenset({"unknown_pull", "bad_value", "bad_request", "limit"})
 
@@ -69,12 +82,13 @@ def is_retryable(error: Exception) -> bool:
     return RouteTable.is_retryable(error)
 
 
-def send_failure(settlement: Settlement, error: Exception) -> bool:
-    """Log a failed ACK/NACK; True when it is worth sending again."""
+def send_failure(settlement: Settlement, error: Exception, *, again: bool = False) -> bool:
+    """Log a failed ACK/NACK (``again``: not the first in a row, at debug); True when it is worth sending again."""
     if isinstance(error, PeerError) and error.code in _GIVE_UP_CODES:
         log.warning("group %s refused acks of consumer: %s (dropped)", settlement.group, error)
         return False
-    log.info("acks to group %s at %s failed, will retry: %s", settlement.group, settlement.address, error)
+    log.log(logging.DEBUG if again else logging.INFO, "acks to group %s at %s failed, will retry: %s",
+            settlement.group, settlement.address, error)  # fmt: skip
     return True
 
 
@@ -107,6 +121,11 @@ class Consumer:
         self._settle_lock = trio.Lock()
         self._route_wanted = trio.Event()
         self._pullers: dict[tuple[str, bool], trio.CancelScope] = {}  # (group, retry subject?)
+        # The pull in flight (or its backoff) per puller: given up when its group moves.
+        self._pull_attempts: dict[tuple[str, bool], trio.CancelScope] = {}
+        self._lost: set[str] = set()  # groups whose last request failed: ask the route often
+        self._moved = trio.Event()  # set (and replaced) when a group's address changes
+        self._settle_backoff = BackoffRun(SETTLE_BACKOFF, random=core.random)  # reset when a round sends all
         self._nursery: trio.Nursery | None = None
         self._failure: BaseException | None = None
         self._stopped = False
@@ -244,9 +263,12 @@ class Consumer:
     def _apply_route(self, answer: RouteAnswer) -> None:
         if self._stopped:
             return
+        before = {name: link.address for name, link in self.core.links.items()}
         started, stopped = self.core.update_route((group.group, group.address) for group in answer.groups)
+        self._follow_moves(before)
         for name in stopped:
             log.info("consumer %s: group %s left the route; stop pulling it", self.core.consumer_id, name)
+            self._lost.discard(name)
             for lane in self.core.lanes:
                 scope = self._pullers.pop((name, lane), None)
                 if scope is not None:
@@ -259,11 +281,46 @@ class Consumer:
         if not self.core.links or not any(link.active for link in self.core.links.values()):
             log.warning("consumer %s: no realtime group serves consumers yet; waiting", self.core.consumer_id)
 
+    def _follow_moves(self, before: dict[str, str]) -> list[str]:
+        """Groups whose address changed (a new master): give up what waits on the old one; returns them."""
+        moved = [
+            name for name, address in before.items()
+            if (link := self.core.links.get(name)) is not None and link.address != address
+        ]  # fmt: skip
+        if not moved:
+            return moved
+        for name in moved:
+            log.info("consumer %s: group %s moved from %s to %s; pulls, acks and heartbeats follow",
+                     self.core.consumer_id, name, before[name], self.core.links[name].address)  # fmt: skip
+            for lane in self.core.lanes:
+                attempt = self._pull_attempts.get((name, lane))
+                if attempt is not None:
+                    attempt.cancel()
+        self._moved.set()
+        self._moved = trio.Event()
+        if self.core.has_pending():
+            self._settle_wanted.set()
+        return moved
+
+    def _request_failed(self, name: str, error: Exception) -> None:
+        """A request to group ``name`` failed: if the group may have moved, ask the route (soon, and again)."""
+        link = self.core.links.get(name)
+        if is_retryable(error) and link is not None and link.active:
+            self._lost.add(name)
+            self._route_wanted.set()
+
     async def _route_loop(self) -> None:
+        interval = self._route_ms / 1000
+        pace = min(ROUTE_RETRY, interval)  # never asked more often than this
+        asked = trio.current_time()  # by open_consumer
         while True:
-            with trio.move_on_at(self._deadline(self._route_ms)):
+            with trio.move_on_at(asked + (pace if self._lost else interval)):
                 await self._route_wanted.wait()
+            await trio.sleep_until(asked + pace)
             self._route_wanted = trio.Event()
+            if self._lost:  # where is the group now? (the held answer is not stale yet)
+                self.routes.table.cache.invalidate(RouteKind.CONSUMER)
+            asked = trio.current_time()
             try:
                 await self._refresh_routes()
             except (TransportError, ProtocolError, LookupError) as error:
@@ -273,32 +330,43 @@ class Consumer:
         return trio.current_time() + ms / 1000
 
     async def _pull_loop(self, name: str, retry: bool, scope: trio.CancelScope) -> None:
-        """Pull one subject (``retry``: the group's retry subject) from one group."""
+        """Pull one subject (``retry``: the group's retry subject) from one group, at its current address."""
         core = self.core
         timeout = core.poll_timeout_ms / 1000 + POLL_MARGIN
+        lane = (name, retry)
         with scope:
             while True:
                 request = core.pull_request(name, retry=retry)
                 if request is None:
                     await self._room.park()
                     continue
-                link = core.links[name]
-                try:
-                    frame = await self._peers.call(link.address, Command.PULL, request, timeout=timeout)
-                    messages = core.accept_pull(
-                        name, frame.metadata, frame.body, self._clock.now_ms(), self._settle, retry=retry
-                    )
-                except (PeerError, TransportError, ProtocolError) as error:
-                    if not is_retryable(error):
-                        self._fail(error)
-                        return
-                    backoff = core.pull_failed(name, retry=retry)
-                    log.info("consumer %s: pull of %s from group %s failed (%s); retry in %d ms",
-                             core.consumer_id, request["subject"], name, error, backoff)  # fmt: skip
-                    self.routes.table.cache.invalidate(RouteKind.CONSUMER)
-                    self._route_wanted.set()
-                    await trio.sleep(backoff / 1000)
-                    continue
+                address = core.links[name].address
+                # Given up (cancelled) when the group moves: then pull at once at its new address.
+                with trio.CancelScope() as attempt:
+                    self._pull_attempts[lane] = attempt
+                    try:
+                        frame = await self._peers.call(address, Command.PULL, request, timeout=timeout)
+                        messages = core.accept_pull(
+                            name, frame.metadata, frame.body, self._clock.now_ms(), self._settle, retry=retry
+                        )
+                    except (PeerError, TransportError, ProtocolError) as error:
+                        if not is_retryable(error):
+                            self._fail(error)
+                            return
+                        backoff = core.pull_failed(name, retry=retry)
+                        first = core.links[name].backoffs[retry].failures == 1  # later ones at debug
+                        log.log(logging.INFO if first else logging.DEBUG,
+                                "consumer %s: pull of %s from group %s at %s failed (%s); retry in %d ms",
+                                core.consumer_id, request["subject"], name, address, error, backoff)  # fmt: skip
+                        self._request_failed(name, error)
+                        await trio.sleep(backoff / 1000)
+                        continue
+                    finally:
+                        if self._pull_attempts.get(lane) is attempt:
+                            del self._pull_attempts[lane]
+                if attempt.cancelled_caught:
+                    continue  # the group moved while this pull waited on its old address
+                self._lost.discard(name)
                 if core.has_pending():
                     self._settle_wanted.set()
                 if messages:
@@ -311,14 +379,20 @@ class Consumer:
         self.stop()
 
     async def _settle_loop(self) -> None:
+        backoff = self._settle_backoff
         while True:
             await self._settle_wanted.wait()
             self._settle_wanted = trio.Event()
+            moved = self._moved
             async with self._settle_lock:
                 done = await self._settle_round(self._peers)
-            if not done:
-                await trio.sleep(1.0)
-                self._settle_wanted.set()
+            if done:
+                backoff.reset()
+                continue
+            # What did not go stays queued: again after a backoff, or at once at a group's new address.
+            with trio.move_on_after(backoff.next_delay_ms() / 1000):
+                await moved.wait()
+            self._settle_wanted.set()
 
     async def _settle_round(self, peers: Peers) -> bool:
         """Send what is pending to every group at once; True if all of it went."""
@@ -342,9 +416,12 @@ class Consumer:
                 try:
                     await peers.call(settlement.address, command, core.settle_metadata(settlement, request))
                 except (PeerError, TransportError) as error:
-                    if send_failure(settlement, error):
+                    if send_failure(settlement, error, again=self._settle_backoff.failures > 0):
                         core.settle_failed(settlement, unsent)
+                        self._request_failed(settlement.group, error)
                         return False
+                else:
+                    self._lost.discard(settlement.group)
                 unsent.pop(0)
         except BaseException:  # cancelled: what was not confirmed is sent again (repeats are harmless)
             core.settle_failed(settlement, unsent)
@@ -360,7 +437,10 @@ class Consumer:
                 try:
                     await self._peers.call(address, Command.CONSUMER_HEARTBEAT, core.heartbeat_metadata())
                 except (PeerError, TransportError) as error:
-                    log.debug("consumer %s: heartbeat to %s failed: %s", core.consumer_id, name, error)
+                    log.debug("consumer %s: heartbeat to %s at %s failed: %s", core.consumer_id, name, address, error)
+                    self._request_failed(name, error)
+                else:
+                    self._lost.discard(name)
 
             async with trio.open_nursery() as nursery:
                 for name, address in core.heartbeat_targets():
@@ -378,11 +458,33 @@ class Consumer:
             async with self._settle_lock:
                 if self.core.has_pending():
                     async with open_peers(**self._peers_options) as peers:
-                        sent = await self._settle_round(peers)
+                        sent = await self._flush_following_routes(peers)
                 else:
                     sent = True
         if not sent:
             log.warning("consumer %s: some acks could not be sent before closing", self.core.consumer_id)
+
+    async def _flush_following_routes(self, peers: Peers) -> bool:
+        """Send what is pending; True if all of it went.
+
+        After a round that could not send everything the route is asked again
+        (over ``peers``): if a group has moved (a failover during the close),
+        what it refused goes to its new address. A group that is just down
+        does not hold the close up.
+        """
+        routes = RouteClient(peers, self.routes.table.meta_addresses, clock=self._clock,
+                             refresh_interval_ms=self._route_ms)  # fmt: skip
+        while not await self._settle_round(peers):
+            try:
+                answer = await routes.groups(RouteKind.CONSUMER)
+            except (TransportError, ProtocolError, LookupError) as error:
+                log.info("consumer %s: route refresh failed while closing: %s", self.core.consumer_id, error)
+                return False
+            before = {name: link.address for name, link in self.core.links.items()}
+            self.core.update_route((group.group, group.address) for group in answer.groups)
+            if not self._follow_moves(before):
+                return False
+        return True
 
 
 @asynccontextmanager

@@ -272,6 +272,9 @@ class ReceivedMessage:
 #: "Equal" jitter: at least half the ceiling, so a consumer never pulls a group that is
 #: down in a tight loop, while the consumers that lost it together come back spread out.
 PULL_BACKOFF = Backoff(initial_ms=200, maximum_ms=5_000, jitter="equal")
+#: The wait after an ACK/NACK round that could not deliver everything, before the next round
+#: (the ranges stay queued meanwhile). A group's move to a new master ends the wait at once.
+SETTLE_BACKOFF = Backoff(initial_ms=100, maximum_ms=5_000, jitter="equal")
 
 
 def _pull_backoffs(random: RandomSource | None = None) -> tuple[BackoffRun, BackoffRun]:
@@ -703,7 +706,9 @@ __all__ = [
     "ConsumerStatistics",
     "FlowControl",
     "GroupLink",
+    "PULL_BACKOFF",
     "ReceivedMessage",
+    "SETTLE_BACKOFF",
     "SettleRequest",
     "Settlement",
     "TagFilter",

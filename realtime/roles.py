@@ -251,8 +251,6 @@ class SlaveSession:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         member = self.member
-        self.state = await member.run_blocking(partial(_open_replica, member))
-        self.agreed_offset = self.state.applied_offset
         log.info("realtime %s: slave of %s (epoch %d) at %s", member.group, self.master, self.epoch, member.address)
         try:
             async with trio.open_nursery() as nursery:
@@ -264,13 +262,17 @@ class SlaveSession:
                 self.state.close()
 
     async def _apply_loop(self) -> None:
+        """Apply what the master confirmed, step by step; a failed step (a full disk) is
+        retried with backoff from the folder's committed state, for as long as it takes."""
         member = self.member
         backoff = BackoffRun(_RETRY)
         while True:
             async with self._lock:
-                state = self.state
-                assert state is not None
                 try:
+                    if self.state is None:
+                        self.state = await member.run_blocking(partial(_open_replica, member))
+                        self.agreed_offset = max(self.agreed_offset, self.state.applied_offset)
+                    state = self.state
                     step = await member.run_blocking(
                         partial(state.step, until=self.agreed_offset, now=member.clock.now_ms())
                     )
@@ -278,14 +280,17 @@ class SlaveSession:
                     if not backoff.failures:
                         log.warning(
                             "realtime %s: slave could not apply the log at offset %d: %s; retrying",
-                            member.group, state.applied_offset, describe(error),
+                            member.group, self.applied_offset, describe(error),
                         )  # fmt: skip
-                    delay = backoff.next_delay_ms()
-                    state.close()  # what the step did in memory is not committed: read the folder again
-                    self.state = None
-                    self.state = await member.run_blocking(partial(_open_replica, member))
-                    await member.clock.sleep_ms(delay)
-                    continue
+                    if self.state is not None:  # what the step did in memory is not committed: read again
+                        self.state.close()
+                        self.state = None
+                    step = None
+            if step is None:
+                await member.clock.sleep_ms(backoff.next_delay_ms())
+                continue
+            if backoff.failures:
+                log.info("realtime %s: slave applies the log again (offset %d)", member.group, self.applied_offset)
             backoff.reset()
             if step.idle:
                 await self._alarm.wait(None)
@@ -311,7 +316,7 @@ class SlaveSession:
                 self.state.close()
                 self.state = None
             applied = await member.run_blocking(partial(_cut, member.storage, offset))
-            self.state = await member.run_blocking(partial(_open_replica, member))
+            self._alarm.poke()  # the apply loop opens the state again
         records, messages, size, indexed = applied
         self.cut_records += records
         self.cut_messages += messages
