@@ -292,6 +292,8 @@ class Consumer:
         for name in moved:
             log.info("consumer %s: group %s moved from %s to %s; pulls, acks and heartbeats follow",
                      self.core.consumer_id, name, before[name], self.core.links[name].address)  # fmt: skip
+            for backoff in self.core.links[name].backoffs:
+                backoff.reset()  # a new master: try it soon (it may still be opening), not at the old pace
             for lane in self.core.lanes:
                 attempt = self._pull_attempts.get((name, lane))
                 if attempt is not None:

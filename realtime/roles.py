@@ -27,6 +27,7 @@ import trio
 from delaymq.client.registration import Registration
 from delaymq.client.routes import RouteClient
 from delaymq.protocol.backoff import Backoff, BackoffRun
+from delaymq.protocol.errors import RemoteProtocolError
 from delaymq.protocol.limits import Limits
 from delaymq.protocol.records import scan_batch
 from delaymq.protocol.transport import AsyncCaller
@@ -128,8 +129,7 @@ class MasterSession:
                 if self.source is not None and member.registration is not None:
                     nursery.start_soon(self.handover.run, member.registration)
                 if self.source is not None:
-                    # The whole state first: a slave that was behind (or a deposed master) starts from it.
-                    await master.ship(master.full_progress(stored), wait=False)
+                    await self._ship_whole_state(master, stored)
                 self.accepting = True
                 log.log(
                     logging.WARNING if self.source is not None else logging.INFO,  # a promotion is news
@@ -149,6 +149,20 @@ class MasterSession:
                     master.committer.ship = None  # the slaves follow the next master now
                     await master.committer.commit_now()
             master.close()
+
+    async def _ship_whole_state(self, master: RealtimeMaster, stored: list[tuple[bytes, bytes]]) -> None:
+        """The epoch's first progress record: the whole state, so a slave that was behind (or a
+        deposed master) starts from it. Retried until written (a full disk); nothing is served before."""
+        backoff = BackoffRun(_RETRY)
+        while True:
+            try:
+                await master.ship(master.full_progress(stored), wait=False)
+                return
+            except RemoteProtocolError as error:
+                if not backoff.failures:
+                    log.warning("realtime %s: the new master's state could not be written: %s; retrying",
+                                self.member.group, error)  # fmt: skip
+                await self.member.clock.sleep_ms(backoff.next_delay_ms())
 
     async def _hand_over(self, target: str) -> None:
         """Stop taking requests, ship the last progress, wait until ``target`` holds the whole log."""
