@@ -273,8 +273,10 @@ class StateStore:
                 while True:
                     seen_map_size = self.map_size
                     try:
-                        with self._gate.transaction():
-                            handle = self._env.open_db(db.encode("utf-8"), create=True)
+                        # In a write transaction of its own: without one, py-lmdb begins it holding the
+                        # GIL, and a thread in a write transaction waiting for the GIL deadlocks with it.
+                        with self._gate.transaction(), self._env.begin(write=True) as txn:
+                            handle = self._env.open_db(db.encode("utf-8"), txn=txn, create=True)
                         break
                     except lmdb.MapFullError:
                         self._grow(seen_map_size)

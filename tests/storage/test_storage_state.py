@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -148,3 +151,41 @@ def test_one_store_per_folder_and_none_after_close(tmp_path: Path) -> None:
     store.close()
     with pytest.raises(StoreClosed):
         store.get("db", b"k")
+
+
+_OPEN_DB_WHILE_WRITING = """
+import sys, threading, time
+from pathlib import Path
+from delaymq.storage.state import StateStore
+
+store = StateStore.open(Path(sys.argv[1]))
+started = threading.Event()
+
+def writer():
+    with store._env.begin(write=True) as txn:  # a write transaction, as another thread's put holds one
+        started.set()
+        for i in range(200):  # Python work inside it: the thread needs the GIL again and again
+            txn.put(b"k%d" % i, b"v")
+            time.sleep(0.001)
+
+thread = threading.Thread(target=writer)
+thread.start()
+started.wait()
+store.put("a_new_db", b"key", b"value")  # opens a named db while the writer holds lmdb's writer lock
+thread.join()
+print(store.get("a_new_db", b"key").decode())
+"""
+
+
+def test_opening_a_named_db_while_another_thread_writes_does_not_hang_the_process(tmp_path: Path) -> None:
+    """py-lmdb's open_db without a transaction begins one holding the GIL: with another thread
+    in a write transaction waiting for the GIL, the whole process froze (a realtime member's
+    STATUS and fetcher threads did, now and then, at start-up)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _OPEN_DB_WHILE_WRITING, str(tmp_path / "state")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONSAFEPATH": "1"},
+    )
+    assert (done.returncode, done.stdout.strip()) == (0, "value"), done.stderr
