@@ -8,10 +8,17 @@ of the run, so ``make faults`` shows figures as well as pass/fail.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from delaymq.cli.bench_failover import ServerChild
 
 
 @dataclass
@@ -47,3 +54,54 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     for row in _ROWS:
         figures = "  ".join(f"{key}={value}" for key, value in row.figures.items())
         terminalreporter.write_line(f"{row.test}: {figures or '(no figures recorded)'}")
+
+
+# ------------------------------------------------------------------ server processes' logs
+
+
+class ServerCrashed(AssertionError):
+    """A server process logged a traceback: it died of an error, not of the test's signals."""
+
+
+def check_crashes(root: Path, error: BaseException | None) -> None:
+    """Raise ``ServerCrashed`` (chained to ``error``) when a ``*.log`` under ``root`` holds a traceback."""
+    crashed = {}
+    for log in sorted(root.glob("*.log")):
+        text = log.read_text(errors="replace")
+        if "Traceback" in text:
+            crashed[log.name] = text[text.index("Traceback") :][-1500:]
+    if crashed:
+        report = "\n".join(f"{name}: ...{text}" for name, text in crashed.items())
+        raise ServerCrashed(report) from error
+
+
+@contextmanager
+def _crash_watch(root: Path) -> Iterator[None]:
+    try:
+        yield
+    except BaseException as error:
+        check_crashes(root, error)
+        raise
+    check_crashes(root, None)
+
+
+@pytest.fixture
+def servers_must_not_crash() -> Callable[[Path], AbstractContextManager[None]]:
+    """``with servers_must_not_crash(root):`` fails with ``ServerCrashed`` (whatever else failed) when
+    a server's log under ``root`` holds a traceback: the crash is the cause a user would look for first."""
+    return _crash_watch
+
+
+def _cut_in_log(child: ServerChild, start: int, *, unit: str = "record") -> int:
+    """What a member logged as cut since the ``start``-th start of its process: records
+    (``cut N record(s)``), or with ``unit="message"`` the messages among them (a realtime
+    member's ``cut N record(s) (M message(s), ...``)."""
+    pattern = r"cut (\d+) record\(s\)" if unit == "record" else r"cut \d+ record\(s\) \((\d+) message\(s\)"
+    runs = child.log_text().split("---- start ")
+    return sum(int(n) for run in runs[start:] for n in re.findall(pattern, run))
+
+
+@pytest.fixture
+def cut_in_log() -> Callable[..., int]:
+    """``cut_in_log(child, start, unit="record"|"message")``: what a member's log says it cut."""
+    return _cut_in_log

@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import math
 import random
-import re
 import signal
-from collections.abc import Iterator
-from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -69,39 +66,6 @@ async def wait_promoted(group: ReplicatedGroup, slave: ServerChild, *, since_ms:
     return answer, wall_ms() - since_ms
 
 
-class ServerCrashed(AssertionError):
-    """A server process logged a traceback: it died of an error, not of the test's signals."""
-
-
-@contextmanager
-def servers_must_not_crash(root: Path, fault_report: Any) -> Iterator[None]:
-    """Fail with ``ServerCrashed`` (whatever else failed) when a server's log under ``root`` holds a
-    traceback: the crash is the cause a user would look for first."""
-    try:
-        yield
-    except BaseException as error:
-        check_crashes(root, fault_report, error)
-        raise
-    check_crashes(root, fault_report, None)
-
-
-def check_crashes(root: Path, fault_report: Any, error: BaseException | None) -> None:
-    crashed = {}
-    for log in sorted(root.glob("*.log")):
-        text = log.read_text(errors="replace")
-        if "Traceback" in text:
-            crashed[log.name] = text[text.index("Traceback") :][-1500:]
-    if crashed:
-        report = "\n".join(f"{name}: ...{text}" for name, text in crashed.items())
-        raise ServerCrashed(report) from error
-
-
-def cut_in_log(child: ServerChild, start: int) -> int:
-    """Records the member logged as cut (``cut N record(s)``) since the ``start``-th start of its process."""
-    runs = child.log_text().split("---- start ")
-    return sum(int(n) for run in runs[start:] for n in re.findall(r"cut (\d+) record\(s\)", run))
-
-
 def check_delivery(tally: Tally, fault_report: Any, **figures: Any) -> None:
     """Record the figures a user looks at, then assert: nothing lost, early or twice."""
     lateness = tally.lateness_ms()
@@ -122,12 +86,12 @@ def check_delivery(tally: Tally, fault_report: Any, **figures: Any) -> None:
 
 
 async def test_a_sigkilled_master_is_replaced_by_its_slave_and_rejoins_as_a_slave_with_nothing_lost_early_or_twice(
-    tmp_path: Path, fault_report: Any
+    tmp_path: Path, fault_report: Any, servers_must_not_crash: Any, cut_in_log: Any
 ) -> None:
     seed = random.randrange(2**32)
     rng = random.Random(seed)
     tally, stop = Tally(), trio.Event()
-    with servers_must_not_crash(tmp_path, fault_report), trio.fail_after(90):
+    with servers_must_not_crash(tmp_path), trio.fail_after(90):
         async with open_replicated_group(tmp_path, failover_after_ms=FAILOVER_AFTER_MS) as group:
             master, slave = group.members
             async with trio.open_nursery() as nursery:
@@ -169,12 +133,12 @@ async def test_a_sigkilled_master_is_replaced_by_its_slave_and_rejoins_as_a_slav
 
 
 async def test_a_master_frozen_past_failover_after_delivers_nothing_when_it_wakes_and_rejoins_as_a_slave(
-    tmp_path: Path, fault_report: Any
+    tmp_path: Path, fault_report: Any, servers_must_not_crash: Any, cut_in_log: Any
 ) -> None:
     seed = random.randrange(2**32)
     rng = random.Random(seed)
     tally, stop = Tally(), trio.Event()
-    with servers_must_not_crash(tmp_path, fault_report), trio.fail_after(90):
+    with servers_must_not_crash(tmp_path), trio.fail_after(90):
         async with open_replicated_group(tmp_path, failover_after_ms=FAILOVER_AFTER_MS) as group:
             master, slave = group.members
             async with trio.open_nursery() as nursery:
@@ -227,10 +191,12 @@ async def test_a_master_frozen_past_failover_after_delivers_nothing_when_it_wake
     assert realtime["fences"][GROUP] == promoted["epoch"]
 
 
-async def test_epochs_keep_going_up_across_metaserver_restarts_and_failovers(tmp_path: Path, fault_report: Any) -> None:
+async def test_epochs_keep_going_up_across_metaserver_restarts_and_failovers(
+    tmp_path: Path, fault_report: Any, servers_must_not_crash: Any
+) -> None:
     tally, stop = Tally(), trio.Event()
     epochs: list[int] = []
-    with servers_must_not_crash(tmp_path, fault_report), trio.fail_after(90):
+    with servers_must_not_crash(tmp_path), trio.fail_after(90):
         async with open_replicated_group(tmp_path, failover_after_ms=FAILOVER_AFTER_MS) as group:
             first, second = group.members
             meta = group.meta.address
