@@ -229,10 +229,10 @@ def write_snapshot(
 
 
 def _write_records(store: StateStore, batch: WriteBatch, records: Progress) -> None:
-    """A slave's state records (``delaymq.realtime.progress``); a reset deletes the keys it does not name."""
+    """A slave's state records (``delaymq.realtime.progress``); a reset deletes the keys it does not keep."""
     if records.reset:
-        named = {SHARES_DB: {key for key, _ in records.shares}, CONSUMERS_DB: {c.key for c in records.consumers}}
-        for db, keys in named.items():
+        keep_shares, keep_consumers = records.kept()
+        for db, keys in ((SHARES_DB, keep_shares), (CONSUMERS_DB, keep_consumers)):
             for key, _value in store.items(db):
                 if key not in keys:
                     batch.delete(db, key)
@@ -277,6 +277,7 @@ class Committer:
         self.commits = 0
         self.failures = 0
         self._failing = 0  # failures since the last snapshot written (logged once per outage)
+        self._closed: Exception | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -286,14 +287,23 @@ class Committer:
             await self.commit_now()
 
     async def commit(self) -> None:
-        """Return once a snapshot taken after this call is durable (raise if it failed)."""
+        """Return once a snapshot taken after this call is durable (raise if it failed, or if
+        the committer was closed before it was taken)."""
         needed = self._taken + 1
         self._wanted.set()
         while self._finished < needed:
+            if self._closed is not None:
+                raise self._closed
             await self._progress.wait()
         error = self._failures.get(needed)
         if error is not None:
             raise error
+
+    def close(self, error: Exception) -> None:
+        """No more snapshots (the master session ended): waiting and later ``commit`` calls raise ``error``."""
+        self._closed = error
+        progress, self._progress = self._progress, trio.Event()
+        progress.set()
 
     async def commit_now(self) -> None:
         """Take and write one snapshot now (the run loop; and the final one on close)."""
@@ -305,7 +315,7 @@ class Committer:
             try:
                 if not snapshot.empty():
                     if self.ship is not None and snapshot.ship is not None and not snapshot.ship.empty():
-                        await self.ship(snapshot.ship)  # cancelled: the session ends, its state is read again
+                        await self.ship(snapshot.ship)
                     # Not cancellable: once taken, a snapshot is written or restored.
                     with trio.CancelScope(shield=True):
                         await self._run_blocking(partial(self._write, snapshot))
@@ -324,6 +334,10 @@ class Committer:
                     )
                 self._failures[number] = error
                 self._failed(snapshot)
+            except BaseException:  # cancelled while shipping: nothing of it was committed
+                self._failures[number] = RuntimeError("the checkpoint was cancelled (the master session ended)")
+                self._failed(snapshot)
+                raise
             else:
                 self._done(snapshot)
             finally:

@@ -220,16 +220,22 @@ class RealtimeMaster:
         await self.source.confirm_replicated(end, timeout_ms=self._replication_timeout_ms, what="the change")
 
     async def ship(self, progress: Progress, *, wait: bool = True) -> None:
-        """Append a progress record, then (``wait``) wait until it is replicated (sync)."""
-        data = progress.encode()
+        """Append a progress record, then (``wait``) wait until it is replicated (sync).
+
+        The append is shielded as a SEND's is: once handed to the writer the record may
+        reach the log, and then the index must pass over it (it moves in offset order)."""
         assert self.writer is not None
-        try:
-            base = await self.writer.append(data)
-        except StorageError as error:
-            raise storage_refusal("consumer progress could not be written to the message log", error) from error
-        self._indexer.submit(base, base + len(data), [], [], self._clock.now_ms())  # the index passes over it
+        with trio.CancelScope(shield=True):
+            end = 0
+            for data in progress.records(self._log.max_record):
+                try:
+                    base = await self.writer.append(data)
+                except StorageError as error:
+                    raise storage_refusal("consumer progress could not be written to the message log", error) from error
+                end = base + len(data)
+                self._indexer.submit(base, end, [], [], self._clock.now_ms())  # the index passes over it
         if wait:
-            await self._replicated(base + len(data))
+            await self._replicated(end)
         else:
             assert self.source is not None
             self.source.poke()

@@ -15,8 +15,10 @@ with its redelivery count raised.
 
 A record holds whole state records (the checkpoint's own encodings), so applying one
 again, or a later one over it, leaves the state of the latest: replay after a crash
-needs no bookkeeping. A record with ``reset`` holds the master's whole state (written
-when a master session begins): keys it does not name are deleted.
+needs no bookkeeping. A record with ``reset`` ends the master's whole state (written
+when a master session begins): keys it does not keep are deleted. A state too large for
+one record goes out as several (``Progress.records``), the last one carrying ``reset``
+and the keys to keep.
 
 Payload (msgpack map)::
 
@@ -27,6 +29,8 @@ Payload (msgpack map)::
                (checkpoint.encode_consumer; ``entries``: pull-log entries from sequence
                ``first`` on, as pull/<stem>.log holds them; empty when none are new)
     fences     {scheduler group: epoch}
+    keep       [[share keys], [consumer keys]] or nil: with ``reset``, the keys that stay
+               (nil: the keys this record names)
 """
 
 from __future__ import annotations
@@ -62,9 +66,16 @@ class Progress:
     shares: list[tuple[bytes, bytes]] = field(default_factory=list)
     consumers: list[ConsumerProgress] = field(default_factory=list)
     fences: dict[str, int] = field(default_factory=dict)
+    keep: tuple[set[bytes], set[bytes]] | None = None  # with reset: (share keys, consumer keys) that stay
 
     def empty(self) -> bool:
         return not (self.reset or self.shares or self.consumers or self.fences)
+
+    def kept(self) -> tuple[set[bytes], set[bytes]]:
+        """With ``reset``: the share and consumer keys that stay."""
+        if self.keep is not None:
+            return self.keep
+        return {key for key, _ in self.shares}, {c.key for c in self.consumers}
 
     def encode(self) -> bytes:
         """The whole record, envelope included: appended to the message log as it is."""
@@ -75,10 +86,43 @@ class Progress:
                 "shares": [[key, record] for key, record in self.shares],
                 "consumers": [[c.key, c.record, c.first, c.entries] for c in self.consumers],
                 "fences": self.fences,
+                "keep": None if self.keep is None else [sorted(self.keep[0]), sorted(self.keep[1])],
             },
             use_bin_type=True,
         )
         return encode(PROGRESS_KIND, payload)
+
+    def records(self, max_record: int) -> list[bytes]:
+        """This progress as records of at most about a quarter of ``max_record`` each: one
+        record when it fits, else upserts in chunks, then (for a reset) a last record with
+        ``reset``, the fences and the keys to keep."""
+        whole = self.encode()
+        if len(whole) <= max_record // 2:
+            return [whole]
+        budget = max(1, max_record // 4)
+        out: list[bytes] = []
+        chunk = Progress()
+        size = 0
+
+        def add(item_size: int) -> None:
+            nonlocal chunk, size
+            if size and size + item_size > budget:
+                out.append(chunk.encode())
+                chunk, size = Progress(), 0
+            size += item_size
+
+        for key, record in self.shares:
+            add(len(key) + len(record) + 16)
+            chunk.shares.append((key, record))
+        for consumer in self.consumers:
+            add(len(consumer.key) + len(consumer.record) + len(consumer.entries) + 32)
+            chunk.consumers.append(consumer)
+        if chunk.shares or chunk.consumers:
+            out.append(chunk.encode())
+        last = Progress(reset=self.reset, fences=self.fences, keep=self.kept() if self.reset else None)
+        if not last.empty():
+            out.append(last.encode())
+        return out
 
     @classmethod
     def decode(cls, payload: bytes | memoryview) -> Progress:
@@ -95,6 +139,9 @@ class Progress:
                     for key, record, first, entries in data["consumers"]
                 ],
                 fences={str(group): int(epoch) for group, epoch in data["fences"].items()},
+                keep=None
+                if data.get("keep") is None
+                else ({bytes(k) for k in data["keep"][0]}, {bytes(k) for k in data["keep"][1]}),
             )
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             raise CorruptLog(f"a progress record does not decode: {error}") from error

@@ -147,14 +147,17 @@ class PullLog:
             raise ValueError(f"pull log {self.path} ends before entry {stop}")
         return decode_pull_entries(data)
 
-    def truncate(self, length: int) -> None:
-        """Cut entries past ``length`` (a consumer loaded after start-up, whose tail recovery did not keep)."""
+    def truncate(self, length: int) -> bool:
+        """Cut entries past ``length`` (a consumer loaded after start-up, whose tail recovery did
+        not keep; a slave's entries the master never had); True if there were any."""
         try:
             size = os.stat(self.path).st_size
         except FileNotFoundError:
             size = 0
         if size > length * PULL_ENTRY_SIZE:
             os.truncate(self.path, length * PULL_ENTRY_SIZE)
+            return True
+        return False
 
     def flush(self) -> bool:
         """fsync (blocking); True if the folder needs an fsync too."""

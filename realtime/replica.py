@@ -18,12 +18,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from delaymq.realtime.checkpoint import Snapshot, decode_consumer, write_snapshot
+from delaymq.realtime.checkpoint import CONSUMERS_DB, Snapshot, decode_consumer, write_snapshot
 from delaymq.realtime.dedup import DedupWindow
 from delaymq.realtime.groups import Groups
 from delaymq.realtime.index import Indexer
 from delaymq.realtime.progress import Progress
-from delaymq.realtime.pulllog import PullLog
+from delaymq.realtime.pulllog import PullLog, list_pull_logs
 from delaymq.realtime.recovery import Storage, recover_storage
 
 DEFAULT_STEP_BYTES = 4 << 20
@@ -39,8 +39,12 @@ class ReplicaStep:
 class ReplicaState:
     """A slave's indexer, dedup ids and applied progress over one data folder."""
 
-    def __init__(self, storage: Storage, *, indexer: Indexer, dedup: DedupWindow, dedup_buckets: list[int]) -> None:
+    def __init__(
+        self, storage: Storage, *, indexer: Indexer, dedup: DedupWindow, dedup_buckets: list[int], slave: bool
+    ) -> None:
         self._storage = storage
+        #: A slave hands nothing out: pull-log entries past what the master says are cut.
+        self.slave = slave
         self.indexer = indexer
         self._dedup = dedup
         self._dedup_buckets = dedup_buckets
@@ -48,13 +52,21 @@ class ReplicaState:
         self.progress = 0
 
     @classmethod
-    def open(cls, storage: Storage, *, now: int, dedup_window_ms: int, dedup_memory_ids: int) -> ReplicaState:
-        """The folder's state as committed (blocking); records past the checkpoint are left to ``step``."""
+    def open(
+        cls, storage: Storage, *, now: int, dedup_window_ms: int, dedup_memory_ids: int, slave: bool = True
+    ) -> ReplicaState:
+        """The folder's state as committed (blocking); records past the checkpoint are left to ``step``.
+
+        A ``slave`` hands nothing out: pull-log entries past a consumer's committed length
+        are a deposed master's hand-outs the group never had, and are cut (a restarted
+        master keeps them: recovery makes them hand-outs in flight)."""
+        if slave:
+            cut_pull_tails(storage)
         dedup = DedupWindow(window_ms=dedup_window_ms, memory_ids=dedup_memory_ids, covers_from=now)
         groups = Groups(ack_timeout_ms=1, consumer_timeout_ms=1)  # a slave hands nothing out
         indexer, buckets, _in_flight = recover_storage(storage, groups=groups, dedup=dedup, now=now, replay=False)
         indexer.on_ids = dedup.indexed
-        return cls(storage, indexer=indexer, dedup=dedup, dedup_buckets=buckets)
+        return cls(storage, indexer=indexer, dedup=dedup, dedup_buckets=buckets, slave=slave)
 
     @property
     def applied_offset(self) -> int:
@@ -76,28 +88,43 @@ class ReplicaState:
         pull_logs: dict[bytes, PullLog] = {}
         count = 0
 
+        def pull_log_of(key: bytes) -> PullLog:
+            pull_log = pull_logs.get(key)
+            if pull_log is None:
+                pull_log = pull_logs[key] = PullLog(storage.pull_folder.path, key.hex())
+            return pull_log
+
         def apply(payload: bytes) -> None:
             nonlocal count
             progress = Progress.decode(payload)
             count += 1
-            if progress.reset:  # the master's whole state: what came before it is superseded
-                applied.reset = True
-                applied.shares.clear()
-                applied.consumers.clear()
+            if progress.reset:  # the master's whole state: what it does not keep goes
+                keep_shares, keep_consumers = (set(keys) for keys in progress.kept())
+                applied.shares[:] = [(key, record) for key, record in applied.shares if key in keep_shares]
+                applied.consumers[:] = [c for c in applied.consumers if c.key in keep_consumers]
+                applied.reset, applied.keep = True, (keep_shares, keep_consumers)
+                for stem in list_pull_logs(storage.pull_folder.path) if self.slave else ():
+                    if bytes.fromhex(stem) not in keep_consumers:
+                        pull_log_of(bytes.fromhex(stem)).truncate(0)
             applied.shares.extend(progress.shares)
             applied.consumers.extend(progress.consumers)
+            if applied.keep is not None:  # upserts after a reset stay
+                applied.keep[0].update(key for key, _ in progress.shares)
+                applied.keep[1].update(c.key for c in progress.consumers)
             for group, epoch in progress.fences.items():
                 applied.fences[group] = max(epoch, applied.fences.get(group, 0))
             for consumer in progress.consumers:
+                names = decode_consumer(consumer.record)
+                pull_log = pull_log_of(consumer.key)
                 if consumer.entries:
-                    pull_log = pull_logs.get(consumer.key)
-                    if pull_log is None:
-                        pull_log = pull_logs[consumer.key] = PullLog(storage.pull_folder.path, consumer.key.hex())
-                        names = decode_consumer(consumer.record)
-                        pull_log.create(
-                            names["subject"], names["group"], names["consumer"], broadcast=bool(names["broadcast"])
-                        )
+                    pull_log.create(
+                        names["subject"], names["group"], names["consumer"], broadcast=bool(names["broadcast"])
+                    )
                     pull_log.write(consumer.first, consumer.entries)
+                if self.slave:
+                    # Entries past the master's length are this member's own from a former life as
+                    # master (hand-outs it made and never replicated): the group never had them.
+                    pull_log.truncate(names["length"])
 
         messages = self.indexer.index_raw(data, offset, now, on_progress=apply)
         snapshot = Snapshot(
@@ -135,4 +162,15 @@ class ReplicaState:
         self.indexer.close()
 
 
-__all__ = ["DEFAULT_STEP_BYTES", "ReplicaState", "ReplicaStep"]
+def cut_pull_tails(storage: Storage) -> int:
+    """Cut every pull log to its consumer's committed length (0 without a record); returns how many were cut."""
+    lengths = {key.hex(): decode_consumer(record)["length"] for key, record in storage.store.items(CONSUMERS_DB)}
+    cut = 0
+    for stem in list_pull_logs(storage.pull_folder.path):
+        pull_log = PullLog(storage.pull_folder.path, stem)
+        if pull_log.truncate(lengths.get(stem, 0)):
+            cut += 1
+    return cut
+
+
+__all__ = ["DEFAULT_STEP_BYTES", "ReplicaState", "ReplicaStep", "cut_pull_tails"]

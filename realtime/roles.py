@@ -19,6 +19,8 @@ at a time); both sessions share the member's data folder (``Member``).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
@@ -40,7 +42,7 @@ from delaymq.realtime.recovery import Storage
 from delaymq.realtime.replica import ReplicaState
 from delaymq.replication.epochs import EpochHistory
 from delaymq.replication.fetcher import ReplicaFetcher
-from delaymq.replication.roles import Handover, Mastership
+from delaymq.replication.roles import Handover, Mastership, NotMaster
 from delaymq.replication.source import ReplicationSource
 from delaymq.storage.errors import StorageError, describe
 from delaymq.storage.threads import RunBlocking
@@ -102,6 +104,9 @@ class MasterSession:
                 self.source.on_joined_in_sync = lambda address: registration.heartbeat_now()
                 self.source.on_stale_epoch = lambda epoch: registration.heartbeat_now()
         self.master: RealtimeMaster | None = None
+        self.in_flight = 0  # requests being served (``serving``)
+        self._idle = trio.Event()
+        self._idle.set()
         self.handover = Handover(
             what=f"realtime {member.group}", epoch=epoch, hand_over=self._hand_over, resume=self._resume
         )
@@ -148,7 +153,21 @@ class MasterSession:
                 with trio.CancelScope(shield=True):
                     master.committer.ship = None  # the slaves follow the next master now
                     await master.committer.commit_now()
+            ended = NotMaster(f"realtime server {member.address or '-'} is no longer master of epoch {self.epoch}")
+            master.committer.close(ended)  # requests still waiting for a checkpoint are refused, not stuck
             master.close()
+
+    @contextmanager
+    def serving(self) -> Iterator[None]:
+        """Count a request in flight while it is served."""
+        self.in_flight += 1
+        self._idle = trio.Event() if self.in_flight == 1 else self._idle
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            if not self.in_flight:
+                self._idle.set()
 
     async def _ship_whole_state(self, master: RealtimeMaster, stored: list[tuple[bytes, bytes]]) -> None:
         """The epoch's first progress record: the whole state, so a slave that was behind (or a
@@ -171,6 +190,7 @@ class MasterSession:
         self.accepting = False
         master.pull_handler.closed = f"realtime server {member.address or '-'} is handing over to {target}"
         master.parked.wake_all()
+        await self._idle.wait()  # requests let in before the stop end first (a NACK's retry, an ACK's commit)
         await master.committer.commit_now()  # what consumers did so far goes out as a progress record
         message_log = member.storage.message_log
         while (member.writer is not None and member.writer.statistics().pending) or (
@@ -197,7 +217,7 @@ def _take_over(
     applied = 0
     stored: list[tuple[bytes, bytes]] = []
     if source is not None:
-        state = _open_replica(member)
+        state = _open_replica(member, slave=False)
         try:
             applied = state.catch_up(until=storage.message_log.end_offset, now=member.clock.now_ms())
         finally:
@@ -219,13 +239,14 @@ def _take_over(
     return master, applied, stored
 
 
-def _open_replica(member: Member) -> ReplicaState:
+def _open_replica(member: Member, *, slave: bool = True) -> ReplicaState:
     settings = member.settings
     return ReplicaState.open(
         member.storage,
         now=member.clock.now_ms(),
         dedup_window_ms=settings.dedup_window_ms,
         dedup_memory_ids=settings.dedup_memory_ids,
+        slave=slave,
     )
 
 
@@ -367,11 +388,11 @@ def _cut(storage: Storage, offset: int) -> tuple[int, int, int, int]:
                 indexed += sum(1 for first in batch.starts if position + start + first < checkpoint)
         position = next_offset
     records = sum(1 for _ in message_log.iter_from(offset))
-    size = message_log.truncate(offset)
-    if ids:
+    if ids:  # first: a crash before the cut must not leave ids of messages this member no longer has
         with storage.store.write() as batch_:
             for message_id in ids:
                 batch_.delete(IDS_DB, message_id.encode())
+    size = message_log.truncate(offset)
     return records, messages, size, indexed
 
 

@@ -20,7 +20,7 @@ STATUS (command 14, as the scheduler's) takes no metadata and answers
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -50,6 +50,8 @@ from delaymq.storage.writer import FlushPolicy, open_log_writer
 from delaymq.wheel.clock import Clock
 
 log = logging.getLogger(__name__)
+
+Handler = Callable[[Request], Awaitable[Any]]
 
 #: How long a SEND, a PULL's hand-outs or an ACK wait for ``min_insync`` slaves under sync replication.
 DEFAULT_REPLICATION_TIMEOUT_MS = 5_000
@@ -246,28 +248,41 @@ class RealtimeServer:
             f"{what}: realtime server {self.address or '-'} of group {self.group} {state}; ask the metaserver"
         )
 
-    async def _master_for(self, what: str, *, replicated: bool = True) -> RealtimeMaster:
+    async def _serve(
+        self, what: str, handler: Callable[[RealtimeMaster], Handler], request: Request, *, replicated: bool = True
+    ) -> Any:
+        """Run a master's ``handler`` for ``request``, counted in flight (a handover waits for it)."""
         session = self._accepting(what)
         if replicated and session.source is not None:
             session.source.check_insync(what)  # too few slaves in sync: refused before anything changes
-        await session.mastership.confirm()  # woken from a freeze: still master?
-        assert session.master is not None
-        return session.master
+        with session.serving():
+            await session.mastership.confirm()  # woken from a freeze: still master?
+            assert session.master is not None
+            return await handler(session.master)(request)
 
     async def _send(self, request: Request) -> dict[str, Any]:
-        return await (await self._master_for("SEND")).send_handler.handle(request)
+        answer: dict[str, Any] = await self._serve("SEND", lambda master: master.send_handler.handle, request)
+        return answer
 
     async def _pull(self, request: Request) -> tuple[dict[str, Any], bytes]:
-        return await (await self._master_for("PULL")).pull_handler.handle(request)
+        answer: tuple[dict[str, Any], bytes] = await self._serve(
+            "PULL", lambda master: master.pull_handler.handle, request
+        )
+        return answer
 
     async def _ack(self, request: Request) -> dict[str, Any]:
-        return await (await self._master_for("ACK")).ack_handler.ack(request)
+        answer: dict[str, Any] = await self._serve("ACK", lambda master: master.ack_handler.ack, request)
+        return answer
 
     async def _nack(self, request: Request) -> dict[str, Any]:
-        return await (await self._master_for("NACK")).ack_handler.nack(request)
+        answer: dict[str, Any] = await self._serve("NACK", lambda master: master.ack_handler.nack, request)
+        return answer
 
     async def _heartbeat(self, request: Request) -> dict[str, Any]:
-        return await (await self._master_for("CONSUMER_HEARTBEAT", replicated=False)).ack_handler.heartbeat(request)
+        answer: dict[str, Any] = await self._serve(
+            "CONSUMER_HEARTBEAT", lambda master: master.ack_handler.heartbeat, request, replicated=False
+        )
+        return answer
 
     async def _fetch(self, request: Request) -> tuple[dict[str, Any], bytes]:
         fetch = FetchRequest.from_metadata(request.metadata)
