@@ -5,9 +5,9 @@ durable end and asks for what follows; the answer waits (long poll) until the ma
 durable log grows, a side-journal entry is added, or ``tick_interval_ms`` (50 ms)
 passes, so a slave hears the master's tick at least that often. It keeps each slave's
 progress, says which slaves are **in sync** (fetched and caught up within
-``lag_ms``), how far replication has reached (``high_watermark``: what ``min_insync``
-in-sync slaves hold), and lets a SCHEDULE wait until its bytes are there
-(``wait_replicated``).
+``lag_ms``), how far replication has reached (``high_watermark``: what every in-sync
+slave holds, once ``min_insync`` are in sync), and lets a write wait until its bytes are
+there (``wait_replicated``).
 
 The side journal carries the owner's small records (the scheduler's dispatch-log
 records) in order, numbered within this master's *session*; a slave that asks from a
@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 DEFAULT_TICK_INTERVAL_MS = 50
 DEFAULT_LAG_MS = 10_000
 DEFAULT_JOURNAL_ENTRIES = 65_536
+#: How often a replication wait looks again whether a silent slave left the in-sync set.
+_RECHECK_S = 0.25
 #: A slave silent this long no longer holds back the deletion of message-log segments.
 DEFAULT_RETAIN_FOR_MS = 600_000
 
@@ -153,19 +155,20 @@ class ReplicationSource:
         return sorted(address for address, replica in self._replicas.items() if self._is_in_sync(replica, now))
 
     def high_watermark(self) -> int:
-        """What ``min_insync`` in-sync slaves hold durably (the master's durable end if none are
-        required). Never moves back: the owner files records up to it."""
+        """What every in-sync slave holds durably, once at least ``min_insync`` are in sync (the
+        master's durable end if none are required). Never moves back: the owner files records up to it."""
         durable = self._log.flushed_offset
         if self.min_insync == 0:
             mark = durable
         else:
-            now = self._clock.monotonic_ms()
-            held = sorted(
-                (min(r.acked, durable) for r in self._replicas.values() if self._is_in_sync(r, now)), reverse=True
-            )
-            mark = held[self.min_insync - 1] if len(held) >= self.min_insync else self._watermark
+            held = self._held_in_sync()
+            mark = min(min(acked, durable) for acked in held) if len(held) >= self.min_insync else self._watermark
         self._watermark = max(self._watermark, mark)
         return self._watermark
+
+    def _held_in_sync(self) -> list[int]:
+        now = self._clock.monotonic_ms()
+        return [r.acked for r in self._replicas.values() if self._is_in_sync(r, now)]
 
     def check_insync(self, what: str) -> None:
         """Refuse (retryably) when fewer than ``min_insync`` slaves are in sync: nothing is stored."""
@@ -183,17 +186,23 @@ class ReplicationSource:
             )
 
     async def wait_replicated(self, offset: int, *, timeout_ms: int) -> bool:
-        """Wait until ``min_insync`` in-sync slaves hold everything below ``offset``; false on timeout."""
+        """Wait until every in-sync slave, and at least ``min_insync`` of them, holds everything
+        below ``offset``; false on timeout.
+
+        Every in-sync slave, not just ``min_insync`` of them: the metaserver may promote any
+        slave this master last reported in sync, so an answered write must be on each of them.
+        A slave that stops fetching leaves the in-sync set after ``lag_ms`` (and the wait with it).
+        """
         if self.mode != "sync" or not self.min_insync:
             return True
         with trio.move_on_after(timeout_ms / 1000):
             while True:
                 acks = self._acks
-                now = self._clock.monotonic_ms()
-                holding = sum(1 for r in self._replicas.values() if r.acked >= offset and self._is_in_sync(r, now))
-                if holding >= self.min_insync:
+                held = self._held_in_sync()
+                if len(held) >= self.min_insync and all(acked >= offset for acked in held):
                     return True
-                await acks.wait()
+                with trio.move_on_after(_RECHECK_S):  # a slave may leave the in-sync set by time alone
+                    await acks.wait()
         return False
 
     async def confirm_replicated(self, offset: int, *, timeout_ms: int, what: str) -> None:

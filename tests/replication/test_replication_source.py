@@ -3,6 +3,7 @@ ReplicaFetcher against a source over a MemoryNetwork (docs/replication.md)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +156,51 @@ async def test_a_slave_that_stops_fetching_falls_out_of_sync(tmp_path: Path, aut
         assert master.source.in_sync() == []
         [progress] = master.source.statistics().replicas
         assert (progress.in_sync, progress.lag_bytes) == (False, len(record(4)))
+
+
+async def test_a_write_is_answered_once_every_in_sync_slave_holds_it_not_just_min_insync(
+    tmp_path: Path, autojump_clock: Any
+) -> None:
+    """The metaserver may promote any slave the master last reported in sync: with two in sync
+    and ``min_insync`` 1, a write on only one of them was answered, and lost when the other was
+    promoted (a fault test saw acked messages handed out again)."""
+    clock = TrioClock(1_700_000_000_000)
+    master = Master(tmp_path, clock, min_insync=1, lag_ms=10_000)
+    other = "slave-2.test:1"
+    with master.log:
+        master.write(1, 2)
+        for address in (SLAVE, other):
+            await master.source.serve_fetch(
+                FetchRequest(group="g", address=address, epoch=1, offset=master.log.end_offset, last_epoch=1)
+            )
+        assert master.source.in_sync() == sorted([SLAVE, other])
+        master.write(3)
+        end = master.log.end_offset
+        answered: list[int] = []
+
+        async def wait() -> None:
+            if await master.source.wait_replicated(end, timeout_ms=60_000):
+                answered.append(clock.monotonic_ms())
+
+        async def keep_fetching() -> None:  # SLAVE holds the write now and goes on asking
+            request = FetchRequest(group="g", address=SLAVE, epoch=1, offset=end, last_epoch=1)
+            while True:  # a long poll: the tick answers it within 50 ms
+                answer, _body = await master.source.serve_fetch(request)
+                request = dataclasses.replace(request, session=answer.session, seq=answer.seq)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wait)
+            await trio.sleep(0.5)
+            nursery.start_soon(keep_fetching)
+            await trio.sleep(0.5)
+            assert answered == []  # one of two in-sync slaves holds it: not yet
+            assert master.source.high_watermark() < end
+            started = clock.monotonic_ms()
+            await trio.sleep(11)  # the other stays silent: it leaves the in-sync set, and the wait ends
+            assert master.source.in_sync() == [SLAVE]
+            assert answered and answered[0] - started <= 10_000 + 500
+            assert master.source.high_watermark() == end
+            nursery.cancel_scope.cancel()
 
 
 async def test_fetch_answers_a_cut_for_a_tail_the_master_never_had_and_refuses_a_deleted_start(
