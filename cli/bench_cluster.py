@@ -1,12 +1,23 @@
 """Benchmarks against a real local cluster: ``delaymq bench realtime`` and ``delay``.
 
-The cluster runs in a child process (``delaymq cluster``), so its peak RSS is
-its own; one producer and one consumer run here, in one trio program. Figures
-are printed, never asserted: these machines are shared and noisy.
+The cluster runs in a child process (``delaymq cluster``, itself one process per
+server), so its peak RSS and CPU are its own; one producer and one consumer run
+here, in one trio program. Figures are printed, never asserted: these machines are
+shared and noisy.
+
+``delay`` also says where the time and the CPU go (docs/performance.md): the
+lateness of each stage of a delayed message (due -> fired by the scheduler ->
+accepted by realtime -> handed to the consumer -> received), from the servers'
+STATUS histograms and the consumer's clock; each server process's CPU seconds per
+100,000 messages (``/proc/PID/stat`` before and after); dispatch batches and fire
+rounds; fsyncs per second. Then the same workload against a Redis sorted-set
+queue (``delaymq.cli.bench_redis``), and delaymq's figures as ratios to its.
 """
 
 from __future__ import annotations
 
+import glob
+import os
 import random
 import re
 import statistics
@@ -16,13 +27,16 @@ import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import IO, Any
 
 import trio
 
+from delaymq.cli.bench_redis import RedisRun, bench_redis_delay, cpu_seconds
 from delaymq.client import open_consumer, open_producer
 from delaymq.protocol.commands import Command
+from delaymq.protocol.histogram import LatencyHistogram
 from delaymq.protocol.transport import open_peers
 
 Row = tuple[str, float, str]
@@ -38,19 +52,98 @@ class ClusterProcess:
     scheduler: str | None
 
     def peak_rss_mb(self) -> float:
-        """The child's high-water resident set (VmHWM), in MiB."""
-        return _status_kb(self.process.pid, "VmHWM") / 1024
+        """The high-water resident sets (VmHWM) of the cluster's processes, added up, in MiB."""
+        return sum(_status_kb(pid, "VmHWM") for pid in process_tree(self.process.pid)) / 1024
 
     def rss_mb(self) -> float:
-        return _status_kb(self.process.pid, "VmRSS") / 1024
+        return sum(_status_kb(pid, "VmRSS") for pid in process_tree(self.process.pid)) / 1024
 
 
 def _status_kb(pid: int, field: str) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except FileNotFoundError:  # exited meanwhile
+        pass
     return 0
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and its descendants, parents first (``/proc/PID/task/*/children``)."""
+    pids = [root]
+    for pid in pids:  # grows while walked
+        for children in glob.glob(f"/proc/{pid}/task/*/children"):
+            try:
+                with open(children) as listed:
+                    pids.extend(int(child) for child in listed.read().split())
+            except FileNotFoundError:
+                pass
+    return pids
+
+
+def _listening_ports() -> dict[int, int]:
+    """Socket inode -> port of every TCP socket listening in this network namespace."""
+    ports: dict[int, int] = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as lines:
+                next(lines)
+                for line in lines:
+                    fields = line.split()
+                    if fields[3] == "0A":  # LISTEN
+                        ports[int(fields[9])] = int(fields[1].rsplit(":", 1)[1], 16)
+        except FileNotFoundError:
+            pass
+    return ports
+
+
+def server_processes(root: int, addresses: Mapping[str, str]) -> dict[str, int]:
+    """Each process of the cluster named by the servers it runs: the ones whose listening
+    socket it holds (``addresses``: server name -> HOST:PORT). One process running every
+    server is one entry; a process serving none (a supervisor) is named as such."""
+    ports = _listening_ports()
+    pids = process_tree(root)
+    holder: dict[int, int] = {}  # port -> pid; a child wins over the root (an inherited copy)
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except (FileNotFoundError, PermissionError):
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                port = ports.get(int(target[8:-1]))
+                if port is not None and (port not in holder or holder[port] == root):
+                    holder[port] = pid
+    names: dict[int, list[str]] = {pid: [] for pid in pids}
+    for name, address in addresses.items():
+        pid = holder.get(int(address.rsplit(":", 1)[1]), root)
+        names.setdefault(pid, []).append(name)
+    labelled: dict[str, int] = {}
+    for pid, served in names.items():
+        if served:
+            labelled["+".join(sorted(served))] = pid
+        elif pid == root:
+            labelled["cluster supervisor"] = pid
+        else:
+            labelled[f"other process {pid}"] = pid
+    return labelled
+
+
+def _cpu_of(pids: Mapping[str, int]) -> dict[str, float]:
+    """CPU seconds of each live process so far."""
+    used: dict[str, float] = {}
+    for name, pid in pids.items():
+        try:
+            used[name] = cpu_seconds(pid)
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return used
 
 
 @contextmanager
@@ -237,27 +330,226 @@ async def _schedule_backlog(meta: str, scheduler: str, count: int, spread_ms: in
     return accepted, count / (time.perf_counter() - start)
 
 
-def bench_delay(scratch: Path, *, count: int = 100_000, backlog: int = 1_000_000) -> list[Row]:
-    """DESIGN.md section 7: messages due at now + uniform(2 s, 20 s), then a 30-day backlog."""
+#: The stages a delayed message passes after it is due, each with the server whose STATUS
+#: holds its lateness histogram and the field; the last stage is measured here.
+STAGES = (
+    ("fired by the scheduler", "scheduler", "lateness_fired"),
+    ("accepted by realtime", "realtime", "lateness_accepted"),
+    ("handed to the consumer", "realtime", "lateness_handed_out"),
+)
+RECEIVED = "received by the consumer"
+#: STATUS counters a delay run reads before and after (server kind -> fields).
+COUNTERS = {
+    "scheduler": ("dispatched", "dispatch_batches", "fire_rounds", "confirm_rounds", "message_log_fsyncs", "filing_fsyncs"),
+    "realtime": ("message_log_fsyncs", "checkpoints"),
+}  # fmt: skip
+
+
+@dataclass
+class DelayRun:
+    """What one run of the delay workload against the cluster measured."""
+
+    accepted: float  # msg/s
+    lateness_ms: list[float]  # received - due, per message received
+    lost: int
+    duplicated: int
+    seconds: float  # first send to last message received
+    stages: dict[str, LatencyHistogram]  # stage -> lateness in ms, in order, "received" last
+    cpu_seconds: dict[str, float]  # process (named by the servers it runs) -> CPU seconds over the run
+    counters: dict[str, int]  # "kind.field" -> growth over the run
+
+
+async def _server_addresses(meta: str) -> dict[str, str]:
+    """Server name -> address: the metaserver, and the scheduler and realtime server it knows."""
+    async with open_peers() as peers:
+        with trio.fail_after(30):
+            while True:
+                answer = await peers.call(meta, Command.STATUS, {})
+                found = {"metaserver": meta}
+                for row in answer.metadata.get("rows") or []:
+                    if row.get("kind") in COUNTERS and not row.get("evicted"):
+                        found.setdefault(row["kind"], row["address"])
+                if len(found) == 1 + len(COUNTERS):
+                    return found
+                await trio.sleep(0.1)  # polling a cluster's start-up, not synchronising a test
+
+
+async def _statistics(addresses: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    """Each server's STATUS statistics (kind -> map)."""
+    answers: dict[str, dict[str, Any]] = {}
+    async with open_peers() as peers:
+        for kind in COUNTERS:
+            metadata = {"hours": 1} if kind == "scheduler" else {}
+            answers[kind] = (await peers.call(addresses[kind], Command.STATUS, metadata)).metadata["statistics"]
+    return answers
+
+
+async def _delay_run(cluster: ClusterProcess, count: int, delay_range: tuple[float, float]) -> DelayRun:
+    addresses = await _server_addresses(cluster.meta)
+    processes = server_processes(cluster.process.pid, addresses)
+    before = await _statistics(addresses)
+    cpu_before = _cpu_of(processes)
+    started = time.perf_counter()
+    accepted, lateness, lost, duplicated = await _produce_and_consume(cluster.meta, "bench", count, 1000, delay_range)
+    seconds = time.perf_counter() - started
+    cpu_after = _cpu_of(processes)
+    after = await _statistics(addresses)
+    stages = {label: LatencyHistogram.from_wire(after[kind][field]) for label, kind, field in STAGES}
+    received = stages[RECEIVED] = LatencyHistogram()
+    received.record_many([round(value) for value in lateness])
+    return DelayRun(
+        accepted=accepted,
+        lateness_ms=lateness,
+        lost=lost,
+        duplicated=duplicated,
+        seconds=seconds,
+        stages=stages,
+        cpu_seconds={name: cpu_after[name] - cpu_before[name] for name in cpu_before if name in cpu_after},
+        counters={
+            f"{kind}.{field}": after[kind].get(field, 0) - before[kind].get(field, 0)
+            for kind, fields in COUNTERS.items()
+            for field in fields
+        },
+    )
+
+
+def _ratio(ours: float, theirs: float) -> float:
+    return 100 * ours / theirs if theirs else float("nan")
+
+
+def stage_rows(case: str, run: DelayRun) -> list[Row]:
+    """How many messages passed each stage (redeliveries count again) and p50/p99/max of their
+    lateness there (due -> that stage), in ms."""
     rows: list[Row] = []
-    for flush in ("sync", "async"):
+    for label, histogram in run.stages.items():
+        p50, p99, worst = histogram.summary()
+        rows += [
+            (f"{case}: due -> {label}, messages", histogram.count, "msgs"),
+            (f"{case}: due -> {label} p50", p50, "ms"),
+            (f"{case}: due -> {label} p99", p99, "ms"),
+            (f"{case}: due -> {label} max", worst, "ms"),
+        ]
+    return rows
+
+
+def cost_rows(case: str, run: DelayRun, count: int) -> list[Row]:
+    """CPU per server process, dispatch batching and fsyncs of one delay run."""
+    per_100k = 100_000 / count
+    total = sum(run.cpu_seconds.values())
+    rows: list[Row] = [
+        (f"{case}: CPU per 100,000 msgs, {name}", seconds * per_100k, "s") for name, seconds in run.cpu_seconds.items()
+    ]
+    counters = run.counters
+    batches = counters["scheduler.dispatch_batches"]
+    rounds = counters["scheduler.fire_rounds"]
+    dispatched = counters["scheduler.dispatched"]
+    fsyncs = {
+        "scheduler message log": counters["scheduler.message_log_fsyncs"],
+        "scheduler filing (schedule logs)": counters["scheduler.filing_fsyncs"],
+        "scheduler dispatch-log rounds": counters["scheduler.confirm_rounds"],
+        "realtime message log": counters["realtime.message_log_fsyncs"],
+        "realtime checkpoints": counters["realtime.checkpoints"],
+    }
+    rows += [
+        (f"{case}: CPU per 100,000 msgs, all server processes", total * per_100k, "s"),
+        (f"{case}: server CPU per message", total / count * 1e6, "us"),
+        (f"{case}: dispatch batches (SENDs to realtime)", batches, "batches"),
+        (f"{case}: dispatch batch mean size", dispatched / batches if batches else 0.0, "msgs"),
+        (f"{case}: fire rounds", rounds, "rounds"),
+        (f"{case}: fire round mean size", dispatched / rounds if rounds else 0.0, "msgs"),
+        *((f"{case}: fsyncs/s, {name}", value / run.seconds, "/s") for name, value in fsyncs.items()),
+        (f"{case}: fsyncs/s, all of the above", sum(fsyncs.values()) / run.seconds, "/s"),
+    ]
+    return rows
+
+
+def redis_rows(run: RedisRun, count: int) -> list[Row]:
+    p50, p99, worst = percentiles(run.lateness_ms)
+    return [
+        ("Redis ZSET: accepted", run.accepted, "msg/s"),
+        ("Redis ZSET: lateness p50", p50, "ms"),
+        ("Redis ZSET: lateness p99", p99, "ms"),
+        ("Redis ZSET: lateness max", worst, "ms"),
+        ("Redis ZSET: delivered early", sum(1 for delay in run.lateness_ms if delay < 0), "msgs"),
+        ("Redis ZSET: lost", run.lost, "msgs"),
+        ("Redis ZSET: duplicated", run.duplicated, "msgs"),
+        ("Redis ZSET: redis-server CPU per 100,000 msgs", run.cpu_seconds * 100_000 / count, "s"),
+        ("Redis ZSET: redis-server peak RSS", run.peak_rss_mb, "MiB"),
+    ]
+
+
+def ratio_rows(case: str, run: DelayRun, redis: RedisRun) -> list[Row]:
+    """delaymq's figures as a percentage of Redis's (accepted: higher is better; the rest: lower)."""
+    ours = percentiles(run.lateness_ms)
+    theirs = percentiles(redis.lateness_ms)
+    return [
+        (f"{case} / Redis: accepted", _ratio(run.accepted, redis.accepted), "%"),
+        (f"{case} / Redis: lateness p50", _ratio(ours[0], theirs[0]), "%"),
+        (f"{case} / Redis: lateness p99", _ratio(ours[1], theirs[1]), "%"),
+        (f"{case} / Redis: lateness max", _ratio(ours[2], theirs[2]), "%"),
+        (f"{case} / Redis: server CPU", _ratio(sum(run.cpu_seconds.values()), redis.cpu_seconds), "%"),
+    ]
+
+
+def bench_delay(
+    scratch: Path,
+    *,
+    count: int = 100_000,
+    backlog: int = 1_000_000,
+    delay_range: tuple[float, float] = (2.0, 20.0),
+    flushes: tuple[str, ...] = ("sync", "async"),
+    redis: bool = True,
+    install_redis: bool = True,
+) -> list[Row]:
+    """DESIGN.md section 7: messages due at now + uniform(2 s, 20 s) under each flush policy,
+    where their lateness and the servers' CPU go, the same workload on a Redis sorted set
+    (``redis``; ``install_redis``: apt-get install redis-server when missing, as root),
+    and then a 30-day backlog (none when ``backlog`` is 0)."""
+    rows: list[Row] = []
+    runs: dict[str, DelayRun] = {}
+    for flush in flushes:
         with local_cluster(scratch / f"delay-{flush}", flush=flush) as cluster:
-            accepted, lateness, lost, duplicated = trio.run(
-                _produce_and_consume, cluster.meta, "bench", count, 1000, (2.0, 20.0)
-            )
-            rows += delivery_rows(flush, "lateness", accepted, lateness, lost, duplicated, cluster)
+            run = runs[flush] = trio.run(partial(_delay_run, cluster, count, delay_range))
+            rows += delivery_rows(flush, "lateness", run.accepted, run.lateness_ms, run.lost, run.duplicated, cluster)
+            rows += stage_rows(flush, run)
+            rows += cost_rows(flush, run, count)
+    if redis:
+        redis_run, why = bench_redis_delay(
+            scratch / "redis", count=count, delay_range=delay_range, install=install_redis
+        )
+        if redis_run is None:
+            print(f"delaymq bench delay: the Redis comparison is skipped: {why}", flush=True)
+        else:
+            rows += redis_rows(redis_run, count)
+            for flush, run in runs.items():
+                rows += ratio_rows(flush, run, redis_run)
+    if backlog:
+        rows += backlog_rows(scratch, backlog)
+    return rows
+
+
+def backlog_rows(scratch: Path, backlog: int) -> list[Row]:
+    """``backlog`` messages scheduled over 30 days: accept and filing rates, memory."""
     with local_cluster(scratch / "delay-backlog", flush="async") as cluster:
         before = cluster.rss_mb()
         assert cluster.scheduler is not None
         accepted, filed = trio.run(_schedule_backlog, cluster.meta, cluster.scheduler, backlog, 30 * 86_400_000)
-        rows += [
+        return [
             (f"{backlog:,} over 30 days: accepted", accepted, "msg/s"),
             (f"{backlog:,} over 30 days: filed into hours", filed, "msg/s"),
             ("server RSS before the backlog", before, "MiB"),
             (f"server RSS with {backlog:,} scheduled", cluster.rss_mb(), "MiB"),
             ("server peak RSS while scheduling", cluster.peak_rss_mb(), "MiB"),
         ]
-    return rows
 
 
-__all__ = ["bench_delay", "bench_realtime", "local_cluster", "percentiles"]
+__all__ = [
+    "STAGES",
+    "DelayRun",
+    "bench_delay",
+    "bench_realtime",
+    "local_cluster",
+    "percentiles",
+    "process_tree",
+    "server_processes",
+]

@@ -20,6 +20,7 @@ SUITES: dict[str, tuple[str, str, bool]] = {
     "log": ("delaymq.storage.bench", "bench_log_append", True),
     "realtime": ("delaymq.cli.bench_realtime", "bench_realtime", True),
     "delay": ("delaymq.cli.bench_cluster", "bench_delay", True),
+    "restart": ("delaymq.cli.bench_restart", "bench_restart", True),
     "failover": ("delaymq.cli.bench_failover", "bench_failover", True),
     "backlog": ("delaymq.backlog.bench", "bench_backlog", True),
 }

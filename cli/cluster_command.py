@@ -1,10 +1,16 @@
-"""``delaymq cluster``: the all-in-one local cluster, one process on loopback.
+"""``delaymq cluster``: the all-in-one local cluster on loopback, one process per server.
 
-A metaserver, a realtime server and a scheduler, each
-with its own folder under ``--data``; the embedded default a new user starts
-with (``make run``). ``--replicas N`` gives the realtime group and the scheduler
-group N slaves each (``DATA/realtime-1-replica-K``, ``DATA/scheduler-1-replica-K``)
-with sync replication and min-insync 1. Stops cleanly on Ctrl-C or SIGTERM.
+A metaserver, a realtime server and a scheduler, each with its own folder under
+``--data``; the embedded default a new user starts with (``make run``).
+``--replicas N`` gives the realtime group and the scheduler group N slaves each
+(``DATA/realtime-1-replica-K``, ``DATA/scheduler-1-replica-K``) with sync
+replication and min-insync 1.
+
+Each server runs as its own child process, the ``delaymq metaserver|realtime|scheduler``
+command a production deployment runs, supervised (``delaymq.cli.supervisor``): one
+Ctrl-C or SIGTERM stops them all, a child that exits unexpectedly is reported and
+started again on the same data and address, and none outlives the cluster process,
+even SIGKILLed.
 
 Each server keeps its address across restarts, so a restart is a pause and not a
 move: clients' cached routes and the metaserver's registry stay right. An
@@ -23,25 +29,21 @@ import argparse
 import errno
 import json
 import logging
+import signal
+import socket
+import sys
 from collections.abc import Callable
-from contextlib import AbstractAsyncContextManager, AsyncExitStack
-from functools import partial
 from pathlib import Path
-from typing import Any
 
 import trio
 
 from delaymq.cli import options
-from delaymq.cli.serving import run_server, wait_for_stop_signal
+from delaymq.cli.serving import STARTUP_ERRORS, fail
+from delaymq.cli.supervisor import StartFailed, Supervisor, open_supervisor
 from delaymq.client.producer import DEFAULT_META
-from delaymq.metaserver.server import open_metaserver
-from delaymq.protocol.errors import sole
 from delaymq.protocol.transport import format_address, split_listen
-from delaymq.realtime.server import open_realtime_server
-from delaymq.scheduler.server import open_scheduler
 from delaymq.storage.format import write_json_atomically
 from delaymq.storage.threads import run_in_thread
-from delaymq.wheel.clock import SystemClock
 
 log = logging.getLogger("delaymq.cluster")
 
@@ -54,10 +56,11 @@ SERVERS = ("metaserver", "realtime", "scheduler")
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "cluster",
-        help="run a local all-in-one cluster (metaserver, realtime, scheduler) in one process",
+        help="run a local all-in-one cluster (metaserver, realtime, scheduler), a process each",
         description=(
-            "Run a metaserver, a realtime server and a scheduler in one process on loopback, "
-            "each with its folder under --data. Producers and consumers use --meta-listen. "
+            "Run a metaserver, a realtime server and a scheduler on loopback, each as its own supervised "
+            "process with its folder under --data (one restarted if it exits; Ctrl-C stops them all). "
+            "Producers and consumers use --meta-listen. "
             f"The addresses bound are kept in DATA/{LISTEN_FILE} and used again on restart."
         ),
     )
@@ -104,7 +107,23 @@ def _replicas(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    return run_server(_serve, args, what=f"the local cluster with data {args.data}")
+    """Run the cluster until a stop signal; a server that cannot start ends it with one line, status 1."""
+    try:
+        return trio.run(_serve, args)
+    except BaseException as raised:  # noqa: B036 - sorted below: start-up errors are one line, the rest re-raised
+        errors = _leaves(raised)
+        if any(isinstance(error, KeyboardInterrupt) for error in errors):
+            raise KeyboardInterrupt from None  # Ctrl-C before the signal handler was in place
+        if not all(isinstance(error, (StartFailed, *STARTUP_ERRORS)) for error in errors):
+            raise
+        return fail(f"cannot run the local cluster with data {args.data}: {'; '.join(map(str, errors))}", code=1)
+
+
+def _leaves(error: BaseException) -> list[BaseException]:
+    """The exceptions inside (nested) exception groups: servers started together may fail together."""
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for inner in error.exceptions for leaf in _leaves(inner)]
+    return [error]
 
 
 def read_listen_file(data: Path) -> dict[str, str]:
@@ -142,111 +161,117 @@ def choose_listen(asked: str | None, remembered: str | None) -> tuple[str, bool]
     return format_address(host, 0), False
 
 
-async def _enter_listening(
-    stack: AsyncExitStack,
-    name: str,
-    asked: str | None,
-    remembered: str | None,
-    open_server: Callable[[str], AbstractAsyncContextManager[Any]],
-) -> Any:
-    """Open a server on its chosen address; a remembered port taken since gives way to a free one."""
-    listen, is_remembered = choose_listen(asked, remembered)
+def port_is_free(listen: str) -> bool:
+    """Whether ``listen`` can be bound now (as a server binds it: with SO_REUSEADDR)."""
+    host, port = split_listen(listen)
     try:
-        return await stack.enter_async_context(open_server(listen))
-    except (OSError, BaseExceptionGroup) as raised:
-        error = sole(raised)
-        if not (is_remembered and isinstance(error, OSError) and error.errno == errno.EADDRINUSE):
-            raise
-    host, _port = split_listen(listen)
-    log.warning(
-        "the %s's remembered address %s is taken by something else; it listens on a new free port "
-        "(clients find it through the metaserver)",
-        name,
-        listen,
-    )
-    return await stack.enter_async_context(open_server(format_address(host, 0)))
+        with socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET):
+            return True
+    except OSError as error:
+        if error.errno == errno.EADDRINUSE:
+            return False
+        raise
 
 
-async def _enter_replicas(
-    stack: AsyncExitStack,
-    open_member: Callable[[Path, str], AbstractAsyncContextManager[Any]],
-    master_data: Path,
-    count: int,
-) -> list[Any]:
-    """``count`` more members of a master's group, each on a free port with data in MASTER_DATA-replica-K.
-
-    Opened after the master, so the metaserver makes them its slaves."""
-    return [
-        await stack.enter_async_context(
-            open_member(master_data.with_name(f"{master_data.name}-replica-{k}"), "127.0.0.1:0")
+def _listen_for(name: str, asked: str | None, remembered: str | None) -> str:
+    """Where a server is started first: ``choose_listen``, but a remembered port taken since gives way."""
+    listen, is_remembered = choose_listen(asked, remembered)
+    if is_remembered and not port_is_free(listen):
+        host, _port = split_listen(listen)
+        log.warning(
+            "the %s's remembered address %s is taken by something else; it listens on a new free port "
+            "(clients find it through the metaserver)",
+            name,
+            listen,
         )
-        for k in range(1, count + 1)
-    ]
+        return format_address(host, 0)
+    return listen
 
 
-async def _serve(args: argparse.Namespace) -> None:
+def server_command(log_level: str, command: str, *options: str) -> list[str]:
+    """The command line of one server: ``delaymq COMMAND ...``, as run in production."""
+    return [sys.executable, "-P", "-m", "delaymq.cli", "--log-level", log_level, command, *options]
+
+
+async def _serve(args: argparse.Namespace) -> int:
     data: Path = args.data
-    clock = SystemClock()
     await trio.Path(data).mkdir(parents=True, exist_ok=True)
     remembered = read_listen_file(data)
-    async with AsyncExitStack() as stack:
-        meta = await _enter_listening(
-            stack,
+    level = getattr(logging, args.log_level.upper())
+    # A child announces its address at info, so it logs at least that; the supervisor passes on what ``level`` shows.
+    child_level = "debug" if level <= logging.DEBUG else "info"
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with open_supervisor(log_level=level) as supervisor:
+            with trio.CancelScope() as serving:
+                supervisor.stop_on(signals, serving)
+                await _start_servers(args, supervisor, remembered, child_level)
+                await trio.sleep_forever()
+    return 130 if supervisor.stopped_by == signal.SIGINT else 0
+
+
+async def _start_servers(
+    args: argparse.Namespace, supervisor: Supervisor, remembered: dict[str, str], child_level: str
+) -> None:
+    """The metaserver; then the realtime master and the scheduler master; then their slaves; then the report.
+
+    A server announces its address after its first registration, so the masters
+    register with the metaserver up (and are masters at once), and each master is
+    registered before its slaves, which the metaserver then makes slaves. The two
+    masters start together: each takes about half a second to import, and a
+    scheduler up first retries a delivery within ~0.1 s.
+    """
+    data: Path = args.data
+    meta_listen = _listen_for("metaserver", args.meta_listen, remembered.get("metaserver"))
+    meta = meta_listen
+    min_insync = str(min(1, args.replicas))
+
+    async def start_metaserver() -> None:
+        nonlocal meta
+        meta = await supervisor.start(
             "metaserver",
-            args.meta_listen,
-            remembered.get("metaserver"),
-            lambda listen: open_metaserver(listen=listen, data_dir=data / "metaserver", clock=clock),
+            lambda listen: server_command(
+                child_level, "metaserver", "--listen", listen, "--data", str(data / "metaserver")
+            ),
+            listen=meta_listen,
         )
-        min_insync = min(1, args.replicas)
 
-        def realtime_member(data_dir: Path, listen: str) -> AbstractAsyncContextManager[Any]:
-            return open_realtime_server(
-                data_dir=data_dir,
-                clock=clock,
-                listen=listen,
-                meta_address=meta.address,
-                flush=args.flush,
-                min_insync=min_insync,
-            )
-
-        def scheduler_member(data_dir: Path, listen: str) -> AbstractAsyncContextManager[Any]:
-            return open_scheduler(
-                data_dir=data_dir,
-                clock=clock,
-                listen=listen,
-                meta_address=meta.address,
-                flush=args.flush,
-                min_insync=min_insync,
-            )
-
-        realtime = await _enter_listening(
-            stack,
-            "realtime server",
-            args.realtime_listen,
-            remembered.get("realtime"),
-            partial(realtime_member, data / "realtime-1"),
+    def member(kind: str, folder: str) -> Callable[[str], list[str]]:
+        options = ("--meta", meta, "--data", str(data / folder), "--group", f"{kind}-1", "--flush", args.flush)
+        return lambda listen: server_command(
+            child_level, kind, "--listen", listen, *options, "--min-insync", min_insync
         )
-        realtime_replicas = await _enter_replicas(stack, realtime_member, data / "realtime-1", args.replicas)
-        scheduler = await _enter_listening(
-            stack,
-            "scheduler",
-            args.scheduler_listen,
-            remembered.get("scheduler"),
-            partial(scheduler_member, data / "scheduler-1"),
-        )
-        replicas = await _enter_replicas(stack, scheduler_member, data / "scheduler-1", args.replicas)
-        bound = {"metaserver": meta.address, "realtime": realtime.address, "scheduler": scheduler.address}
-        if bound != remembered:
-            record = {"format": LISTEN_FORMAT, **bound}
-            await run_in_thread(lambda: write_json_atomically(data / LISTEN_FILE, record))
-        print(f"metaserver  {meta.address}", flush=True)
-        print(f"realtime    {realtime.address}  (group {realtime.group})", flush=True)
-        for replica in realtime_replicas:
-            print(f"realtime    {replica.address}  (group {replica.group}, a replica)", flush=True)
-        print(f"scheduler   {scheduler.address}  (group {scheduler.group})", flush=True)
-        for replica in replicas:
-            print(f"scheduler   {replica.address}  (group {replica.group}, a replica)", flush=True)
-        print(f"data        {await trio.Path(data).resolve()}", flush=True)
-        print(f"try: delaymq send --meta {meta.address} demo hello", flush=True)
-        print("Ctrl-C stops the cluster.", flush=True)
-        await wait_for_stop_signal()
+
+    masters: dict[str, str] = {}
+
+    async def start_master(kind: str, name: str, asked: str | None) -> None:
+        listen = _listen_for(name, asked, remembered.get(kind))
+        masters[kind] = await supervisor.start(f"{kind}-1", member(kind, f"{kind}-1"), listen=listen, stage=1)
+
+    replicas: dict[str, list[str]] = {"realtime": [""] * args.replicas, "scheduler": [""] * args.replicas}
+
+    async def start_replica(kind: str, k: int) -> None:
+        folder = f"{kind}-1-replica-{k}"
+        replicas[kind][k - 1] = await supervisor.start(folder, member(kind, folder), listen="127.0.0.1:0", stage=2)
+
+    await start_metaserver()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(start_master, "realtime", "realtime server", args.realtime_listen)
+        nursery.start_soon(start_master, "scheduler", "scheduler", args.scheduler_listen)
+    async with trio.open_nursery() as nursery:
+        for kind in replicas:
+            for k in range(1, args.replicas + 1):
+                nursery.start_soon(start_replica, kind, k)
+    bound = {"metaserver": meta, **masters}
+    if bound != remembered:
+        record = {"format": LISTEN_FORMAT, **bound}
+        await run_in_thread(lambda: write_json_atomically(data / LISTEN_FILE, record))
+    print(f"metaserver  {meta}", flush=True)
+    print(f"realtime    {masters['realtime']}  (group realtime-1)", flush=True)
+    for address in replicas["realtime"]:
+        print(f"realtime    {address}  (group realtime-1, a replica)", flush=True)
+    print(f"scheduler   {masters['scheduler']}  (group scheduler-1)", flush=True)
+    for address in replicas["scheduler"]:
+        print(f"scheduler   {address}  (group scheduler-1, a replica)", flush=True)
+    print(f"data        {await trio.Path(data).resolve()}", flush=True)
+    print(f"try: delaymq send --meta {meta} demo hello", flush=True)
+    print("Ctrl-C stops the cluster.", flush=True)

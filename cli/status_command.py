@@ -2,7 +2,8 @@
 
 Each scheduler and realtime server the metaserver knows (and has not evicted) is
 asked for its own STATUS: every member's role, epoch and replication lag (one
-rendering for both kinds), a scheduler's tick and the pending count of each hour
+rendering for both kinds), a scheduler's tick, whether it has filed all it received,
+its counters since its data folder was created and the pending count of each hour
 with messages still to deliver, a realtime server's message and consumer counts.
 """
 
@@ -147,6 +148,7 @@ def format_scheduler(group: str, address: str, answer: dict[str, Any]) -> str:
         f"lateness max {stats.get('lateness_max_ms', '?')} ms"
     ]
     lines.extend(format_replication(stats.get("replication") or {}))
+    lines.extend(format_filing(stats))
     hours = answer.get("hours") or []
     if not hours:
         lines.append("  no messages to deliver")
@@ -156,6 +158,28 @@ def format_scheduler(group: str, address: str, answer: dict[str, Any]) -> str:
         note = "  overdue" if hour.get("overdue") else ""
         lines.append(f"  {hour['name']}  {hour['pending']:>7}{note}")
     return "\n".join(lines)
+
+
+def format_filing(stats: dict[str, Any]) -> list[str]:
+    """Whether a scheduler has filed everything it received (the message log between the replay
+    checkpoint and its end), what its message log holds, and its counters since its data folder
+    was created (they survive restarts). Nothing for a scheduler that does not report them."""
+    if "unfiled_bytes" not in stats:
+        return []
+    unfiled, records = stats["unfiled_bytes"], stats.get("unfiled_records", -1)
+    held = f"message log holds {stats.get('message_log_bytes', '?')} bytes in {stats.get('message_log_segments', '?')} segment(s)"
+    if not unfiled:
+        filing = f"  filing done: every record received is filed; {held}"
+    else:
+        count = "?" if records < 0 else str(records) if stats.get("unfiled_exact") else f"about {records}"
+        filing = f"  NOT YET FILED: {count} record(s), {unfiled} bytes; {held}"
+    return [
+        filing,
+        f"  since created: {stats.get('scheduled', '?')} scheduled ({stats.get('rewritten', '?')} due at once), "
+        f"{stats.get('filed', '?')} filed, {stats.get('dispatched', '?')} dispatched in "
+        f"{stats.get('dispatch_batches', '?')} batches ({stats.get('dispatch_failures', '?')} failed sends), "
+        f"{stats.get('deleted_hours', '?')} hours and {stats.get('deleted_segments', '?')} segments deleted",
+    ]
 
 
 def format_realtime(group: str, address: str, answer: dict[str, Any]) -> str:

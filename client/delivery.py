@@ -271,7 +271,7 @@ class ReceivedMessage:
 #: The wait after a failed pull, before that subject is pulled from that group again.
 #: "Equal" jitter: at least half the ceiling, so a consumer never pulls a group that is
 #: down in a tight loop, while the consumers that lost it together come back spread out.
-PULL_BACKOFF = Backoff(initial_ms=200, maximum_ms=5_000, jitter="equal")
+PULL_BACKOFF = Backoff(initial_ms=100, maximum_ms=1_000, jitter="equal")
 #: The wait after an ACK/NACK round that could not deliver everything, before the next round
 #: (the ranges stay queued meanwhile). A group's move to a new master ends the wait at once.
 SETTLE_BACKOFF = Backoff(initial_ms=100, maximum_ms=5_000, jitter="equal")

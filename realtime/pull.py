@@ -19,11 +19,12 @@ from typing import Any
 
 import trio
 
+from delaymq.protocol.histogram import LatencyHistogram
 from delaymq.protocol.limits import Limits
-from delaymq.protocol.records import tags_mask
+from delaymq.protocol.records import RECORD_TIMES, tags_mask
 from delaymq.protocol.transport import Request
 from delaymq.realtime.consumers import Consumers
-from delaymq.realtime.delivery import pick, read_intact
+from delaymq.realtime.delivery import Picked, pick, read_intact
 from delaymq.realtime.groups import Groups
 from delaymq.realtime.index import Indexer
 from delaymq.realtime.parked import ParkedPulls
@@ -64,6 +65,9 @@ class PullHandler:
         self._limits = limits
         self.pulls = 0  # PULL requests answered
         self.delivered = 0  # records handed out, redeliveries included
+        #: Handed out - due of each record, in ms (due: ``deliver_at``, or ``created_at`` for
+        #: an immediate message; redeliveries included): the "handed to the consumer" stage.
+        self.lateness = LatencyHistogram()
         #: Under sync replication: returns once the hand-outs are replicated (a checkpoint).
         self.handed_out: Callable[[], Awaitable[None]] | None = None
         #: Why this handler hands nothing out any more (its master session ended), or None.
@@ -125,7 +129,20 @@ class PullHandler:
         if self.handed_out is not None:
             await self.handed_out()
         self.delivered += len(kept)
+        self.lateness.record_many(_lateness(body, kept, self._clock.now_ms()))
         return {"pull_start": start, "count": len(kept), "acked": consumer.acked}, body
+
+
+def _lateness(body: bytes, kept: list[Picked], now: int) -> list[int]:
+    """``now`` - due of each record of ``body`` (the records of ``kept``, end to end)."""
+    lateness: list[int] = []
+    position = 0
+    times = RECORD_TIMES.unpack_from
+    for item in kept:
+        deliver_at, created_at = times(body, position)[5:]
+        lateness.append(now - (deliver_at or created_at))
+        position += item[3]
+    return lateness
 
 
 __all__ = ["PullHandler"]

@@ -27,6 +27,7 @@ from typing import Any
 import trio
 
 from delaymq.protocol.fencing import FENCE_FIELD, Fence
+from delaymq.protocol.histogram import LatencyHistogram
 from delaymq.protocol.limits import Limits
 from delaymq.protocol.records import MessageBatch, scan_batch
 from delaymq.protocol.transport import Request
@@ -69,6 +70,10 @@ class SendHandler:
         self.sends = 0  # SEND requests answered
         self.stored = 0
         self.duplicates = 0  # records answered "duplicate"
+        #: Accepted (stored, answered) - due of each new record of a SEND, in ms; due is
+        #: ``deliver_at``, or ``created_at`` for an immediate message. A scheduler's SENDs make
+        #: it the "accepted by realtime" stage of the delay path's lateness.
+        self.lateness = LatencyHistogram()
         self._appending: dict[str, trio.Event] = {}  # ids in an append not finished yet
         #: Under replication: waits until the in-sync slaves hold the log below an offset
         #: (None: all of it so far).
@@ -81,6 +86,10 @@ class SendHandler:
             await self.fences.admit(fence)
         fresh = await self.append(batch)
         self.sends += 1
+        now = self._clock.now_ms()
+        self.lateness.record_many(
+            [now - (due or created) for due, created, new in zip(batch.deliver_ats, batch.created_ats, fresh) if new]
+        )
         return {"results": ["stored" if new else "duplicate" for new in fresh]}
 
     async def append(self, batch: MessageBatch) -> list[bool]:

@@ -92,6 +92,10 @@ class RealtimeStatistics:
     epoch: int = 0
     master: str = ""  # the group's master as the metaserver says (this server's address standalone)
     replication: dict[str, Any] = field(default_factory=dict)
+    # Lateness stages of the delay path, ms (``LatencyHistogram.to_wire``; ``delaymq bench delay``):
+    lateness_accepted: dict[str, Any] = field(default_factory=dict)  # SEND accepted - due, per record
+    lateness_handed_out: dict[str, Any] = field(default_factory=dict)  # PULL handed out - due, per record
+    message_log_fsyncs: int = 0  # fsyncs of the message log (its writer's)
 
 
 class RealtimeServer:
@@ -182,6 +186,7 @@ class RealtimeServer:
     def statistics(self) -> RealtimeStatistics:
         master = self.master
         counters = master.counters() if master is not None else dict.fromkeys(_COUNTERS, 0)
+        writer = self.member.writer
         return RealtimeStatistics(
             address=self.address,
             group=self.group,
@@ -190,6 +195,9 @@ class RealtimeServer:
             epoch=self.epoch,
             master=(self.registration.master if self.registration is not None else None) or self.address,
             replication=self._replication_statistics(),
+            lateness_accepted=master.send_handler.lateness.to_wire() if master is not None else {},
+            lateness_handed_out=master.pull_handler.lateness.to_wire() if master is not None else {},
+            message_log_fsyncs=writer.statistics().fsyncs if writer is not None else 0,
             **counters,
         )
 

@@ -32,10 +32,12 @@ from collections.abc import Awaitable, Callable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import trio
 
 from delaymq.protocol.backoff import Backoff, BackoffRun, RandomSource
+from delaymq.protocol.histogram import LatencyHistogram
 from delaymq.protocol.records import record_subject
 from delaymq.scheduler.delayindex import Heads
 from delaymq.scheduler.hourlog import HourLog
@@ -75,6 +77,9 @@ class DispatcherStatistics:
     in_outage: bool  # some subject's delivery is failing right now
     hours_opened: int
     seconds_loaded: int
+    fire_rounds: int  # times the firer popped due messages and put them in lanes
+    confirm_rounds: int  # dispatch-log rounds (one thread call and one flush each)
+    lateness_fired: dict[str, Any]  # fired - deliver_at per message, ms (``LatencyHistogram.to_wire``)
 
 
 class _Lane:
@@ -159,6 +164,10 @@ class Dispatcher:
         self._lateness_sum = 0
         self._hours_opened = 0
         self._seconds_loaded = 0
+        self._fire_rounds = 0
+        self._confirm_rounds = 0
+        #: Fired (put in its lane) - deliver_at of each message: the first stage of its lateness.
+        self.lateness_fired = LatencyHistogram()
 
     # ------------------------------------------------------------------ running
 
@@ -213,6 +222,9 @@ class Dispatcher:
             in_outage=self._outage_since is not None,
             hours_opened=self._hours_opened,
             seconds_loaded=self._seconds_loaded,
+            fire_rounds=self._fire_rounds,
+            confirm_rounds=self._confirm_rounds,
+            lateness_fired=self.lateness_fired.to_wire(),
         )
 
     # ------------------------------------------------------------------ loader
@@ -309,6 +321,7 @@ class Dispatcher:
             now = self._clock.now_ms()
             due = wheels.pop_due(now)
             if due:
+                self._fire_rounds += 1
                 await self._hand_out(due)
                 continue
             wake = wheels.next_due_ms()
@@ -334,6 +347,8 @@ class Dispatcher:
                 cache.update(zip(missing, records))
                 self._cached_records += len(missing)
                 self._cached_bytes += sum(map(len, records))
+            now = self._clock.now_ms()
+            self.lateness_fired.record_many([now - at for at, _entry in items])
             lanes = self._lanes
             touched: list[_Lane] = []
             size = 0
@@ -453,6 +468,7 @@ class Dispatcher:
             await self._confirm_alarm.wait(None)
             while self._to_confirm:
                 batch, self._to_confirm = self._to_confirm, {}
+                self._confirm_rounds += 1
                 self._confirming = True
                 try:
                     self.recorded += await self._run_blocking(partial(_record, self.store, batch))

@@ -23,8 +23,10 @@ previous one wrote are made durable (``HeadsTables.sync``, or one ``syncfs``). S
 a crash every slot holds its value of the last commit, except perhaps the slots that
 commit's journal names, and writing that journal again (``redo``) repairs them: the
 tables and the lmdb state agree exactly, as when the heads lived in lmdb. Recovery
-(``recovery.recover_hours``) does that redo first; an hour whose table is missing or
-cut short has it rebuilt from its delay index.
+(``recovery.recover_hours``) does that redo first (``redo``: only the slots a table does
+not hold yet are written, and the journal's hours are left for the next sync, which
+comes before the journal is replaced); an hour whose table is missing or cut short has
+it rebuilt from its delay index.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from __future__ import annotations
 import os
 import struct
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from delaymq.scheduler.delayindex import HEAD, Heads, Slots
@@ -163,6 +165,54 @@ class HeadsTables:
             finally:
                 os.close(fd)
             self._unsynced.add(hour)
+
+    def redo(self, slots: Slots, names: Mapping[int, str]) -> tuple[int, set[int]]:
+        """Write a committed journal's ``slots`` again where a table does not hold them.
+
+        A slot write updates the file's times (a journal transaction of the file system
+        each), so the tables are read first and only the slots that differ are written: a
+        restart after a clean stop or after the journal was written out writes none.
+        Every table the journal names is marked unsynced all the same, since what it holds
+        may not have reached the disk; the next ``sync`` (before the journal is replaced)
+        makes it durable. ``names`` gives hours' file names (``hour_name`` otherwise).
+        Hours without a whole table are skipped. Returns the slots written and the hours
+        whose table was found.
+        """
+        by_hour: dict[int, list[int]] = {}
+        for key in slots:
+            by_hour.setdefault(key >> 12, []).append(key)
+        stale: dict[int, int] = {}
+        found: set[int] = set()
+        pack, unpack = HEAD.pack, HEAD.unpack
+        for hour, keys in by_hour.items():
+            name = names.get(hour)
+            path = self._prefix + name + HEADS_SUFFIX if name is not None else self.path(hour)
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            try:
+                with self._lock:
+                    table = os.pread(fd, TABLE_BYTES + 1, 0)
+            finally:
+                os.close(fd)
+            if len(table) != TABLE_BYTES:
+                continue
+            found.add(hour)
+            for key in keys:
+                value = slots[key]
+                start = (key & 0xFFF) * 8
+                held = table[start : start + 8]
+                if value:
+                    differs = held != pack((value >> 32) - 1, value & 0xFFFF_FFFF)
+                else:  # an empty second: any slot with count 0
+                    differs = unpack(held)[1] != 0
+                if differs:
+                    stale[key] = value
+        if stale:
+            self.write(stale)
+        self._unsynced.update(found)
+        return len(stale), found
 
     def unsynced(self) -> frozenset[int]:
         """The hours whose table was written or created since the last sync."""

@@ -11,12 +11,15 @@ journal in one lmdb transaction, then the heads tables.
 Idempotent: a crash anywhere in a step leaves the checkpoint where it was; the next
 step reads the same records again and the store skips each one its hour already
 holds. Blocking: the server runs steps through its ``run_blocking``, one at a time.
+``unfiled`` says what replay has yet to file (STATUS).
 """
 
 from __future__ import annotations
 
 from array import array
+from dataclasses import dataclass
 
+from delaymq.protocol.envelope import HEADER, HEADER_SIZE
 from delaymq.scheduler.hours import ReplayGap
 from delaymq.scheduler.schedulelog import ScheduleStore
 from delaymq.scheduler.staging import HourArrivals, ReplayStep
@@ -25,6 +28,8 @@ from delaymq.storage.log import SegmentedLog
 
 #: Message-log bytes one step reads at most (one fsync round per step).
 DEFAULT_STEP_BYTES = 8 << 20
+#: ``unfiled`` counts the records of this many bytes at most, and estimates the rest.
+UNFILED_COUNT_BYTES = 4 << 20
 _CHUNK_BYTES = 1 << 20
 
 
@@ -119,8 +124,58 @@ def merge_steps(steps: list[ReplayStep], checkpoint: int) -> ReplayStep:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Unfiled:
+    """What replay has yet to file: the message log between the checkpoint and its end."""
+
+    bytes: int
+    records: int
+    exact: bool  # False: ``records`` is estimated from the first ``max_bytes``
+
+
+def unfiled(log: SegmentedLog, store: ScheduleStore, *, max_bytes: int = UNFILED_COUNT_BYTES) -> Unfiled:
+    """Count the records between ``store.checkpoint`` and ``log.end_offset`` (blocking: it reads
+    them). Past ``max_bytes`` the rest is estimated from the records counted so far, so a
+    member far behind (a slave catching up) answers as fast as one that is not."""
+    start, end = store.checkpoint, log.end_offset
+    if start >= end:
+        return Unfiled(0, 0, True)
+    position, records = start, 0
+    limit = min(end, start + max_bytes)
+    while position < limit:
+        buf, after = log.read_raw(position, min(_CHUNK_BYTES, limit - position))
+        if not buf:
+            break
+        records += _count_records(buf)
+        position = after
+    if position >= end:
+        return Unfiled(end - start, records, True)
+    counted = position - start
+    return Unfiled(end - start, round(records * (end - start) / counted) if counted else 0, False)
+
+
+def _count_records(buf: bytes) -> int:
+    # Whole records the log has checked: walk their size fields.
+    count = position = 0
+    size = len(buf)
+    unpack_size = HEADER.unpack_from
+    while position < size:
+        position += HEADER_SIZE + unpack_size(buf, position)[0]
+        count += 1
+    return count
+
+
 def _idle(offset: int) -> ReplayStep:
     return ReplayStep(start_offset=offset, checkpoint=offset, filed=0, already_filed=0, skipped=0, bytes=0)
 
 
-__all__ = ["DEFAULT_STEP_BYTES", "ReplayStep", "merge_steps", "replay_step", "replay_until_caught_up"]
+__all__ = [
+    "DEFAULT_STEP_BYTES",
+    "UNFILED_COUNT_BYTES",
+    "ReplayStep",
+    "Unfiled",
+    "merge_steps",
+    "replay_step",
+    "replay_until_caught_up",
+    "unfiled",
+]

@@ -29,7 +29,8 @@ the heads is kept between steps, and nothing of them is mapped.
   one ``syncfs`` when a step touched many hours) together with the heads slots the
   previous step wrote; then lmdb commits and the step's heads slots are written;
 - ``open``: ``recovery.recover_hours``. A crash before the lmdb commit leaves entries
-  beyond the committed summary: recovery checks them and keeps the valid prefix.
+  beyond the committed summary: recovery checks them and keeps the valid prefix; an
+  hour whose files end where its summary says is not read at all.
   Replay skips a record whose message-log offset is not after its hour's last filed
   one, so re-reading from the checkpoint files nothing twice;
 - reading, ``open_hour``: ``hourlog.HourLog``, used by the dispatcher from another
@@ -80,7 +81,7 @@ from delaymq.scheduler.hours import (
     check_hour,
     hour_name,
 )
-from delaymq.scheduler.recovery import recover_hours
+from delaymq.scheduler.recovery import RecoveredHours, recover_hours
 from delaymq.scheduler.schedulefiles import ScheduleFiles, syncfs
 from delaymq.scheduler.staging import ReplayStep, StagedStep
 from delaymq.storage.folder import DataFolder
@@ -122,6 +123,8 @@ class ScheduleStoreStatistics:
     heads_held: int  # heads slots in memory now: the current step's, 0 between steps
     heads_held_max: int  # the most heads slots one step held (bounded by the step, not the backlog)
     recovered_hours: int  # hours whose files open had to cut or roll forward
+    checked_hours: int  # hours whose files open read and checked; the others matched their committed summary
+    redone_slots: int  # heads slots open wrote again from the last journal (0 when the tables held it)
 
 
 # --------------------------------------------------------------------- the store
@@ -146,7 +149,7 @@ class ScheduleStore:
         max_step_hours: int,
         max_open_dispatch_logs: int,
         fsync: bool,
-        recovered_hours: int,
+        recovered: RecoveredHours,
     ) -> None:
         self._folder = folder
         self._state = state
@@ -161,10 +164,14 @@ class ScheduleStore:
         self._files = ScheduleFiles(folder, tables, fsync=fsync)
         self._write_lock = threading.RLock()
         self._dispatch = DispatchLogCache(folder, max_open=max_open_dispatch_logs, fsync=fsync)
+        #: The hours that have a dispatch log (found at open, or appended to since): the
+        #: others have delivered nothing, which ``pending`` then knows without a ``stat``
+        #: (a restart asks it of every hour of the backlog).
+        self._dispatch_hours = recovered.dispatch_hours
         self._closed = False
         self._failure: BaseException | None = None
         self._steps = self._filed = self._bytes_filed = 0
-        self._recovered_hours = recovered_hours
+        self._recovered = recovered
 
     @classmethod
     def open(
@@ -197,20 +204,20 @@ class ScheduleStore:
             ensure_format(folder.path, _FORMAT, has_data=has_data)
             sync_fs = None if syncfs is None else partial(syncfs, folder)
             tables = HeadsTables(folder.path, fsync=fsync, syncfs=sync_fs)
-            summaries, checkpoint, recovered = recover_hours(folder, state, names, tables)
+            recovered = recover_hours(folder, state, names, tables)
         except BaseException:
             folder.close()
             raise
         return cls(
             folder,
             state,
-            summaries,
-            checkpoint,
+            recovered.summaries,
+            recovered.checkpoint,
             tables=tables,
             max_step_hours=max_step_hours,
             max_open_dispatch_logs=max_open_dispatch_logs,
             fsync=fsync,
-            recovered_hours=recovered,
+            recovered=recovered,
         )
 
     # ------------------------------------------------------------------ properties
@@ -251,7 +258,9 @@ class ScheduleStore:
             syncfs=self._files.syncfs_calls + self._tables.syncfs_calls,
             heads_held=len(self._step.heads),
             heads_held_max=self._step.heads_max,
-            recovered_hours=self._recovered_hours,
+            recovered_hours=self._recovered.repaired,
+            checked_hours=self._recovered.checked,
+            redone_slots=self._recovered.redone_slots,
         )
 
     def path_of(self, hour: int, suffix: str) -> Path:
@@ -432,6 +441,7 @@ class ScheduleStore:
             raise ScheduleError(
                 f"hour {hour_name(hour)}: entry_no {bad} is outside 0..{entries - 1} (the hour holds {entries} entries)"
             )
+        self._dispatch_hours.add(hour)  # before the file is created: never a log it does not know of
         return self._dispatch.append(hour, numbers)
 
     def flush_dispatched(self) -> None:
@@ -440,10 +450,14 @@ class ScheduleStore:
 
     def delivered(self, hour: int) -> set[int]:
         """The entry numbers of ``hour`` recorded as delivered."""
+        if hour not in self._dispatch_hours:
+            return set()
         return self._dispatch.delivered(hour)
 
     def dispatched_count(self, hour: int) -> int:
         """How many distinct entries of ``hour`` are recorded as delivered."""
+        if hour not in self._dispatch_hours:
+            return 0
         return self._dispatch.count(hour)
 
     def pending(self, hour: int) -> int:
@@ -490,6 +504,7 @@ class ScheduleStore:
             self._summaries.pop(hour, None)
             self._checked_hours.discard(hour)
             self._dispatch.forget(hour)
+            self._dispatch_hours.discard(hour)
             for suffix in (DISPATCH_SUFFIX, INDEX_SUFFIX, LOG_SUFFIX):
                 try:
                     self.path_of(hour, suffix).unlink()

@@ -17,8 +17,13 @@ scheduler without a metaserver is master for good. As master:
 - the **dispatcher** (``delaymq.scheduler.dispatcher``) fires each message at its
   millisecond and hands it to a realtime server.
 - **cleanup** (every ``cleanup_interval_ms``) deletes message-log segments below the
-  replay checkpoint and hours fully delivered longer than ``retention_ms`` ago.
-- **STATUS** reports the tick, the pending count of the next hours, the counters.
+  replay checkpoint and hours fully delivered longer than ``retention_ms`` ago; a
+  master rolls its active segment first if it holds filed records, so the message log
+  holds little more than what is not yet filed. Between rounds, while the server is
+  busy, segments are deleted as soon as they are filed and the counters (totals since
+  the folder was created) are saved in lmdb, at most once a second.
+- **STATUS** reports the tick, the pending count of the next hours, what is not yet
+  filed (bytes and records), the counters.
 
 On start every hour not fully dispatched is loaded again, whatever its age, and the
 dispatch logs say what to skip; overdue messages go out at once, oldest first.
@@ -31,7 +36,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -54,17 +59,26 @@ from delaymq.replication.wire import FetchRequest
 from delaymq.scheduler.cutback import cut_schedule_folder
 from delaymq.scheduler.dispatcher import DEFAULT_DISPATCH_BATCH, Deliver, Dispatcher
 from delaymq.scheduler.hours import DEFAULT_RETENTION_MS, MAX_DELIVER_AT, ScheduleError, hour_name
-from delaymq.scheduler.replay import DEFAULT_STEP_BYTES
+from delaymq.scheduler.replay import DEFAULT_STEP_BYTES, Unfiled, unfiled
 from delaymq.scheduler.replica import DispatchRecords
 from delaymq.scheduler.roles import MasterSession, Member, SlaveSession
 from delaymq.scheduler.schedulelog import ScheduleStore
-from delaymq.scheduler.status import SchedulerStatistics, parse_status_request, status_answer
+from delaymq.scheduler.status import (
+    COUNTERS_DB,
+    COUNTERS_KEY,
+    SchedulerCounters,
+    SchedulerStatistics,
+    parse_status_request,
+    status_answer,
+)
 from delaymq.scheduler.wheelset import DEFAULT_HOUR_PRELOAD_MS, DEFAULT_LOAD_AHEAD_MS, DEFAULT_MAX_LOADED, WheelSet
 from delaymq.storage.errors import StorageError, storage_refusal
-from delaymq.storage.log import DEFAULT_SEGMENT_SIZE, SegmentedLog, check_max_record
+from delaymq.storage.format import read_format, write_format
+from delaymq.storage.log import SegmentedLog, check_max_record
 from delaymq.storage.state import StateStore
 from delaymq.storage.threads import RunBlocking, open_blocking, run_in_thread
 from delaymq.storage.writer import FlushPolicy, LogWriter, open_log_writer
+from delaymq.wheel.alarm import Alarm
 from delaymq.wheel.clock import Clock
 
 if TYPE_CHECKING:
@@ -74,8 +88,29 @@ log = logging.getLogger(__name__)
 
 DELIVERY_ROUTE = "scheduler-delivery"
 DEFAULT_CLEANUP_INTERVAL_MS = 60_000
+#: The write-ahead message log's segment size: filed segments are deleted whole, so the
+#: bytes of the active segment are what the log may hold after filing (docs/scheduler-storage.md).
+SCHEDULER_SEGMENT_SIZE = 64 << 20
+#: While counters change they are saved at most this often (one small lmdb transaction).
+COUNTERS_SAVE_MS = 1_000
 #: How long a SCHEDULE waits for ``min_insync`` slaves under sync replication.
 DEFAULT_REPLICATION_TIMEOUT_MS = 5_000
+
+
+class MessageLog(SegmentedLog):
+    """The scheduler's write-ahead log: a ``SegmentedLog`` whose active segment can be
+    closed early (``roll``), so that filed records of a load too small to fill a segment
+    can be deleted too (a segment goes only whole, and never the active one)."""
+
+    def roll(self) -> bool:
+        """Start a new segment at the end now (the active one is fsynced first, as a roll
+        by size does); False if the active segment is empty. Blocking."""
+        with self._append_lock:
+            self._check_usable()
+            if not self._active.size:
+                return False
+            self._roll()
+            return True
 
 
 class Scheduler:
@@ -93,6 +128,7 @@ class Scheduler:
         make_wheels: Callable[[list[int]], WheelSet],
         make_dispatcher: Callable[[WheelSet, Deliver, Callable[[dict[int, list[int]]], None]], Dispatcher],
         deliver: Callable[[int, Mastership], Deliver],
+        counters: SchedulerCounters | None = None,
     ) -> None:
         self.member = member
         self.group = member.group
@@ -123,6 +159,15 @@ class Scheduler:
             limits=limits,
         )
         self.crashed = False
+        #: Totals saved in lmdb when this process started; ``counters()`` adds this process's.
+        self._counted_before = counters or SchedulerCounters()
+        self._saved_counters = self._counted_before  # what lmdb holds now
+        self._ended_sessions = SchedulerCounters()  # dispatch counts of ended master sessions
+        self._filed_by_closed_stores = 0  # a cut-back reopens the store, whose count starts again
+        self._counters_failing = False
+        #: Wakes the housekeeping task (cleanup, filed segments, counters) when it sleeps idle.
+        self._housekeeping = Alarm(self._clock)
+        self._housekeeping_idle = False
         self._requests = 0
         self._scheduled = 0
         self._rewritten = 0
@@ -170,7 +215,10 @@ class Scheduler:
         await self.frame_server.serve_stream(stream)
 
     def statistics(self) -> SchedulerStatistics:
+        """A snapshot; ``unfiled_records`` is -1 (counting reads the log: ``unfiled()``, STATUS)."""
         dispatch = self.dispatcher.statistics()
+        totals = self._totals(dispatch.dispatched, dispatch.batches, dispatch.failures)
+        segments = self._log.segments()
         counts = self.wheels.counts()
         session = self.session
         master = session if isinstance(session, MasterSession) else None
@@ -185,13 +233,18 @@ class Scheduler:
             role=self.role,
             epoch=self.epoch,
             master=self.registration.master if self.registration is not None else self.address,
-            replication=self._replication_statistics(master, slave),
-            schedule_requests=self._requests,
-            scheduled=self._scheduled,
-            rewritten=self._rewritten,
+            replication=self._replication_statistics(master, slave, totals),
+            schedule_requests=totals.schedule_requests,
+            scheduled=totals.scheduled,
+            rewritten=totals.rewritten,
             message_log_end=self._log.end_offset,
             checkpoint=self.store.checkpoint,
-            filed=session.filed if session is not None else 0,
+            filed=totals.filed,
+            unfiled_bytes=max(0, self._log.end_offset - self.store.checkpoint),
+            unfiled_records=-1,
+            unfiled_exact=False,
+            message_log_bytes=sum(size for _base, size in segments),
+            message_log_segments=len(segments),
             pending=(master.pending + master.filed - dispatch.recorded) if master is not None else -1,
             hours=counts.hours,
             open_hours=counts.open_hours,
@@ -201,27 +254,63 @@ class Scheduler:
             delivered_held=dispatch.delivered_held,
             heads_held_max=self.store.statistics().heads_held_max,
             tick=tick,
-            dispatched=dispatch.dispatched,
-            dispatch_batches=dispatch.batches,
-            dispatch_failures=dispatch.failures,
+            dispatched=totals.dispatched,
+            dispatch_batches=totals.dispatch_batches,
+            dispatch_failures=totals.dispatch_failures,
             lateness_max_ms=dispatch.lateness_max_ms,
             lateness_mean_ms=dispatch.lateness_mean_ms,
+            lateness_fired=dispatch.lateness_fired,
+            fire_rounds=dispatch.fire_rounds,
+            confirm_rounds=dispatch.confirm_rounds,
+            message_log_fsyncs=self._writer.statistics().fsyncs if self._writer is not None else 0,
+            filing_fsyncs=self.store.statistics().fsyncs + self.store.statistics().syncfs,
             lanes=dispatch.lanes,
             waiting=dispatch.waiting,
             in_outage=dispatch.in_outage,
-            deleted_hours=self._deleted_hours,
-            deleted_segments=self._deleted_segments,
+            deleted_hours=totals.deleted_hours,
+            deleted_segments=totals.deleted_segments,
         )
 
-    def _replication_statistics(self, master: MasterSession | None, slave: SlaveSession | None) -> dict[str, Any]:
+    def counters(self) -> SchedulerCounters:
+        """Totals since the data folder was created (what the lmdb state keeps)."""
+        dispatch = self.dispatcher.statistics()
+        return self._totals(dispatch.dispatched, dispatch.batches, dispatch.failures)
+
+    def _totals(self, dispatched: int, batches: int, failures: int) -> SchedulerCounters:
+        """What was saved when this process started, ended sessions, and this one's counts."""
+        return (
+            self._counted_before
+            + self._ended_sessions
+            + SchedulerCounters(
+                schedule_requests=self._requests,
+                scheduled=self._scheduled,
+                rewritten=self._rewritten,
+                filed=self._filed_by_closed_stores + self.store.statistics().filed,
+                dispatched=dispatched,
+                dispatch_batches=batches,
+                dispatch_failures=failures,
+                deleted_hours=self._deleted_hours,
+                deleted_segments=self._deleted_segments,
+                cut_records=self._cut_records,
+                cut_bytes=self._cut_bytes,
+            )
+        )
+
+    async def unfiled(self) -> Unfiled:
+        """What replay has yet to file: bytes and records between the checkpoint and the log end."""
+        return await self._run_blocking(partial(unfiled, self._log, self.store))
+
+    def _replication_statistics(
+        self, master: MasterSession | None, slave: SlaveSession | None, totals: SchedulerCounters
+    ) -> dict[str, Any]:
         member = self.member
         info: dict[str, Any] = {
             "mode": member.mode,
             "min_insync": member.min_insync,
             "durable_end": self._log.flushed_offset,
             "history": member.history.entries,
-            "cut_records": self._cut_records,
-            "cut_bytes": self._cut_bytes,
+            "cut_records": totals.cut_records,
+            "cut_bytes": totals.cut_bytes,
         }
         if master is not None:
             source = master.source.statistics()
@@ -266,14 +355,20 @@ class Scheduler:
     async def cleanup(self) -> tuple[int, list[int]]:
         """Delete message-log segments below the checkpoint (and what slaves still need)
         and hours past retention. Returns (segments deleted, hours deleted). Hours the
-        wheels still hold are kept."""
+        wheels still hold are kept.
+
+        A master first rolls its active segment when that holds filed records (a small
+        load may take days to fill one), so they go now, or once replay has filed the
+        rest of it (``_delete_filed_segments``). A slave does not: its tail may yet have
+        to be cut back when its master changes."""
         now = self._clock.now_ms()
         keep = set(self.wheels.hours())
-        below = self.store.checkpoint
-        if isinstance(self.session, MasterSession):
-            needed = self.session.source.retain_from()
-            if needed is not None:
-                below = min(below, needed)
+        below = self._deletable_below()
+        message_log = self._log
+        if isinstance(self.session, MasterSession) and isinstance(message_log, MessageLog):
+            base, size = message_log.segments()[-1]
+            if size and base < below:
+                await self._run_blocking(message_log.roll)
         segments, hours = await self._run_blocking(partial(self._delete_old, now, keep, below))
         self._deleted_segments += segments
         self._deleted_hours += len(hours)
@@ -289,6 +384,16 @@ class Scheduler:
                 " ".join(hour_name(hour) for hour in hours) or "-",
             )
         return segments, hours
+
+    def _deletable_below(self) -> int:
+        """The message-log offset below which every record is filed and no slave heard from
+        lately still needs it: segments wholly below it may go."""
+        below = self.store.checkpoint
+        if isinstance(self.session, MasterSession):
+            needed = self.session.source.retain_from()
+            if needed is not None:
+                below = min(below, needed)
+        return below
 
     # --------------------------------------------------------------- SCHEDULE
 
@@ -351,6 +456,7 @@ class Scheduler:
             raise NotMaster(f"SCHEDULE: scheduler {self.address or '-'} stopped being master while the batch waited")
         self._requests += 1
         self._scheduled += len(deliver_ats)
+        self._wake_housekeeping()
         return {"results": ["scheduled"] * len(deliver_ats)}
 
     async def _fetch(self, request: Request) -> tuple[dict[str, Any], bytes]:
@@ -374,10 +480,17 @@ class Scheduler:
         hours = self.wheels.hours()[:wanted]
         store = self.store
         pending = await self._run_blocking(lambda: [store.pending(hour) for hour in hours])
+        statistics = self.statistics()
+        try:
+            left = await self.unfiled()
+        except StorageError as error:  # the checkpoint's records were deleted: replay reports it too
+            log.warning("scheduler %s: cannot count the records not yet filed: %s", self.group, error)
+        else:
+            statistics = replace(
+                statistics, unfiled_bytes=left.bytes, unfiled_records=left.records, unfiled_exact=left.exact
+            )
         now = self._clock.now_ms()
-        return status_answer(
-            self.statistics(), now_ms=now, hours=hours, pending=pending, open_hours=self.wheels.open_hours()
-        )
+        return status_answer(statistics, now_ms=now, hours=hours, pending=pending, open_hours=self.wheels.open_hours())
 
     # --------------------------------------------------------------- roles
 
@@ -390,6 +503,13 @@ class Scheduler:
         return self.roles.session
 
     async def _between_sessions(self, ended: MasterSession | SlaveSession | None) -> None:
+        if isinstance(ended, MasterSession) and ended.dispatcher is not None:
+            # Its dispatcher's counts stay in the totals (``statistics`` no longer sees it).
+            done = ended.dispatcher.statistics()
+            self._ended_sessions += SchedulerCounters(
+                dispatched=done.dispatched, dispatch_batches=done.batches, dispatch_failures=done.failures
+            )
+        self._wake_housekeeping()
         if isinstance(ended, MasterSession):
             log.warning("scheduler %s: no longer master of epoch %d: dispatch stopped", self.group, ended.epoch)
         writer = self._writer  # SCHEDULEs queued by the old master land before a fetcher appends
@@ -456,6 +576,7 @@ class Scheduler:
         entries = 0
         if filed:
             folder = member.store.directory
+            self._filed_by_closed_stores += member.store.statistics().filed
             member.store.close()
             entries = cut_schedule_folder(folder, offset)
             size = member.log.truncate(offset)
@@ -468,11 +589,75 @@ class Scheduler:
 
     # --------------------------------------------------------------- background
 
-    async def _cleanup_loop(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def _housekeeping_loop(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """``cleanup`` every ``cleanup_interval_ms`` (the hours' check runs only then); in
+        between, while there is work (SCHEDULE, dispatch rounds and session changes wake it),
+        at most once a second: delete the segments replay has filed and save the counters
+        if they changed. Idle, it sleeps until woken or the next cleanup."""
         task_status.started()
+        clock = self._clock
+        next_cleanup = clock.monotonic_ms() + self._cleanup_interval_ms
+        failing = False
         while True:
-            await self._clock.sleep_ms(self._cleanup_interval_ms)
-            await self.cleanup()
+            now = clock.monotonic_ms()
+            try:
+                if now >= next_cleanup:
+                    next_cleanup = now + self._cleanup_interval_ms
+                    await self.cleanup()
+                else:
+                    await self._delete_filed_segments()
+            except StorageError as error:  # a disk error (or a full disk): the next round tries again
+                if not failing:
+                    log.warning("scheduler %s: cleanup failed, trying again: %s", self.group, error)
+                failing = True
+            else:
+                if failing:
+                    log.info("scheduler %s: cleanup works again", self.group)
+                failing = False
+            changed = await self._save_counters()
+            # Something moved this second, or a rolled segment waits for replay (or a slave):
+            # look again in a second; otherwise sleep until woken or the next cleanup.
+            busy = changed or failing or len(self._log.segments()) > 1
+            wait = next_cleanup - clock.monotonic_ms()
+            if busy:
+                wait = min(wait, COUNTERS_SAVE_MS)
+            self._housekeeping_idle = not busy
+            await self._housekeeping.wait_ms(max(0, wait))
+            self._housekeeping_idle = False
+
+    def _wake_housekeeping(self) -> None:
+        """Something may have changed the counters or filed a segment: wake the idle housekeeper."""
+        if self._housekeeping_idle:
+            self._housekeeping_idle = False
+            self._housekeeping.poke()
+
+    async def _delete_filed_segments(self) -> int:
+        """Delete the segments wholly below ``_deletable_below`` (nothing to do: no thread call)."""
+        below = self._deletable_below()
+        segments = self._log.segments()
+        if len(segments) < 2 or sum(segments[0]) > below:
+            return 0
+        deleted: int = await self._run_blocking(partial(self._log.delete_before, below))
+        self._deleted_segments += deleted
+        return deleted
+
+    async def _save_counters(self) -> bool:
+        """Save the counters in the lmdb state if they changed since the last save; True if they had."""
+        counters = self.counters()
+        if counters == self._saved_counters:
+            return False
+        try:
+            await self._run_blocking(partial(self.member.state.put, COUNTERS_DB, COUNTERS_KEY, counters.pack()))
+        except StorageError as error:  # a full disk: kept in memory, saved once it has room
+            if not self._counters_failing:
+                log.warning("scheduler %s: cannot save its counters, trying again: %s", self.group, error)
+            self._counters_failing = True
+            return True
+        if self._counters_failing:
+            log.info("scheduler %s: counters saved again", self.group)
+        self._counters_failing = False
+        self._saved_counters = counters
+        return True
 
     def _delete_old(self, now_ms: int, keep: set[int], below: int) -> tuple[int, list[int]]:
         segments = self._log.delete_before(below)
@@ -515,7 +700,7 @@ async def open_scheduler(
     max_loaded: int = DEFAULT_MAX_LOADED,
     replay_bytes: int = DEFAULT_STEP_BYTES,
     send_timeout: float = 10.0,
-    segment_size: int = DEFAULT_SEGMENT_SIZE,
+    segment_size: int = SCHEDULER_SEGMENT_SIZE,
     run_blocking: RunBlocking = run_in_thread,
     peers: AsyncCaller | None = None,
     replication: str = "sync",
@@ -531,7 +716,8 @@ async def open_scheduler(
     ``limits.horizon_ms`` is how far ahead a message may be scheduled. ``run_blocking``
     runs the disk work (default: a worker thread; ``run_inline`` for autojump tests).
     ``replay_bytes`` is how much of the message log one replay step files at most (the
-    step's memory; one commit and fsync round per step).
+    step's memory; one commit and fsync round per step). ``segment_size``: the message
+    log's segments; a folder written with another size takes this one (``_adopt_segment_size``).
     """
     check_max_record(limits.max_record)
     if retention_ms < 0:
@@ -562,6 +748,7 @@ async def open_scheduler(
     ) as (message_log, state, store):
         current["store"] = store
         history, member_id = await run_blocking(partial(member_identity, root, state))
+        counters = await run_blocking(partial(_load_counters, state, group))
         async with AsyncExitStack() as stack:
             if peers is None:
                 peers = await stack.enter_async_context(open_peers(limits=limits, request_timeout=send_timeout))
@@ -594,6 +781,10 @@ async def open_scheduler(
             def make_dispatcher(
                 wheels: WheelSet, deliver: Deliver, on_recorded: Callable[[dict[int, list[int]]], None]
             ) -> Dispatcher:
+                def recorded(rounds: dict[int, list[int]]) -> None:
+                    on_recorded(rounds)
+                    scheduler._wake_housekeeping()  # counters to save
+
                 return Dispatcher(
                     store=member.store,  # a cut-back (async divergence) may have opened it again
                     wheels=wheels,
@@ -601,7 +792,7 @@ async def open_scheduler(
                     clock=clock,
                     run_blocking=run_blocking,
                     dispatch_batch=dispatch_batch,
-                    on_recorded=on_recorded,
+                    on_recorded=recorded,
                 )
 
             def deliver_for(epoch: int, mastership: Mastership) -> Deliver:
@@ -617,6 +808,7 @@ async def open_scheduler(
                 make_wheels=make_wheels,
                 make_dispatcher=make_dispatcher,
                 deliver=deliver_for,
+                counters=counters,
             )
 
             async def register(nursery: trio.Nursery, address: str) -> None:
@@ -635,7 +827,7 @@ async def open_scheduler(
                 )
                 await nursery.start(scheduler._role_loop)
 
-            tasks: list[Task] = [scheduler._cleanup_loop]
+            tasks: list[Task] = [scheduler._housekeeping_loop]
             if meta_address is None:
                 tasks.insert(0, scheduler._role_loop)  # standalone: master at once
             # The crash scope holds the writer too: nothing more is written on the way out.
@@ -688,11 +880,12 @@ def _delivery(
     return deliver
 
 
-def _open_storage(root: Path, segment_size: int) -> tuple[SegmentedLog, StateStore, ScheduleStore]:
+def _open_storage(root: Path, segment_size: int) -> tuple[MessageLog, StateStore, ScheduleStore]:
     root.mkdir(parents=True, exist_ok=True)
     opened: list[Any] = []
     try:
-        opened.append(SegmentedLog.open(root / "messages", segment_size=segment_size))
+        _adopt_segment_size(root / "messages", segment_size)
+        opened.append(MessageLog.open(root / "messages", segment_size=segment_size))
         opened.append(StateStore.open(root / "state", extra_format={"scheduler_state": 1}))
         opened.append(ScheduleStore.open(root / "schedule", opened[1]))
     except BaseException:
@@ -700,6 +893,39 @@ def _open_storage(root: Path, segment_size: int) -> tuple[SegmentedLog, StateSto
             thing.close()
         raise
     return opened[0], opened[1], opened[2]
+
+
+def _adopt_segment_size(messages: Path, segment_size: int) -> None:
+    """Let a message log written with another segment size take ``segment_size``.
+
+    The size only says when an append starts a new segment: reading, recovery and
+    replication never use it (segments are found by name, records never span two), so
+    an existing folder (1 GiB segments, the size before 64 MiB) opens with the new size
+    and its present segments stay as they are until filed and deleted. Every other
+    format parameter is still checked by ``SegmentedLog.open``.
+    """
+    stored = read_format(messages)
+    if stored is None or stored.get("segment_size") == segment_size or type(stored.get("segment_size")) is not int:
+        return
+    log.info(
+        "message log %s: segments were %s bytes, new ones will be %d (existing segments stay as they are)",
+        messages,
+        stored["segment_size"],
+        segment_size,
+    )
+    write_format(messages, {**stored, "segment_size": segment_size})
+
+
+def _load_counters(state: StateStore, group: str) -> SchedulerCounters:
+    """The counters saved in the lmdb state (zeros for a new folder, or one whose record is unreadable)."""
+    data = state.get(COUNTERS_DB, COUNTERS_KEY)
+    if data is None:
+        return SchedulerCounters()
+    try:
+        return SchedulerCounters.unpack(data)
+    except ValueError as error:
+        log.warning("scheduler %s: saved counters unreadable (%s): counting again from zero", group, error)
+        return SchedulerCounters()
 
 
 def _close_storage(message_log: SegmentedLog, state: StateStore, store: ScheduleStore) -> None:

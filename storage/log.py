@@ -9,6 +9,14 @@ batch bigger than a segment gets one of its own).
 Crash safety rests on two rules: a segment is fsynced before the next one is
 created, so only the last segment can have a torn tail; and on open that tail is
 cut at the first record that does not check (envelope size, magic, version, CRC).
+The open checks only what no earlier process vouched for: the log keeps its
+*verified end* (``delaymq.storage.verified``), below which every byte is a whole,
+fsynced record, moved on by a flush once it is ``checkpoint_bytes`` behind, so
+an open reads at most about that much plus the unflushed tail, not the whole last
+segment. Bytes below it are trusted as older segments always were: damage there
+(a bad disk) is found by the read that meets it (``NotRecordStart``). A verified
+end that does not check, or no longer matches the segment, is ignored (logged)
+and the whole last segment is checked.
 A write that fails (a full disk) is cut back at once, so no torn record is ever
 followed by later ones; after a failed fsync the log refuses appends until it is
 reopened or its owner cuts the unflushed tail (``drop_unflushed``).
@@ -55,11 +63,14 @@ from delaymq.storage.errors import (
 from delaymq.storage.files import pwrite_all
 from delaymq.storage.folder import DataFolder
 from delaymq.storage.format import FormatValue, ensure_format
+from delaymq.storage.verified import VerifiedEnd, VerifiedEndFile, read_verified, tail_crc
 
 LOG_FORMAT = "segmented-log"
 LOG_FORMAT_VERSION = 1
 DEFAULT_SEGMENT_SIZE = 1 << 30
 DEFAULT_MAX_RECORD = 16 << 20
+#: A flush saves the verified end once it is this far behind: what an open checks again at most.
+DEFAULT_CHECKPOINT_BYTES = 16 << 20
 SEGMENT_NAME_DIGITS = 20
 _SEGMENT_NAME = re.compile(r"^[0-9]{%d}$" % SEGMENT_NAME_DIGITS)
 _SCAN_CHUNK = 8 << 20  # recovery reads the last segment this much at a time
@@ -79,6 +90,15 @@ def check_max_record(max_record: int) -> None:
         raise ValueError(
             f"limits allow records of {max_record} bytes; the message log holds at most {DEFAULT_MAX_RECORD}"
         )
+
+
+class Recovery(NamedTuple):
+    """What an open found: the verified end it started from, the bytes it checked and cut."""
+
+    verified_end: int  # the stored verified end the open relied on (0: none usable)
+    checked_bytes: int  # bytes whose records the open read and checked
+    cut_bytes: int  # torn or damaged bytes cut from the end
+    distrusted: str | None = None  # why a stored verified end was ignored, if it was
 
 
 class Record(NamedTuple):
@@ -134,10 +154,27 @@ class _Segment:
 class SegmentedLog:
     """An append-only log of envelope records in segment files. Use ``SegmentedLog.open``."""
 
-    def __init__(self, folder: DataFolder, segments: list[_Segment], *, segment_size: int, max_record: int) -> None:
+    def __init__(
+        self,
+        folder: DataFolder,
+        segments: list[_Segment],
+        *,
+        segment_size: int,
+        max_record: int,
+        verified: VerifiedEndFile,
+        verified_end: int,
+        recovery: Recovery,
+        checkpoint_bytes: int,
+    ) -> None:
         self._folder = folder
         self._segment_size = segment_size
         self._max_record = max_record
+        self._verified = verified
+        self._verified_end = verified_end
+        self._verified_tried = self._verified_end  # a failed save is tried again checkpoint_bytes later
+        self._verified_failing = False
+        self._checkpoint_bytes = checkpoint_bytes
+        self.recovery = recovery
         # (bases, segments): replaced as a whole under _index_lock, read without a lock.
         self._index: tuple[list[int], list[_Segment]] = ([s.base for s in segments], segments)
         self._active = segments[-1]
@@ -159,6 +196,7 @@ class SegmentedLog:
         segment_size: int = DEFAULT_SEGMENT_SIZE,
         max_record: int = DEFAULT_MAX_RECORD,
         extra_format: Mapping[str, FormatValue] | None = None,
+        checkpoint_bytes: int = DEFAULT_CHECKPOINT_BYTES,
     ) -> SegmentedLog:
         """Open (or create) the log in ``directory``, cutting a torn tail.
 
@@ -166,9 +204,14 @@ class SegmentedLog:
         bigger size field as corruption. It and ``segment_size`` are stored in the
         folder's FORMAT file, with ``extra_format`` (a caller's own parameters),
         and a later open with other values raises ``FormatMismatch``.
+        ``checkpoint_bytes``: how far the flushed end may run ahead of the saved
+        verified end (what the next open checks again at most, besides the
+        unflushed tail); each save costs one small write and ``fdatasync``.
         """
         if segment_size <= 0:
             raise ValueError(f"segment_size must be positive, got {segment_size}")
+        if checkpoint_bytes <= 0:
+            raise ValueError(f"checkpoint_bytes must be positive, got {checkpoint_bytes}")
         if not 0 < max_record < 1 << 32:
             raise ValueError(f"max_record must be in [1, {(1 << 32) - 1}], got {max_record}")
         params: dict[str, FormatValue] = {
@@ -185,11 +228,40 @@ class SegmentedLog:
         try:
             bases = segment_bases(folder.path)
             ensure_format(folder.path, params, has_data=bool(bases))
-            segments = _recover(folder, bases, max_record)
+            stored, damaged = read_verified(folder.path)
+            segments, recovery = _recover(folder, bases, max_record, stored, damaged)
         except BaseException:
             folder.close()
             raise
-        return cls(folder, segments, segment_size=segment_size, max_record=max_record)
+        verified = VerifiedEndFile(folder.path, stored, fsync_folder=folder.fsync)
+        last = segments[-1]
+        verified_end = recovery.verified_end
+        try:
+            if recovery.distrusted is not None:
+                # What the file held is worthless: replace both slots with what was just checked.
+                verified.reset(last.end, tail_crc(last.fd, last.base, last.end))
+                verified_end = last.end
+            elif last.end - verified_end >= checkpoint_bytes:
+                verified.save(last.end, tail_crc(last.fd, last.base, last.end))
+                verified_end = last.end
+        except OSError as error:
+            _logger.warning("log %s: cannot save its verified end %d: %s", folder.path, last.end, error)
+        except BaseException:
+            verified.close()
+            for segment in segments:
+                segment.close()
+            folder.close()
+            raise
+        return cls(
+            folder,
+            segments,
+            segment_size=segment_size,
+            max_record=max_record,
+            verified=verified,
+            verified_end=verified_end,
+            recovery=recovery,
+            checkpoint_bytes=checkpoint_bytes,
+        )
 
     # --------------------------------------------------------------- properties
 
@@ -219,6 +291,11 @@ class SegmentedLog:
     def flushed_offset(self) -> int:
         """Every byte below this has been fsynced."""
         return self._flushed
+
+    @property
+    def verified_end(self) -> int:
+        """The saved verified end: the next open checks only the records after it."""
+        return self._verified_end
 
     @property
     def closed(self) -> bool:
@@ -281,7 +358,32 @@ class SegmentedLog:
             segment = self._active
             self._fsync(segment, target)
             self._flushed = target
+            if target - max(self._verified_end, self._verified_tried) >= self._checkpoint_bytes:
+                self._save_verified(segment, target)
             return target
+
+    def _save_verified(self, segment: _Segment, end: int) -> None:
+        """Save ``end`` (flushed, in ``segment``) as the verified end (under the flush lock).
+
+        A failure costs only a longer check at the next open: logged once, tried again later.
+        """
+        self._verified_tried = end
+        try:
+            self._verified.save(end, tail_crc(segment.fd, segment.base, end))
+        except OSError as error:
+            if not self._verified_failing:
+                self._verified_failing = True
+                _logger.warning(
+                    "log %s: cannot save its verified end %d (the next open checks more of the last segment): %s",
+                    self._folder.path,
+                    end,
+                    error,
+                )
+            return
+        if self._verified_failing:
+            self._verified_failing = False
+            _logger.info("log %s: verified end saved again (%d)", self._folder.path, end)
+        self._verified_end = end
 
     def drop_unflushed(self) -> int:
         """Cut what was appended past ``flushed_offset`` and take appends again; returns the bytes cut.
@@ -342,6 +444,16 @@ class SegmentedLog:
                 keep -= 1  # the previous segment stays active, ending at offset
             cut = self._end - offset
             held = segments[keep]
+            if self._verified_end > offset:
+                # Lowered first: bytes appended at these offsets later are not the ones it vouched for.
+                try:
+                    self._verified.save(offset, tail_crc(held.fd, held.base, offset))
+                except OSError as error:
+                    raise LogIOError(
+                        f"cannot lower the verified end of log {self._folder.path} to {offset} "
+                        f"before cutting it back: {error}"
+                    ) from error
+                self._verified_end = self._verified_tried = offset
             try:
                 for segment in segments[keep + 1 :]:
                     segment.close()
@@ -582,6 +694,7 @@ class SegmentedLog:
                 self._closed = True
                 for segment in self._index[1]:
                     segment.close()
+                self._verified.close()
                 self._folder.close()
 
     def __enter__(self) -> SegmentedLog:
@@ -594,14 +707,20 @@ class SegmentedLog:
         return f"<SegmentedLog {self._folder.path} [{self.start_offset}, {self._end}) flushed={self._flushed}>"
 
 
-def _recover(folder: DataFolder, bases: list[int], max_record: int) -> list[_Segment]:
-    """Open the segment files, cut a torn tail, drop empty trailing segments."""
+def _recover(
+    folder: DataFolder, bases: list[int], max_record: int, stored: VerifiedEnd | None, damaged: int
+) -> tuple[list[_Segment], Recovery]:
+    """Open the segment files, cut a torn tail after the verified end, drop empty trailing segments."""
+    distrusted = f"{damaged} slot(s) of its verified-end file do not check" if damaged and stored is None else None
     if not bases:
         path = folder.path / segment_name(0)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         folder.fsync()
-        return [_Segment(0, path, fd, 0)]
+        return [_Segment(0, path, fd, 0)], Recovery(0, 0, 0, distrusted)
     segments: list[_Segment] = []
+    vouched = stored.end if stored is not None else 0
+    checked = cut = 0
+    warned = False
     try:
         for base in bases:
             path = folder.path / segment_name(base)
@@ -609,7 +728,29 @@ def _recover(folder: DataFolder, bases: list[int], max_record: int) -> list[_Seg
             segments.append(_Segment(base, path, fd, os.fstat(fd).st_size))
         while True:
             last = segments[-1]
-            valid, error = _valid_end(last.fd, last.size, max_record)
+            start = 0
+            if stored is not None and vouched > last.base:
+                if vouched > last.end:
+                    problem = f"it lies past the end of segment {last.path.name} ({last.end})"
+                elif tail_crc(last.fd, last.base, vouched) != stored.tail_crc:
+                    problem = f"the bytes below it in segment {last.path.name} are not the ones it vouched for"
+                else:
+                    problem = None
+                    start = vouched - last.base
+                if problem is not None:
+                    distrusted = f"verified end {vouched}: {problem}"
+                    vouched = 0
+            if distrusted is not None and not warned and last.size:
+                warned = True
+                _logger.warning(
+                    "log %s: %s; checking all %d byte(s) of segment %s",
+                    folder.path,
+                    distrusted,
+                    last.size,
+                    last.path.name,
+                )
+            valid, error = _valid_end(last.fd, last.size, max_record, start)
+            checked += last.size - start
             if error is not None:
                 _logger.warning(
                     "log %s: segment %s: cut %d byte(s) from offset %d: %s; every record before it is intact",
@@ -620,6 +761,7 @@ def _recover(folder: DataFolder, bases: list[int], max_record: int) -> list[_Seg
                     error.reason,
                 )
                 os.ftruncate(last.fd, valid)
+                cut += last.size - valid
                 last.size = valid
             if last.size or len(segments) == 1:
                 break
@@ -642,12 +784,20 @@ def _recover(folder: DataFolder, bases: list[int], max_record: int) -> list[_Seg
         for segment in segments:
             segment.close()
         raise
-    return segments
+    if checked:
+        _logger.info(
+            "log %s: checked %d byte(s) of segment %s after its verified end %d",
+            folder.path,
+            checked,
+            segments[-1].path.name,
+            vouched,
+        )
+    return segments, Recovery(vouched, checked, cut, distrusted)
 
 
-def _valid_end(fd: int, size: int, max_record: int) -> tuple[int, EnvelopeError | None]:
-    """How far a segment file holds intact records, and why it stops there."""
-    position = 0
+def _valid_end(fd: int, size: int, max_record: int, start: int = 0) -> tuple[int, EnvelopeError | None]:
+    """How far a segment file holds intact records from ``start`` (a record start), and why it stops there."""
+    position = start
     chunk = _SCAN_CHUNK
     while position < size:
         buf = os.pread(fd, min(chunk, size - position), position)

@@ -14,6 +14,7 @@ from delaymq.backlog.plan import REALTIME, SCHEDULER, Source
 from delaymq.backlog.rows import UNREADABLE
 from delaymq.protocol.records import encode_message
 from delaymq.scheduler.hours import hour_name
+from delaymq.scheduler.server import SCHEDULER_SEGMENT_SIZE
 from delaymq.storage.log import SegmentedLog
 
 HOUR_MS = 3_600_000
@@ -89,7 +90,8 @@ def test_records_not_yet_filed_are_counted_from_the_message_log(
         )
         for i in range(7)
     ]
-    with SegmentedLog.open(root / "scheduler-1" / "messages") as log:  # as if the server died before filing them
+    messages = root / "scheduler-1" / "messages"
+    with SegmentedLog.open(messages, segment_size=SCHEDULER_SEGMENT_SIZE) as log:  # as if the server died before filing
         log.append(b"".join(records))
         log.flush()
     result = run_job(cluster_data.sources(root), at_ms=cluster_data.at_ms, html=False)

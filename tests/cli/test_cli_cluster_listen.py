@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -75,7 +76,16 @@ def test_a_remembered_port_taken_since_gives_way_to_a_free_one(tmp_path: Path) -
     kill(first)
     host, port = addresses["realtime"].rsplit(":", 1)
     with socket.socket() as squatter:
-        squatter.bind((host, int(port)))
+        # The cluster's children die with it (a death signal), a moment after it: wait for the port.
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                squatter.bind((host, int(port)))
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
         squatter.listen()
         again, restarted = start_cluster(data)
         errors = kill(again)
