@@ -22,6 +22,7 @@ SUITES: dict[str, tuple[str, str, bool]] = {
     "delay": ("delaymq.cli.bench_cluster", "bench_delay", True),
     "restart": ("delaymq.cli.bench_restart", "bench_restart", True),
     "failover": ("delaymq.cli.bench_failover", "bench_failover", True),
+    "cancel": ("delaymq.cli.bench_cancel", "bench_cancel", True),
     "backlog": ("delaymq.backlog.bench", "bench_backlog", True),
 }
 

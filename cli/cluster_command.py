@@ -38,6 +38,7 @@ from pathlib import Path
 import trio
 
 from delaymq.cli import options
+from delaymq.cli.connection_options import add_tls_options, tls_settings
 from delaymq.cli.serving import STARTUP_ERRORS, fail
 from delaymq.cli.supervisor import StartFailed, Supervisor, open_supervisor
 from delaymq.client.producer import DEFAULT_META
@@ -97,6 +98,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "DATA/realtime-1-replica-K and DATA/scheduler-1-replica-K); with one or more, replication is sync with "
         "min-insync 1 and the metaserver fails over to a slave (default: %(default)s)",
     )
+    add_tls_options(parser, server=True)  # passed on to every server; the certificate must name 127.0.0.1
     parser.set_defaults(func=run)
 
 
@@ -108,6 +110,10 @@ def _replicas(text: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run the cluster until a stop signal; a server that cannot start ends it with one line, status 1."""
+    try:
+        tls_settings(args, server=True)  # a missing or unreadable file: one line now, not one per server
+    except argparse.ArgumentTypeError as error:
+        return fail(str(error))
     try:
         return trio.run(_serve, args)
     except BaseException as raised:  # noqa: B036 - sorted below: start-up errors are one line, the rest re-raised
@@ -188,6 +194,16 @@ def _listen_for(name: str, asked: str | None, remembered: str | None) -> str:
     return listen
 
 
+def tls_options(args: argparse.Namespace) -> list[str]:
+    """The cluster's ``--tls-*`` options, ``--tokens-file``, ``--token`` and ``--insecure-listen``, for each
+    server's command line."""
+    given = [(f"--tls-{name}", getattr(args, f"tls_{name}")) for name in ("cert", "key", "ca")]
+    given += [("--tokens-file", getattr(args, "tokens_file", None)), ("--token", getattr(args, "token", None))]
+    passed = [text for option, value in given if value is not None for text in (option, str(value))]
+    flags = [("--tls-require-client-cert", args.tls_require_client_cert), ("--insecure-listen", args.insecure_listen)]
+    return passed + [flag for flag, given_flag in flags if given_flag]
+
+
 def server_command(log_level: str, command: str, *options: str) -> list[str]:
     """The command line of one server: ``delaymq COMMAND ...``, as run in production."""
     return [sys.executable, "-P", "-m", "delaymq.cli", "--log-level", log_level, command, *options]
@@ -212,7 +228,7 @@ async def _serve(args: argparse.Namespace) -> int:
 async def _start_servers(
     args: argparse.Namespace, supervisor: Supervisor, remembered: dict[str, str], child_level: str
 ) -> None:
-    """The metaserver; then the realtime master and the scheduler master; then their slaves; then the report.
+    """The metaserver and both masters (the metaserver first on a first start); their slaves; the report.
 
     A server announces its address after its first registration, so the masters
     register with the metaserver up (and are masters at once), and each master is
@@ -224,19 +240,20 @@ async def _start_servers(
     meta_listen = _listen_for("metaserver", args.meta_listen, remembered.get("metaserver"))
     meta = meta_listen
     min_insync = str(min(1, args.replicas))
+    tls = tls_options(args)
 
     async def start_metaserver() -> None:
         nonlocal meta
         meta = await supervisor.start(
             "metaserver",
             lambda listen: server_command(
-                child_level, "metaserver", "--listen", listen, "--data", str(data / "metaserver")
+                child_level, "metaserver", "--listen", listen, "--data", str(data / "metaserver"), *tls
             ),
             listen=meta_listen,
         )
 
     def member(kind: str, folder: str) -> Callable[[str], list[str]]:
-        options = ("--meta", meta, "--data", str(data / folder), "--group", f"{kind}-1", "--flush", args.flush)
+        options = ("--meta", meta, "--data", str(data / folder), "--group", f"{kind}-1", "--flush", args.flush, *tls)
         return lambda listen: server_command(
             child_level, kind, "--listen", listen, *options, "--min-insync", min_insync
         )
@@ -253,8 +270,15 @@ async def _start_servers(
         folder = f"{kind}-1-replica-{k}"
         replicas[kind][k - 1] = await supervisor.start(folder, member(kind, folder), listen="127.0.0.1:0", stage=2)
 
-    await start_metaserver()
+    # On a restart the metaserver's address is known before it binds: the masters
+    # start beside it (each import takes about half a second) and register once it
+    # is up, retrying from 100 ms. On a first start they need the port it chose.
+    known = split_listen(meta_listen)[1] != 0
+    if not known:
+        await start_metaserver()
     async with trio.open_nursery() as nursery:
+        if known:
+            nursery.start_soon(start_metaserver)
         nursery.start_soon(start_master, "realtime", "realtime server", args.realtime_listen)
         nursery.start_soon(start_master, "scheduler", "scheduler", args.scheduler_listen)
     async with trio.open_nursery() as nursery:

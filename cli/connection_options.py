@@ -1,17 +1,35 @@
-"""The connection options every server command shares (``ConnectionLimits``).
+"""The connection options every server command shares (``ConnectionLimits``), and TLS.
 
 ``add_connection_options`` adds them to a server command's parser;
 ``connection_limits`` turns the parsed values into the ``ConnectionLimits`` a
 server's ``Limits`` carries. Set in a TOML config file, they take the same text.
+``add_tls_options`` adds ``--tls-cert``, ``--tls-key`` and ``--tls-ca`` (and, to a
+server's parser, ``--tls-require-client-cert``) to a server's or a client's
+command; ``tls_settings`` reads them into the ``TlsSettings`` of ``Limits.tls``.
+It adds ``--token`` too (``Limits.token``, default ``$DELAYMQ_TOKEN``), and to a
+server ``--tokens-file`` and ``--insecure-listen``: ``server_auth`` reads them and
+refuses a listener off loopback that checks no token.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import logging
+import os
 import re
+from pathlib import Path
 
 from delaymq.cli import options
-from delaymq.protocol.limits import DEFAULT_CONNECTION_LIMITS, ConnectionLimits
+from delaymq.protocol.auth import TokenFile, TokenFileError
+from delaymq.protocol.limits import DEFAULT_CONNECTION_LIMITS, ConnectionLimits, Limits
+from delaymq.protocol.tls import TlsConfigError, TlsSettings
+from delaymq.protocol.transport import split_listen
+
+log = logging.getLogger("delaymq")
+
+#: The environment variable a client's (or a server's own) token may come from instead of ``--token``.
+TOKEN_ENV = "DELAYMQ_TOKEN"
 
 _SIZE = re.compile(r"(?P<number>\d+)\s*(?P<unit>|b|k|kb|kib|m|mb|mib|g|gb|gib)", re.IGNORECASE)
 _UNIT_BYTES = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
@@ -69,6 +87,139 @@ def add_connection_options(parser: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="bytes of unfinished requests held across all connections (default: twice the frame limit, 128MiB)",
     )
+    add_tls_options(parser, server=True)
+
+
+def add_tls_options(parser: argparse.ArgumentParser, *, server: bool) -> None:
+    """``--tls-cert``, ``--tls-key``, ``--tls-ca``; a server's also ``--tls-require-client-cert``."""
+    if server:
+        cert_help = (
+            "TLS: this server's certificate (PEM), shown to its clients and presented as the client "
+            "certificate of its own connections; the listener takes TLS only (default: plaintext)"
+        )
+        ca_help = (
+            "TLS: the CA (PEM) that signs the servers' certificates: the servers this one connects to are "
+            "verified against it, and so are client certificates"
+        )
+    else:
+        cert_help = "TLS: the client certificate (PEM) to present to the servers (default: none)"
+        ca_help = (
+            "TLS: the CA (PEM) that signs the servers' certificates; giving it connects with TLS and "
+            "verifies every server against it (default: plaintext)"
+        )
+    parser.add_argument("--tls-cert", type=Path, metavar="FILE", help=cert_help)
+    parser.add_argument(
+        "--tls-key", type=Path, metavar="FILE", help="TLS: the private key (PEM) of --tls-cert, if not in that file"
+    )
+    parser.add_argument("--tls-ca", type=Path, metavar="FILE", help=ca_help)
+    if server:
+        parser.add_argument(
+            "--tls-require-client-cert",
+            action="store_true",
+            help="TLS: refuse a client (or server) that presents no certificate signed by --tls-ca",
+        )
+    add_auth_options(parser, server=server)
+
+
+def add_auth_options(parser: argparse.ArgumentParser, *, server: bool) -> None:
+    """``--token``; a server's also ``--tokens-file`` and ``--insecure-listen`` (docs/operations.md)."""
+    who = "this server's own token, presented to the metaserver and the other servers (role server)" if server else (
+        "the token presented to the servers"
+    )  # fmt: skip
+    parser.add_argument("--token", metavar="TOKEN", help=f"{who} (default: ${TOKEN_ENV}; none)")
+    if not server:
+        return
+    parser.add_argument(
+        "--tokens-file",
+        type=Path,
+        metavar="FILE",
+        help="the tokens (TOML) whose roles and subjects every request is checked against; reloaded on "
+        "SIGHUP (default: none: anyone who reaches the listener may do anything, so it must be on loopback)",
+    )
+    parser.add_argument(
+        "--insecure-listen",
+        action="store_true",
+        help="listen on a non-loopback address without --tokens-file (anyone who reaches it may do anything)",
+    )
+
+
+def tls_settings(args: argparse.Namespace, *, server: bool) -> TlsSettings | None:
+    """The TLS options as ``TlsSettings`` (None: plaintext); ``ArgumentTypeError`` names a bad option."""
+    try:
+        return _tls_settings(args, server=server)
+    except TlsConfigError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def client_limits(args: argparse.Namespace) -> Limits:
+    """The ``Limits`` of a client command: the defaults, TLS from its options.
+
+    ``TlsConfigError`` (a ``ValueError``) names an option whose file is missing or unreadable.
+    """
+    return Limits(tls=_tls_settings(args, server=False), token=token(args))
+
+
+def token(args: argparse.Namespace) -> str | None:
+    """``--token``, else ``$DELAYMQ_TOKEN``, else None."""
+    given = getattr(args, "token", None) or os.environ.get(TOKEN_ENV) or ""
+    return given.strip() or None
+
+
+def server_auth(args: argparse.Namespace, *, listen: str) -> tuple[str | None, TokenFile | None]:
+    """A server's own token and its tokens file; ``ArgumentTypeError`` for a bad file, or for a
+    listener off loopback without one (unless ``--insecure-listen``). Logs what it decided."""
+    path = getattr(args, "tokens_file", None)
+    tokens: TokenFile | None = None
+    if path is not None:
+        try:
+            tokens = TokenFile(Path(path))
+        except TokenFileError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        log.info("checking every request against %s (reloaded on SIGHUP)", tokens.describe())
+        return token(args), tokens
+    host = split_listen(listen)[0]
+    if not is_loopback(host):
+        if not getattr(args, "insecure_listen", False):
+            raise argparse.ArgumentTypeError(
+                f"--listen {listen} is not a loopback address and no --tokens-file is given: anyone who reaches "
+                "it could send, consume and administer. Give --tokens-file FILE, or --insecure-listen to "
+                "serve it anyway"
+            )
+        log.warning("no --tokens-file: %s serves anyone who reaches it (--insecure-listen)", listen)
+    else:
+        log.info("no --tokens-file: %s is on loopback, where every local client may do anything", listen)
+    return token(args), None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address (or ``localhost``); a name other than that is not."""
+    if host.lower() in ("localhost", "localhost.localdomain"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _tls_settings(args: argparse.Namespace, *, server: bool) -> TlsSettings | None:
+    """A server needs ``--tls-cert`` for any TLS: its listener cannot take TLS without
+    one, and a cluster is TLS or plaintext throughout."""
+    cert, key, ca = args.tls_cert, args.tls_key, args.tls_ca
+    require = bool(getattr(args, "tls_require_client_cert", False))
+    if cert is None and key is None and ca is None and not require:
+        return None
+    if server and cert is None:
+        given = "--tls-key" if key is not None else "--tls-ca" if ca is not None else "--tls-require-client-cert"
+        raise TlsConfigError(
+            f"{given} needs --tls-cert (and --tls-key): a server's listener takes TLS only with a certificate",
+            option="--tls-cert",
+        )
+    return TlsSettings(cert=_path(cert), key=_path(key), ca=_path(ca), require_client_cert=require)
+
+
+def _path(value: Path | str | None) -> Path | None:
+    """A file option's value: a ``Path`` from the command line, a string from a config file."""
+    return None if value is None else Path(value)
 
 
 def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
@@ -96,4 +247,17 @@ def _seconds(value: float | str, option: str) -> float:
     return seconds
 
 
-__all__ = ["add_connection_options", "connection_limits", "count", "size"]
+__all__ = [
+    "TOKEN_ENV",
+    "add_auth_options",
+    "add_connection_options",
+    "add_tls_options",
+    "client_limits",
+    "connection_limits",
+    "count",
+    "is_loopback",
+    "server_auth",
+    "size",
+    "token",
+    "tls_settings",
+]

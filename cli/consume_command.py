@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from delaymq.cli import options
+from delaymq.cli.connection_options import client_limits
 from delaymq.cli.send_command import add_meta, meta_list
 from delaymq.client.blocking import BlockingConsumer
 from delaymq.client.consumer import ConsumerFailed
@@ -102,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
             consumer_id=args.consumer_id,
             max_messages_held=args.max if args.max is not None else 1000,
             pull_batch=min(100, args.max) if args.max is not None else 100,
+            limits=client_limits(args),
         ) as consumer:
             for message in consumer.messages(timeout=args.timeout):
                 print(as_json(message) if args.json else as_text(message), flush=True)

@@ -9,15 +9,20 @@ from __future__ import annotations
 import argparse
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from delaymq.cli import options
-from delaymq.cli.connection_options import add_connection_options, connection_limits
-from delaymq.cli.serving import fail, run_server, wait_for_stop_signal
+from delaymq.cli.connection_options import add_connection_options, connection_limits, server_auth, tls_settings
+from delaymq.cli.server_options import add_metrics_option
+from delaymq.cli.serving import fail, run_server, serve_until_stopped
 from delaymq.client.producer import DEFAULT_META
 from delaymq.metaserver.registry import HEARTBEATS_PER_FAILOVER
-from delaymq.metaserver.server import open_metaserver
 from delaymq.protocol.limits import Limits
 from delaymq.wheel.clock import SystemClock
+
+if TYPE_CHECKING:
+    from delaymq.cli.metrics import MetricsSource
+    from delaymq.metaserver.server import Metaserver
 
 log = logging.getLogger("delaymq.metaserver")
 
@@ -63,6 +68,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "its servers heartbeat five times as often",
     )
     add_connection_options(parser)
+    add_metrics_option(parser)
     parser.set_defaults(func=run)
 
 
@@ -73,7 +79,10 @@ def run(args: argparse.Namespace) -> int:
         evict_ms = options.duration_ms(args.evict_after)
         interval_ms = options.duration_ms(args.heartbeat_interval)
         failover_ms = options.duration_ms(args.failover_after)
-        limits = Limits(connections=connection_limits(args))
+        token, tokens = server_auth(args, listen=args.listen)
+        limits = Limits(
+            connections=connection_limits(args), tls=tls_settings(args, server=True), token=token, tokens=tokens
+        )
     except argparse.ArgumentTypeError as error:
         return fail(str(error))
     if interval_ms < 1 or evict_ms <= interval_ms:
@@ -88,10 +97,23 @@ def run(args: argparse.Namespace) -> int:
             f"{HEARTBEATS_PER_FAILOVER} times within it"
         )
     what = f"the metaserver on {args.listen} with data {args.data}"
-    return run_server(_serve, args.listen, args.data, evict_ms, interval_ms, failover_ms, limits, what=what)
+    return run_server(
+        _serve, args.listen, args.data, evict_ms, interval_ms, failover_ms, limits, args.metrics_listen, what=what
+    )
 
 
-async def _serve(listen: str, data: Path, evict_ms: int, interval_ms: int, failover_ms: int, limits: Limits) -> None:
+async def _serve(
+    listen: str,
+    data: Path,
+    evict_ms: int,
+    interval_ms: int,
+    failover_ms: int,
+    limits: Limits,
+    metrics_listen: str | None,
+) -> None:
+    # Imported here, not by ``delaymq`` itself: every command (each server of a cluster too) starts sooner.
+    from delaymq.metaserver.server import open_metaserver
+
     async with open_metaserver(
         limits=limits,
         listen=listen,
@@ -109,4 +131,12 @@ async def _serve(listen: str, data: Path, evict_ms: int, interval_ms: int, failo
             options.show_duration(interval_ms),
             options.show_duration(failover_ms),
         )
-        await wait_for_stop_signal()
+        await serve_until_stopped(
+            metrics_listen=metrics_listen, metrics=lambda: _metrics(metaserver), tokens=limits.tokens
+        )
+
+
+def _metrics(metaserver: Metaserver) -> MetricsSource:
+    from delaymq.cli.metrics import MetaserverSource
+
+    return MetaserverSource(metaserver)

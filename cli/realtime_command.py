@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import argparse
 import logging
+from typing import TYPE_CHECKING
 
 from delaymq.cli import options
-from delaymq.cli.connection_options import connection_limits
+from delaymq.cli.connection_options import connection_limits, server_auth, tls_settings
 from delaymq.cli.options import add_duration
 from delaymq.cli.server_options import add_replication_options, add_server_options
-from delaymq.cli.serving import fail, run_server, wait_for_stop_signal
+from delaymq.cli.serving import fail, run_server, serve_until_stopped
 from delaymq.client.producer import DEFAULT_META
 from delaymq.protocol.limits import Limits
-from delaymq.realtime.server import open_realtime_server
 from delaymq.wheel.clock import SystemClock
+
+if TYPE_CHECKING:
+    from delaymq.cli.metrics import MetricsSource
+    from delaymq.realtime.server import RealtimeServer
 
 log = logging.getLogger("delaymq.realtime")
 
@@ -50,7 +54,10 @@ def run(args: argparse.Namespace) -> int:
             "ack_timeout_ms": options.duration_ms(args.ack_timeout),
             "consumer_timeout_ms": options.duration_ms(args.consumer_timeout),
         }
-        limits = Limits(connections=connection_limits(args))
+        token, tokens = server_auth(args, listen=args.listen)
+        limits = Limits(
+            connections=connection_limits(args), tls=tls_settings(args, server=True), token=token, tokens=tokens
+        )
     except argparse.ArgumentTypeError as error:
         return fail(str(error))
     meta = args.meta or [DEFAULT_META]
@@ -59,6 +66,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace, meta: list[str], settings: dict[str, int], limits: Limits) -> None:
+    # Imported here, not by ``delaymq`` itself: every command (each server of a cluster too) starts sooner.
+    from delaymq.realtime.server import open_realtime_server
+
     async with open_realtime_server(
         data_dir=args.data,
         clock=SystemClock(),
@@ -83,4 +93,12 @@ async def _serve(args: argparse.Namespace, meta: list[str], settings: dict[str, 
             args.replication,
             args.min_insync,
         )
-        await wait_for_stop_signal()
+        await serve_until_stopped(
+            metrics_listen=args.metrics_listen, metrics=lambda: _metrics(server), tokens=limits.tokens
+        )
+
+
+def _metrics(server: RealtimeServer) -> MetricsSource:
+    from delaymq.cli.metrics import RealtimeSource
+
+    return RealtimeSource(server)

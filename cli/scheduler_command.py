@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import argparse
 import logging
+from typing import TYPE_CHECKING
 
 from delaymq.cli import options
-from delaymq.cli.connection_options import connection_limits
+from delaymq.cli.connection_options import connection_limits, server_auth, tls_settings
 from delaymq.cli.options import add_duration
 from delaymq.cli.server_options import add_replication_options, add_server_options
-from delaymq.cli.serving import fail, run_server, wait_for_stop_signal
+from delaymq.cli.serving import fail, run_server, serve_until_stopped
 from delaymq.client.producer import DEFAULT_META
 from delaymq.protocol.limits import Limits
-from delaymq.scheduler.server import open_scheduler
 from delaymq.wheel.clock import SystemClock
+
+if TYPE_CHECKING:
+    from delaymq.cli.metrics import MetricsSource
+    from delaymq.scheduler.server import Scheduler
 
 log = logging.getLogger("delaymq.scheduler")
 
@@ -45,7 +49,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         horizon_ms = options.duration_ms(args.horizon)
         retention_ms = options.duration_ms(args.retention)
-        limits = Limits(horizon_ms=horizon_ms, connections=connection_limits(args))
+        token, tokens = server_auth(args, listen=args.listen)
+        limits = Limits(
+            horizon_ms=horizon_ms,
+            connections=connection_limits(args),
+            tls=tls_settings(args, server=True),
+            token=token,
+            tokens=tokens,
+        )
     except argparse.ArgumentTypeError as error:
         return fail(str(error))
     except ValueError as error:
@@ -56,6 +67,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace, meta: list[str], limits: Limits, retention_ms: int) -> None:
+    # Imported here, not by ``delaymq`` itself: every command (each server of a cluster too) starts sooner.
+    from delaymq.scheduler.server import open_scheduler
+
     async with open_scheduler(
         data_dir=args.data,
         clock=SystemClock(),
@@ -79,4 +93,12 @@ async def _serve(args: argparse.Namespace, meta: list[str], limits: Limits, rete
             args.replication,
             args.min_insync,
         )
-        await wait_for_stop_signal()
+        await serve_until_stopped(
+            metrics_listen=args.metrics_listen, metrics=lambda: _metrics(scheduler), tokens=limits.tokens
+        )
+
+
+def _metrics(scheduler: Scheduler) -> MetricsSource:
+    from delaymq.cli.metrics import SchedulerSource
+
+    return SchedulerSource(scheduler)

@@ -7,6 +7,7 @@ import sys
 from datetime import datetime
 
 from delaymq.cli import options
+from delaymq.cli.connection_options import add_tls_options, client_limits
 from delaymq.client.blocking import BlockingProducer
 from delaymq.client.producer import DEFAULT_META
 from delaymq.client.routes import RouteError
@@ -47,6 +48,7 @@ def add_meta(parser: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT[,...]",
         help="the metaserver(s) to ask for routes (default: %(default)s)",
     )
+    add_tls_options(parser, server=False)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -63,6 +65,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("body", metavar="BODY", help="the message body; '-' reads it from standard input")
     parser.add_argument("--tag", action="append", default=[], metavar="TAG", help="a tag (repeat for several)")
     parser.add_argument("--count", type=int, default=1, metavar="N", help="send N messages (default: 1)")
+    parser.add_argument(
+        "--key",
+        metavar="KEY",
+        help="a business key, e.g. order-42: 'delaymq cancel|move|query --subject S --key K' reach every message "
+        "sent with it",
+    )
     group = parser.add_mutually_exclusive_group()
     group.add_argument(
         "--delay",
@@ -84,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     body: bytes = sys.stdin.buffer.read() if args.body == "-" else args.body.encode()
     try:
-        with BlockingProducer(meta, timeout=args.timeout) as producer:
+        with BlockingProducer(meta, timeout=args.timeout, limits=client_limits(args)) as producer:
             delay, at = args.delay, args.at
             if delay is not None and delay < 0:  # "5 s ago": a moment in the past, delivered now
                 at = producer.clock.now_ms() + round(delay * 1000)
@@ -92,7 +100,10 @@ def run(args: argparse.Namespace) -> int:
             left = args.count
             while left:
                 n = min(left, CHUNK)
-                batch = [producer.message(args.subject, body, tags=args.tag, delay=delay, at=at) for _ in range(n)]
+                batch = [
+                    producer.message(args.subject, body, tags=args.tag, delay=delay, at=at, key=args.key)
+                    for _ in range(n)
+                ]
                 for message_id in producer.send_batch(batch):
                     print(message_id)
                 sys.stdout.flush()

@@ -35,6 +35,17 @@ def add_server_options(parser: argparse.ArgumentParser, *, group: str) -> None:
         help="sync: answer after fsync (group commit); async: fsync every 100 ms (default: %(default)s)",
     )
     add_connection_options(parser)
+    add_metrics_option(parser)
+
+
+def add_metrics_option(parser: argparse.ArgumentParser) -> None:
+    """``--metrics-listen``: where the server serves Prometheus metrics (off by default)."""
+    parser.add_argument(
+        "--metrics-listen",
+        type=options.listen_address,
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics over HTTP at http://HOST:PORT/metrics; port 0 picks a free one (default: off)",
+    )
 
 
 def add_replication_options(parser: argparse.ArgumentParser, *, writes: str) -> None:
@@ -68,4 +79,4 @@ def _count(text: str) -> int:
     return value
 
 
-__all__ = ["add_replication_options", "add_server_options"]
+__all__ = ["add_metrics_option", "add_replication_options", "add_server_options"]

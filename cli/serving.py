@@ -11,26 +11,62 @@ from __future__ import annotations
 import logging
 import signal
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
+from delaymq.client.registration import RegistrationRefused
 from delaymq.metaserver.registry import RegistryError
+from delaymq.protocol.auth import TokenFile
 from delaymq.protocol.errors import sole
 from delaymq.storage.errors import StorageError
+
+if TYPE_CHECKING:
+    from delaymq.cli.metrics import MetricsSource
 
 log = logging.getLogger("delaymq")
 
 #: Errors that mean "this server cannot start here", reported in one line.
-STARTUP_ERRORS: tuple[type[BaseException], ...] = (OSError, StorageError, RegistryError, ValueError)
+#: (``RegistrationRefused``: the metaserver said no, e.g. a plaintext server to a TLS one.)
+STARTUP_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    StorageError,
+    RegistryError,
+    RegistrationRefused,
+    ValueError,
+)
 
 
-async def wait_for_stop_signal() -> None:
-    """Return on SIGTERM; Ctrl-C arrives as KeyboardInterrupt from trio.run."""
-    with trio.open_signal_receiver(signal.SIGTERM) as signals:
+async def wait_for_stop_signal(*, tokens: TokenFile | None = None) -> None:
+    """Return on SIGTERM; Ctrl-C arrives as KeyboardInterrupt from trio.run.
+
+    With ``tokens``, SIGHUP reloads the tokens file (a bad one is logged and the old table kept)."""
+    wanted = (signal.SIGTERM, signal.SIGHUP) if tokens is not None else (signal.SIGTERM,)
+    with trio.open_signal_receiver(*wanted) as signals:
         async for signum in signals:
+            if signum == signal.SIGHUP and tokens is not None:
+                tokens.reload()
+                continue
             log.info("stopping on %s", signal.Signals(signum).name)
             return
+
+
+async def serve_until_stopped(
+    *, metrics_listen: str | None, metrics: Callable[[], MetricsSource], tokens: TokenFile | None = None
+) -> None:
+    """Wait for a stop signal; meanwhile serve Prometheus metrics (``metrics()``) on ``metrics_listen`` if given,
+    and reload ``tokens`` on SIGHUP.
+
+    The metrics modules (prometheus_client, and every server's statistics types) are
+    imported only then: a server started without metrics starts that much sooner."""
+    if metrics_listen is None:
+        await wait_for_stop_signal(tokens=tokens)
+        return
+    from delaymq.cli.metrics import Exposition
+    from delaymq.cli.metrics_endpoint import open_metrics_endpoint
+
+    async with open_metrics_endpoint(Exposition(metrics()), metrics_listen):
+        await wait_for_stop_signal(tokens=tokens)
 
 
 def run_server(serve: Callable[..., Awaitable[Any]], *args: Any, what: str) -> int:

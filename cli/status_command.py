@@ -15,10 +15,12 @@ import sys
 from typing import Any
 
 from delaymq.cli import options
+from delaymq.cli.connection_options import add_tls_options, client_limits
 from delaymq.client.blocking import BlockingPeers
 from delaymq.client.producer import DEFAULT_META
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError, ProtocolError
+from delaymq.protocol.tls import TlsConfigError
 from delaymq.protocol.transport import TransportError
 
 COLUMNS = ("GROUP", "KIND", "ROLE", "EPOCH", "ADDRESS", "STATE", "LAST HEARTBEAT", "EVICTED", "VERSION")
@@ -39,6 +41,7 @@ def add_meta_option(parser: argparse.ArgumentParser) -> None:
         metavar="DURATION",
         help="how long to wait for its answer (default: 5s)",
     )
+    add_tls_options(parser, server=False)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -71,7 +74,7 @@ def ask_metaserver(
     """One request to ``--meta``; on failure print a one-line error and return None."""
     try:
         timeout = options.duration_ms(args.timeout) / 1000
-        with BlockingPeers(connect_timeout=timeout, request_timeout=timeout) as peers:
+        with BlockingPeers(connect_timeout=timeout, request_timeout=timeout, limits=client_limits(args)) as peers:
             return peers.call(args.meta, code, metadata).metadata
     except PeerError as error:
         print(f"delaymq {command}: metaserver {args.meta} refused: {error}", file=sys.stderr)
@@ -79,6 +82,8 @@ def ask_metaserver(
         print(f"delaymq {command}: cannot reach metaserver {args.meta}: {error}", file=sys.stderr)
     except argparse.ArgumentTypeError as error:
         print(f"delaymq {command}: --timeout: {error}", file=sys.stderr)
+    except TlsConfigError as error:
+        print(f"delaymq {command}: {error}", file=sys.stderr)
     return None
 
 
@@ -110,7 +115,7 @@ def ask_members(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[st
     if not wanted:
         return answers
     timeout = options.duration_ms(args.timeout) / 1000
-    with BlockingPeers(connect_timeout=timeout, request_timeout=timeout) as peers:
+    with BlockingPeers(connect_timeout=timeout, request_timeout=timeout, limits=client_limits(args)) as peers:
         for row in wanted:
             key = f"{row['group']} {row['address']}"
             metadata = {"hours": args.hours} if row["kind"] == "scheduler" else {}

@@ -28,8 +28,10 @@ when retries went on for ``send_timeout``),
 from delaymq.client.blocking import BlockingConsumer, BlockingProducer
 from delaymq.client.consumer import Consumer, ConsumerFailed, open_consumer
 from delaymq.client.delivery import ConsumerStatistics, ReceivedMessage
+from delaymq.client.messages import SentId
 from delaymq.client.producer import Producer, ProducerStatistics, open_producer
 from delaymq.client.routes import CallFailed, CallTimedOut, NoRouteError, RouteError
+from delaymq.client.scheduled import MessageState
 from delaymq.protocol.errors import LocalProtocolError, PeerError, ProtocolError, RemoteProtocolError
 from delaymq.protocol.limits import Limits
 from delaymq.protocol.records import Message
@@ -46,6 +48,7 @@ __all__ = [
     "Limits",
     "LocalProtocolError",
     "Message",
+    "MessageState",
     "NoRouteError",
     "PeerError",
     "Producer",
@@ -54,6 +57,7 @@ __all__ = [
     "ReceivedMessage",
     "RemoteProtocolError",
     "RouteError",
+    "SentId",
     "TransportError",
     "open_consumer",
     "open_producer",

@@ -45,7 +45,9 @@ import trio
 
 from delaymq.client.consumer import Consumer, ConsumerFailed, open_consumer
 from delaymq.client.delivery import ConsumerStatistics, ReceivedMessage
+from delaymq.client.messages import SentId
 from delaymq.client.producer import Producer, ProducerStatistics, open_producer
+from delaymq.client.scheduled import MessageState
 from delaymq.protocol.errors import sole
 from delaymq.protocol.frames import Frame
 from delaymq.protocol.records import Message
@@ -213,7 +215,8 @@ class OnLoopThread(Generic[T]):
 
 
 class BlockingProducer(OnLoopThread[Producer]):
-    """``Producer`` for plain code: ``send`` and ``send_batch`` block until stored.
+    """``Producer`` for plain code: ``send`` and ``send_batch`` block until stored; ``cancel``,
+    ``move`` and ``query`` until answered.
 
     Takes the options of ``open_producer`` (but ``peers``), with its defaults.
     """
@@ -232,13 +235,28 @@ class BlockingProducer(OnLoopThread[Producer]):
         self.message = producer.message
 
     @same_signature(Producer.send)
-    def send(self, *args: Any, **fields: Any) -> str:
+    def send(self, *args: Any, **fields: Any) -> SentId:
         """Send one message; returns its id once stored (see ``Producer.send``)."""
         return self._loop.run(functools.partial(self._producer.send, *args, **fields))
 
-    def send_batch(self, messages: Iterable[Message]) -> list[str]:
+    def send_batch(self, messages: Iterable[Message]) -> list[SentId]:
         """Send many messages built with ``message()``; returns their ids (see ``Producer.send_batch``)."""
         return self._loop.run(self._producer.send_batch, messages)
+
+    @same_signature(Producer.cancel)
+    def cancel(self, *args: Any, **options: Any) -> list[MessageState]:
+        """Cancel scheduled messages by id, or by subject and key (see ``Producer.cancel``)."""
+        return self._loop.run(functools.partial(self._producer.cancel, *args, **options))
+
+    @same_signature(Producer.move)
+    def move(self, *args: Any, **options: Any) -> list[MessageState]:
+        """Move scheduled messages to another time (see ``Producer.move``)."""
+        return self._loop.run(functools.partial(self._producer.move, *args, **options))
+
+    @same_signature(Producer.query)
+    def query(self, *args: Any, **options: Any) -> list[MessageState]:
+        """Where scheduled messages are (see ``Producer.query``)."""
+        return self._loop.run(functools.partial(self._producer.query, *args, **options))
 
     def statistics(self) -> ProducerStatistics:
         return self._loop.read(self._producer.statistics)

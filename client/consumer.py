@@ -5,7 +5,9 @@ so a message arrives as soon as it is stored), and one more the group's retry
 subject there (``%retry%<group>%<subject>``, where nacked messages come back
 after their delay; see ``delaymq.client.retry``), a task re-reads the route and
 starts or stops pullers as groups come and go, one sends acks and nacks in
-batches of ``[start, end)`` pull-log ranges, one sends CONSUMER_HEARTBEAT.
+batches of ``[start, end)`` pull-log ranges (a round at most every
+``SETTLE_INTERVAL``, its requests on the way together, so they share the
+server's checkpoints), one sends CONSUMER_HEARTBEAT.
 The decisions (what to pull, the exact tag filter, flow control, ack ranges)
 are ``delaymq.client.delivery.ConsumerCore``'s, shared with the blocking twin.
 
@@ -50,9 +52,18 @@ from typing import Any
 
 import trio
 
-from delaymq.client.delivery import SETTLE_BACKOFF, ConsumerCore, ConsumerStatistics, ReceivedMessage, Settlement
+from delaymq.client.delivery import (
+    SETTLE_BACKOFF,
+    SETTLE_CONCURRENCY,
+    SETTLE_INTERVAL,
+    ConsumerCore,
+    ConsumerStatistics,
+    ReceivedMessage,
+    Settlement,
+    SettleRequest,
+)
 from delaymq.client.retry import DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_DELAYS
-from delaymq.client.routes import RouteClient, RouteTable, meta_addresses
+from delaymq.client.routes import CLIENT_PEERS_OPTIONS, RouteClient, RouteTable, meta_addresses
 from delaymq.protocol.backoff import BackoffRun
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError, ProtocolError
@@ -382,9 +393,16 @@ class Consumer:
 
     async def _settle_loop(self) -> None:
         backoff = self._settle_backoff
+        started = -math.inf
         while True:
             await self._settle_wanted.wait()
+            moved = self._moved
+            # One round per SETTLE_INTERVAL: what is settled meanwhile goes with it (a
+            # group's move ends the wait: its acks go to the new master at once).
+            with trio.move_on_at(started + SETTLE_INTERVAL):
+                await moved.wait()
             self._settle_wanted = trio.Event()
+            started = trio.current_time()
             moved = self._moved
             async with self._settle_lock:
                 done = await self._settle_round(self._peers)
@@ -409,25 +427,38 @@ class Consumer:
         return all(results)
 
     async def _send_settlement(self, settlement: Settlement, peers: Peers) -> bool:
+        """Send a settlement's requests (one range each) together, so the server answers them
+        from one checkpoint rather than one each; True if every one went (or was refused for good)."""
         core = self.core
         unsent = settlement.requests()
-        try:
-            while unsent:
-                request = unsent[0]
+        again: list[SettleRequest] = []  # failed in a way worth sending again
+        errors: list[Exception] = []
+        limit = trio.Semaphore(SETTLE_CONCURRENCY)
+
+        async def send(request: SettleRequest) -> None:
+            async with limit:
                 command = Command.ACK if request.ack else Command.NACK
                 try:
                     await peers.call(settlement.address, command, core.settle_metadata(settlement, request))
                 except (PeerError, TransportError) as error:
-                    if send_failure(settlement, error, again=self._settle_backoff.failures > 0):
-                        core.settle_failed(settlement, unsent)
-                        self._request_failed(settlement.group, error)
-                        return False
+                    if send_failure(settlement, error, again=self._settle_backoff.failures > 0 or bool(errors)):
+                        again.append(request)
+                        errors.append(error)
                 else:
                     self._lost.discard(settlement.group)
-                unsent.pop(0)
+                unsent.remove(request)
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for request in list(unsent):
+                    nursery.start_soon(send, request)
         except BaseException:  # cancelled: what was not confirmed is sent again (repeats are harmless)
-            core.settle_failed(settlement, unsent)
+            core.settle_failed(settlement, unsent + again)
             raise
+        if again:
+            core.settle_failed(settlement, again)
+            self._request_failed(settlement.group, errors[0])
+            return False
         return True
 
     async def _heartbeat_loop(self) -> None:
@@ -544,7 +575,11 @@ async def open_consumer(
     )
     addresses = meta_addresses(meta)
     clock = clock if clock is not None else SystemClock()
-    async with open_peers(limits=limits, connect_timeout=connect_timeout, request_timeout=request_timeout) as peers:
+    peers_options: dict[str, Any] = {
+        "limits": limits, "connect_timeout": connect_timeout, "request_timeout": request_timeout,
+        **CLIENT_PEERS_OPTIONS,  # each loop below paces its own retries (pulls: PULL_BACKOFF)
+    }  # fmt: skip
+    async with open_peers(**peers_options) as peers:
         routes = RouteClient(peers, addresses, clock=clock, refresh_interval_ms=round(route_refresh * 1000))
         consumer = Consumer(
             core,
@@ -553,7 +588,7 @@ async def open_consumer(
             clock=clock,
             heartbeat_interval=heartbeat_interval,
             route_refresh=route_refresh,
-            peers_options={"limits": limits, "connect_timeout": connect_timeout, "request_timeout": request_timeout},
+            peers_options=peers_options,
         )
         answer = await routes.groups(RouteKind.CONSUMER)  # before the nursery: errors stay unwrapped
         body_error: Exception | None = None

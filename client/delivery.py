@@ -271,10 +271,19 @@ class ReceivedMessage:
 #: The wait after a failed pull, before that subject is pulled from that group again.
 #: "Equal" jitter: at least half the ceiling, so a consumer never pulls a group that is
 #: down in a tight loop, while the consumers that lost it together come back spread out.
-PULL_BACKOFF = Backoff(initial_ms=100, maximum_ms=1_000, jitter="equal")
+#: The cap bounds how long after a restarted group is back its consumers pull it again.
+PULL_BACKOFF = Backoff(initial_ms=100, maximum_ms=500, jitter="equal")
 #: The wait after an ACK/NACK round that could not deliver everything, before the next round
 #: (the ranges stay queued meanwhile). A group's move to a new master ends the wait at once.
 SETTLE_BACKOFF = Backoff(initial_ms=100, maximum_ms=5_000, jitter="equal")
+#: ACK/NACK rounds start at least this far apart (seconds; ``Consumer.flush`` and closing
+#: do not wait): each ACK waits for a checkpoint of the realtime server (fsyncs and an lmdb
+#: transaction), so the acks of a round's worth of messages travel as one range instead
+#: of one request and one checkpoint every few milliseconds. Acks are at-least-once
+#: either way: a consumer that dies has its unsent acks' messages handed out again.
+SETTLE_INTERVAL = 0.1
+#: At most this many ACK/NACK requests of one round on the way at once (each is one range).
+SETTLE_CONCURRENCY = 16
 
 
 def _pull_backoffs(random: RandomSource | None = None) -> tuple[BackoffRun, BackoffRun]:
@@ -709,6 +718,8 @@ __all__ = [
     "PULL_BACKOFF",
     "ReceivedMessage",
     "SETTLE_BACKOFF",
+    "SETTLE_CONCURRENCY",
+    "SETTLE_INTERVAL",
     "SettleRequest",
     "Settlement",
     "TagFilter",

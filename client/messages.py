@@ -24,6 +24,8 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from delaymq.protocol.cancel import KEY_PROPERTY, MAX_KEY
+from delaymq.protocol.cancel import check_key as check_key_field
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import LocalProtocolError, RemoteProtocolError
 from delaymq.protocol.limits import DEFAULT_LIMITS, FRAME_RESERVE, Limits, MiB
@@ -114,6 +116,18 @@ def _at_ms(at: At) -> int:
     )
 
 
+def check_key(value: Any, field: str = KEY_PROPERTY) -> str:
+    """``value`` if it is a business key (a str of 1 to ``MAX_KEY`` UTF-8 bytes, no control
+    character); else ``LocalProtocolError`` naming ``field`` and the limit."""
+    return check_key_field(value, field=field, error=LocalProtocolError)
+
+
+def check_key_property(properties: Any) -> None:
+    """Check the ``key`` property when a message carries one (as a field of its own is checked)."""
+    if isinstance(properties, Mapping) and KEY_PROPERTY in properties:
+        check_key(properties[KEY_PROPERTY])
+
+
 def check_horizon(deliver_at: int, now_ms: int, limits: Limits) -> None:
     """Refuse a ``deliver_at`` further ahead than ``limits.horizon_ms`` (never clamp it)."""
     ahead = deliver_at - now_ms
@@ -136,11 +150,15 @@ def build_message(
     id: str | None = None,
     delay: Delay | None = None,
     at: At | None = None,
+    key: str | None = None,
     now_ms: int,
     limits: Limits = DEFAULT_LIMITS,
     check: bool = True,
 ) -> Message:
     """A checked message: id made here unless given (None), ``created_at`` now, ``deliver_at`` resolved.
+
+    ``key`` (a business key such as ``order-42``) travels as the property ``key``; a
+    cancel, move or query by subject and key reaches every message sent with it.
 
     A message due now gets ``deliver_at = now`` (or the past ``at`` asked for),
     so a consumer can tell how late it arrived. A ``str`` body is sent as UTF-8.
@@ -161,12 +179,25 @@ def build_message(
     deliver_at = delivery_time(delay=delay, at=at, now_ms=now_ms)
     if deliver_at is None:
         deliver_at = now_ms
+    # A non-mapping is left for encode() to refuse, naming the field.
+    props = dict(properties) if isinstance(properties, Mapping) else (properties or {})
+    if key is not None and isinstance(props, dict):  # (a non-mapping is refused by encode())
+        if KEY_PROPERTY in props and props[KEY_PROPERTY] != key:
+            raise LocalProtocolError(
+                f"key {key!r} and properties['key'] {props[KEY_PROPERTY]!r} differ; give one of them",
+                code="bad_value",
+                field="key",
+            )
+        props[KEY_PROPERTY] = check_key(key)
+    else:
+        check_key_property(props)
+    if isinstance(id, str):
+        id = str(id)  # a ``SentId`` sent again goes as the plain str it is
     message = Message(
         new_message_id(now_ms) if id is None else id,
         subject,
         tags=tuple(tags),
-        # A non-mapping is left for encode() to refuse, naming the field.
-        properties=dict(properties) if isinstance(properties, Mapping) else (properties or {}),
+        properties=props,
         body=body,
         deliver_at=deliver_at,
         created_at=now_ms,
@@ -191,6 +222,28 @@ class OutgoingFrame:
 
     def __len__(self) -> int:
         return len(self.indexes)
+
+
+class SentId(str):
+    """A sent message's id (a ``str``), and ``group``: the scheduler group that stored it.
+
+    ``group`` is None for a message sent for delivery now (a realtime group holds it),
+    or when the server did not say. ``producer.cancel(sent, group=sent.group)`` asks
+    only that group.
+    """
+
+    group: str | None
+
+    def __new__(cls, id: str, group: str | None = None) -> SentId:
+        sent = super().__new__(cls, id)
+        object.__setattr__(sent, "group", group)
+        return sent
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"SentId is read-only: cannot set {name}")
+
+    def __getnewargs__(self) -> tuple[str, str | None]:  # type: ignore[override]
+        return str(self), self.group
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,6 +296,7 @@ def plan_frames(
                     created_at=message.created_at or now_ms,
                 )
             check_horizon(message.deliver_at, now_ms, limits)
+            check_key_property(message.properties)
             record = encode_message(
                 message.id,
                 message.subject,
@@ -344,13 +398,18 @@ def with_batch_index(error: Exception, frame: OutgoingFrame) -> Exception:
 
 
 __all__ = [
+    "KEY_PROPERTY",
+    "MAX_KEY",
     "STORED_RESULTS",
     "At",
+    "SentId",
     "BatchPlan",
     "Delay",
     "OutgoingFrame",
     "build_message",
     "check_horizon",
+    "check_key",
+    "check_key_property",
     "check_results",
     "delivery_time",
     "iso",

@@ -20,7 +20,7 @@ metaserver is asked again no sooner than ``meta_retry_ms`` later.
 A call given ``retry_for`` (the producer's ``send_timeout``) rides out an
 outage instead: it tries up to ``attempts`` different groups in a round (other
 groups first), and when a round has failed it waits a backoff with jitter
-(``CALL_BACKOFF``: 100 ms doubling to 1 s, never less than half of that) and
+(``CALL_BACKOFF``: 100 ms doubling to 500 ms, never less than half of that) and
 starts another round, always with the same request (so the same message ids),
 until ``retry_for`` seconds on the client's clock have passed; then it raises
 ``CallTimedOut`` saying what was tried. A route no metaserver has answered yet,
@@ -41,19 +41,28 @@ import trio
 from delaymq.client.faults import AvoidancePolicy, FaultTableStatistics, LatencyFaultTable
 from delaymq.client.routecache import CachedRoute, RouteCache, RouteCacheStatistics, RouteKey
 from delaymq.client.selector import GroupSelector
+from delaymq.protocol.auth import FORBIDDEN, UNAUTHORIZED
 from delaymq.protocol.backoff import Backoff, BackoffRun, RandomSource
 from delaymq.protocol.commands import Command, command_name
 from delaymq.protocol.errors import PeerError, ProtocolError, RemoteProtocolError
 from delaymq.protocol.frames import Frame
 from delaymq.protocol.routes import GroupState, RouteAnswer, RoutedGroup, RouteKind, ServerKind
+from delaymq.protocol.tls import TLS_REQUIRED
 from delaymq.protocol.transport import AsyncCaller, TransportError
 from delaymq.wheel.clock import Clock
 
 #: Error codes that mean "this group will not take it now; another may".
 RETRY_CODES = frozenset({"read_only", "not_master", "unavailable", "overloaded", "shutting_down", "internal"})
 
-#: The waits between rounds of a call with ``retry_for``: 100 ms doubling to 1 s, each at least half its ceiling.
-CALL_BACKOFF = Backoff(initial_ms=100, maximum_ms=1_000, multiplier=2.0, jitter="equal")
+#: The waits between rounds of a call with ``retry_for``: 100 ms doubling to 500 ms, each at least half its
+#: ceiling. The cap bounds how long after a restarted server is back a send waiting for it goes through.
+CALL_BACKOFF = Backoff(initial_ms=100, maximum_ms=500, multiplier=2.0, jitter="equal")
+
+#: ``open_peers`` options of the clients' own connections: no wait of the transport's before
+#: redialling an address whose last connect failed. Every client retry loop paces itself
+#: (``CALL_BACKOFF``; the consumer's pulls, acks, heartbeats), and the transport's wait (growing
+#: to seconds) stacked under it made a client reach a restarted server seconds after it was back.
+CLIENT_PEERS_OPTIONS: dict[str, float] = {"backoff_initial": 0.0, "backoff_max": 0.0}
 
 _WANTED = {
     RouteKind.DELAYED_PRODUCER: "no scheduler group in RW serves delayed producers",
@@ -275,8 +284,9 @@ class RouteTable:
 
     @staticmethod
     def question_refused(error: Exception) -> bool:
-        """Whether a failed ROUTE is refused as asked (a bad subject): no metaserver will answer it."""
-        return isinstance(error, PeerError) and error.code == "bad_request"
+        """Whether a failed ROUTE is refused as asked (a bad subject; plaintext to a TLS metaserver; a token
+        refused): no metaserver will answer it."""
+        return isinstance(error, PeerError) and error.code in ("bad_request", TLS_REQUIRED, UNAUTHORIZED, FORBIDDEN)
 
     def fetch_failed(self, key: RouteKey, failures: Sequence[tuple[str, Exception]], now_ms: int) -> None:
         """No metaserver answered: keep what is held, ask again after ``meta_retry_ms``."""
@@ -639,6 +649,7 @@ class RouteClient:
 
 __all__ = [
     "CALL_BACKOFF",
+    "CLIENT_PEERS_OPTIONS",
     "RETRY_CODES",
     "Attempt",
     "CallFailed",

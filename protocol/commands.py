@@ -12,6 +12,7 @@ import enum
 
 class Command(enum.IntEnum):
     PING = 1
+    AUTH = 2  # the connection's token, sent first by a client that has one (delaymq.protocol.auth)
     # metaserver: registry, routes, mastership
     REGISTER = 10
     HEARTBEAT = 11
@@ -22,6 +23,9 @@ class Command(enum.IntEnum):
     # producers
     SEND = 20  # immediate messages, to a realtime server
     SCHEDULE = 21  # delayed messages, to a scheduler
+    CANCEL = 22  # scheduled messages, by ids or subject + key (docs/cancel.md)
+    MOVE = 23  # scheduled messages to a new deliver_at, keeping id and body
+    QUERY = 24  # where scheduled messages are
     # consumers
     PULL = 30
     ACK = 31

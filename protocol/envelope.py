@@ -38,6 +38,8 @@ class RecordKind(enum.IntEnum):
     DISPATCH = 2
     STATE = 3
     PROGRESS = 4  # a realtime master's consumer progress, shipped to its slaves in the message log
+    CANCEL = 5  # a scheduler's cancel of scheduled messages by id (docs/cancel.md)
+    MOVE = 6  # a scheduler's move of scheduled messages to a new time (docs/cancel.md)
     OPAQUE = 15
 
 

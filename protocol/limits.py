@@ -8,7 +8,10 @@ layout itself caps some of them (see ``Limits.__post_init__``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from delaymq.protocol.auth import TokenFile
+from delaymq.protocol.tls import TlsSettings
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -90,7 +93,12 @@ class Limits:
     characters; ``max_properties`` is the size of the msgpack encoding;
     ``horizon_ms`` is how far past "now" a ``deliver_at`` may lie (checked by
     ``scan_batch`` when it is given ``now_ms``). ``connections`` is what a
-    server grants its clients' connections; clients ignore it.
+    server grants its clients' connections; clients ignore it. ``tls`` secures
+    the process's listener and the connections it dials (None: plaintext).
+    ``token`` is the secret the process presents on each connection it dials
+    (an AUTH request first; None: none); ``tokens`` the table a server's
+    listener checks every request against (``auth.TokenFile``; None: anyone may
+    do anything, so such a server belongs on loopback).
     """
 
     max_frame: int = 64 * MiB
@@ -102,6 +110,9 @@ class Limits:
     max_properties: int = 64 * KiB
     horizon_ms: int = TWO_YEARS_MS
     connections: ConnectionLimits = DEFAULT_CONNECTION_LIMITS
+    tls: TlsSettings | None = None
+    token: str | None = field(default=None, repr=False)
+    tokens: TokenFile | None = None
 
     def __post_init__(self) -> None:
         caps = {
@@ -121,6 +132,10 @@ class Limits:
         # 255 tags of (1 + 255) bytes still fit the u16 tag-section length.
         if not isinstance(self.connections, ConnectionLimits):
             raise ValueError(f"Limits.connections must be a ConnectionLimits, not {self.connections!r}")
+        if self.token is not None and (not isinstance(self.token, str) or not self.token.strip()):
+            raise ValueError("Limits.token must be a non-empty string or None")
+        if self.tokens is not None and not isinstance(self.tokens, TokenFile):
+            raise ValueError(f"Limits.tokens must be a TokenFile or None, not {type(self.tokens).__name__}")
 
     @property
     def max_record(self) -> int:

@@ -15,6 +15,17 @@ The frame codec (``frames.py``) is sans-IO; this module does the I/O around it:
 - ``open_peers`` keeps one reused connection per peer address, matches
   responses to requests by request id, times out each request, and after a
   failed connect waits out a growing backoff before it dials that peer again.
+- ``Limits.tls`` (``tls.TlsSettings``) secures both: a listener with a
+  certificate does a TLS handshake (``trio.SSLStream``) with each connection it
+  admits, within ``frame_timeout``, and tells a client that speaks plaintext so
+  in a plaintext error frame before it closes; ``Peers`` wraps each connection
+  it dials and verifies the server.
+- ``Limits.tokens`` (``auth.TokenFile``) makes a ``FrameServer`` check every
+  request, before any handler runs, against the token its connection presented
+  (an AUTH request, answered here; ``Peers`` sends ``Limits.token`` so first on
+  each connection it dials): a refused request is answered ``unauthorized`` or
+  ``forbidden`` and changes nothing. The check reads the table as it is at each
+  request, so a reload applies to connections already open.
 """
 
 from __future__ import annotations
@@ -24,6 +35,8 @@ import itertools
 import logging
 import math
 import os
+import socket
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -31,8 +44,9 @@ from typing import Any, Protocol
 
 import trio
 
+from delaymq.protocol.auth import SUBJECT_COMMANDS, UNAUTHORIZED, AuthRefusal, TokenFile
 from delaymq.protocol.backoff import Backoff, BackoffRun, RandomSource
-from delaymq.protocol.commands import command_name
+from delaymq.protocol.commands import Command, command_name
 from delaymq.protocol.connections import (
     Admitted,
     ConnectionAdmission,
@@ -40,6 +54,7 @@ from delaymq.protocol.connections import (
     RefusalLog,
     open_file_limit,
 )
+from delaymq.protocol.envelope import EnvelopeError, RecordKind, iter_spans
 from delaymq.protocol.errors import (
     LocalProtocolError,
     PeerError,
@@ -58,6 +73,8 @@ from delaymq.protocol.frames import (
     response_to,
 )
 from delaymq.protocol.limits import DEFAULT_LIMITS, Limits
+from delaymq.protocol.records import RECORD_HEADER_SIZE, record_subject
+from delaymq.protocol.tls import TLS_HANDSHAKE_RECORD, TLS_REQUIRED
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +107,11 @@ class RequestTimeout(TransportError):
 
 @dataclass(frozen=True, slots=True)
 class Request:
-    """One request as a handler sees it."""
+    """One request as a handler sees it; ``identity`` names the token it came with (None: no tokens file)."""
 
     frame: Frame
     peer: str
+    identity: str | None = None
 
     @property
     def metadata(self) -> dict[str, Any]:
@@ -192,6 +210,7 @@ class FrameServer:
         self.handlers = dict(handlers)
         self.limits = limits
         self.admission = ConnectionAdmission(limits.connections, max_frame=limits.max_frame, fd_limit=open_file_limit())
+        self._tls = limits.tls.server_context() if limits.tls is not None else None
         self._refusal_log = RefusalLog()
         self._requests = 0
         self._errors = 0
@@ -225,6 +244,8 @@ class FrameServer:
         listeners = await trio.open_tcp_listeners(port, host=host)
         sockname = listeners[0].socket.getsockname()
         address = format_address(sockname[0], sockname[1])
+        if self.limits.tls is not None and self._tls is not None:
+            log.info("%s takes %s connections only", address, self.limits.tls.describe())
         reserve = _ReservedFds(RESERVED_FDS)
         try:
             async with trio.open_nursery() as nursery:
@@ -307,8 +328,14 @@ class FrameServer:
             await self._refuse(stream, admitted, write_timeout=REFUSAL_WRITE_TIMEOUT)
             return
         try:
+            served: trio.abc.Stream = stream
+            if self._tls is not None:
+                secured = await self._handshake(stream, peer, self._tls)
+                if secured is None:
+                    return
+                served = secured
             async with trio.open_nursery() as nursery:
-                connection = _ServedConnection(self, stream, peer, admitted, nursery)
+                connection = _ServedConnection(self, served, peer, admitted, nursery)
                 try:
                     await connection.read_requests()
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -322,10 +349,43 @@ class FrameServer:
             self.admission.close(admitted)
             await trio.aclose_forcefully(stream)
 
-    async def _refuse(self, stream: trio.abc.Stream, refusal: Refusal, *, write_timeout: float) -> None:
+    async def _handshake(self, stream: trio.abc.Stream, peer: str, context: ssl.SSLContext) -> trio.SSLStream | None:
+        """The connection wrapped in TLS once its handshake is done; None (logged once): refused, closed.
+
+        A client that sends a frame instead of a TLS handshake is a plaintext
+        client: it is told so in a plaintext error frame (request 0, as a refusal
+        at a cap), which it reads as the reason its connection was closed.
+        """
+        timeout = self.limits.connections.frame_timeout
+        with trio.move_on_after(timeout):
+            first = await _first_byte(stream)
+            if first is None:
+                return None  # gone before a byte: a port probe
+            if first >= 0 and first != TLS_HANDSHAKE_RECORD:
+                log.warning("refused a plaintext connection from %s: this server takes TLS connections only", peer)
+                error = ProtocolError(
+                    "this server takes TLS connections only: give the client the CA of the servers' "
+                    "certificates (--tls-ca)",
+                    code=TLS_REQUIRED,
+                    field="tls",
+                )
+                await self._refuse(stream, error, write_timeout=REFUSAL_WRITE_TIMEOUT)
+                return None
+            secured = trio.SSLStream(stream, context, server_side=True)
+            try:
+                await secured.do_handshake()
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as broken:
+                log.warning("refused a connection from %s: TLS handshake failed: %s", peer, describe_broken(broken))
+                return None
+            return secured
+        log.warning("refused a connection from %s: no TLS handshake within %g s", peer, timeout)
+        return None
+
+    async def _refuse(self, stream: trio.abc.Stream, refusal: Refusal | ProtocolError, *, write_timeout: float) -> None:
         """Tell the client why (an error frame for request 0: the connection), then close."""
         try:
-            data = encode_frame(error_response((0, CONNECTION_REQUEST_ID), refusal.error()), self.limits)
+            error = refusal.error() if isinstance(refusal, Refusal) else refusal
+            data = encode_frame(error_response((0, CONNECTION_REQUEST_ID), error), self.limits)
             with trio.move_on_after(write_timeout):
                 await stream.send_all(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -343,7 +403,41 @@ class FrameServer:
         if count is not None:
             log.warning("closing slow connections: %s (%d closed since the last such line)", message, count)
 
-    async def _answer(self, frame: Frame, peer: str) -> Frame | None:
+    def authenticate(self, frame: Frame, peer: str) -> tuple[Frame, str | None]:
+        """Answer an AUTH request: the answer, and the token the connection is to remember (None: refused)."""
+        token = frame.metadata.get("token") if isinstance(frame.metadata, dict) else None
+        if not isinstance(token, str) or not token:
+            error = RemoteProtocolError(
+                "AUTH: field 'token' must be a non-empty string", code="bad_request", field="token"
+            )
+            self._errors += 1
+            return error_response(frame, error), None
+        tokens = self.limits.tokens
+        if tokens is None:
+            return response_to(frame, {"name": None}), token  # no tokens file: every request is served
+        identity = tokens.table.identify(token)
+        if identity is None:
+            self._errors += 1
+            count = self._refusal_log.note("AUTH:unauthorized", trio.current_time())
+            if count is not None:
+                log.warning(
+                    "refused a token from %s: unknown (%d such refusal(s) since the last such line)", peer, count
+                )
+            refusal = AuthRefusal(
+                UNAUTHORIZED, "AUTH: unknown token: this server's tokens file does not hold it", "token"
+            )
+            return error_response(frame, refusal.error()), None
+        return response_to(frame, {"name": identity.name}), token
+
+    def _authorize(self, tokens: TokenFile, frame: Frame, token: str | None) -> str:
+        """The name of the identity the request acts as; ``RemoteProtocolError`` when the token may not send it."""
+        subjects = request_subjects(frame) if frame.command in SUBJECT_COMMANDS else ()
+        checked = tokens.table.check(token, frame.command, subjects)
+        if isinstance(checked, AuthRefusal):
+            raise checked.error()
+        return checked.name
+
+    async def _answer(self, frame: Frame, peer: str, token: str | None = None) -> Frame | None:
         expects_answer = frame.kind == FrameKind.REQUEST
         if frame.kind == FrameKind.RESPONSE:
             error = RemoteProtocolError(
@@ -354,7 +448,11 @@ class FrameServer:
             self._errors += 1
             return error_response(frame, error)
         handler = self.handlers.get(frame.command)
+        tokens = self.limits.tokens
+        identity: str | None = None
         try:
+            if tokens is not None:  # before anything else: a refused request changes nothing
+                identity = self._authorize(tokens, frame, token)
             if handler is None:
                 known = ", ".join(command_name(code) for code in sorted(self.handlers))
                 raise RemoteProtocolError(
@@ -362,7 +460,7 @@ class FrameServer:
                     code="bad_request",
                     field="command",
                 )
-            reply = await handler(Request(frame, peer))
+            reply = await handler(Request(frame, peer, identity))
         except ProtocolError as error:
             self._errors += 1
             # A flood of one refusal (a full disk refuses every SEND) is a line a minute with a count.
@@ -412,6 +510,8 @@ class _ServedConnection:
         self._last_active = trio.current_time()
         self._frame_started = 0.0
         self._read_scope: trio.CancelScope | None = None
+        #: The token this connection's AUTH presented (checked again at each request: a reload applies).
+        self._token: str | None = None
 
     def _read_deadline(self) -> float:
         if self._decoder.pending:
@@ -513,13 +613,22 @@ class _ServedConnection:
                 return completed
             completed += 1
             self._server._requests += 1
-            await self._in_flight.acquire()  # backpressure: stop reading this peer
+            try:
+                self._in_flight.acquire_nowait()  # no scheduling round per frame while slots are free
+            except trio.WouldBlock:
+                await self._in_flight.acquire()  # backpressure: stop reading this peer
             self._handling += 1
             self._nursery.start_soon(self._handle, frame)
 
     async def _handle(self, frame: Frame) -> None:
+        answer: Frame | None
         try:
-            answer = await self._server._answer(frame, self._peer)
+            if frame.command == Command.AUTH and frame.kind == FrameKind.REQUEST:
+                answer, token = self._server.authenticate(frame, self._peer)
+                if token is not None:
+                    self._token = token
+            else:
+                answer = await self._server._answer(frame, self._peer, self._token)
             if answer is not None:
                 await self._send(answer)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -541,9 +650,16 @@ class _ServedConnection:
             log.error("the answer to %s from %s cannot be sent: %s", command_name(frame.command), self._peer, error)
             internal = ProtocolError(f"internal error: the answer cannot be sent: {error}", code="internal")
             data = encode_frame(error_response(frame, internal), self._server.limits)
+        lock = self._send_lock
         with trio.move_on_after(self._timeouts.frame_timeout) as scope:
-            async with self._send_lock:
+            try:
+                lock.acquire_nowait()  # no scheduling round per answer while nobody else writes
+            except trio.WouldBlock:
+                await lock.acquire()
+            try:
                 await self._stream.send_all(data)
+            finally:
+                lock.release()
         if scope.cancelled_caught:
             # A peer that does not read its answers holds their memory (and its
             # requests' slots) for ever; a half-written frame also breaks the stream.
@@ -555,12 +671,66 @@ class _ServedConnection:
             raise trio.ClosedResourceError("the peer does not read its answers")
 
 
+def request_subjects(frame: Frame) -> list[str] | None:
+    """The subjects a request acts on, for the token's patterns; None: it names messages by id only.
+
+    SEND and SCHEDULE: the subject of each message record of the body (read only
+    when a tokens file is configured); the others: their metadata's ``subject``
+    (``subjects`` for CONSUMER_HEARTBEAT). A body whose records do not check is
+    refused here as the handler would refuse it (``bad_record``).
+    """
+    command = frame.command
+    metadata = frame.metadata if isinstance(frame.metadata, dict) else {}
+    if command in (Command.SEND, Command.SCHEDULE):
+        subjects: dict[str, None] = {}
+        try:
+            for span in iter_spans(frame.body):
+                if span.kind == RecordKind.MESSAGE and span.end - span.start >= RECORD_HEADER_SIZE:
+                    with memoryview(frame.body)[span.start : span.end] as record:
+                        subjects[record_subject(record).decode(errors="replace")] = None
+        except EnvelopeError as error:
+            raise RemoteProtocolError(f"{command_name(command)}: {error}", code="bad_record", field="body") from None
+        return list(subjects)
+    if command == Command.CONSUMER_HEARTBEAT:
+        listed = metadata.get("subjects")
+        return [subject for subject in listed if isinstance(subject, str)] if isinstance(listed, list) else []
+    subject = metadata.get("subject")
+    if isinstance(subject, str):
+        return [subject]
+    if command in (Command.CANCEL, Command.MOVE, Command.QUERY):
+        return None  # by ids (or malformed: the handler says so to a token that may name any subject)
+    return []
+
+
 def _peer_name(stream: trio.abc.Stream) -> str:
     try:
         host, port = stream.socket.getpeername()[:2]  # type: ignore[attr-defined]
         return format_address(host, port)
     except (AttributeError, OSError):
         return "?"
+
+
+async def _first_byte(stream: trio.abc.Stream) -> int | None:
+    """The first byte the client sent, left unread; None: it closed first; -1: cannot peek (not a socket)."""
+    sock = getattr(stream, "socket", None)
+    if sock is None:
+        return -1
+    try:
+        data = await sock.recv(1, socket.MSG_PEEK)
+    except OSError:
+        return None
+    return data[0] if data else None
+
+
+def describe_broken(error: BaseException) -> str:
+    """What broke a stream: trio's ``BrokenResourceError`` around an ``ssl.SSLError`` says nothing itself."""
+    cause = error.__cause__ or error.__context__
+    if isinstance(cause, ssl.SSLCertVerificationError):
+        return f"TLS: certificate verify failed: {cause.verify_message}"
+    if isinstance(cause, ssl.SSLError):  # "[SSL: CODE] what happened (_ssl.c:2580)": the code and the words
+        text = str(cause.args[1]) if len(cause.args) > 1 else str(cause)
+        return f"TLS: {text.split(' (_ssl.c:')[0]}"
+    return str(error) or str(cause or "") or type(error).__name__
 
 
 def _peer_host_and_fd(stream: trio.abc.Stream) -> tuple[str | None, int | None]:
@@ -613,8 +783,26 @@ class Connection:
         self._waiting: dict[int, trio.MemorySendChannel[Frame | BaseException]] = {}
         self._send_lock = trio.Lock()
         self.closed = False
-        #: Set when the server said why it closes this connection (``unavailable``: at a cap).
-        self.refusal: PeerUnavailable | None = None
+        #: Set when the server said why it closes this connection: ``PeerUnavailable`` at a cap, a
+        #: ``PeerError`` (``tls_required``) when this client speaks plaintext to a TLS listener.
+        self.refusal: PeerUnavailable | PeerError | None = None
+        self._answered = False  # a frame came back: the server took this connection
+
+    def _lost(self, error: BaseException) -> PeerUnavailable:
+        """Why requests failed when the connection broke; a TLS one closed at once may be for want of a certificate.
+
+        Under TLS 1.3 a client's handshake is done before the server checks its
+        certificate, and trio closes without the server's alert: all the client
+        sees is the connection closing before any answer.
+        """
+        text = f"connection to {self.address} lost: {describe_broken(error)}"
+        tls = self._limits.tls
+        if not self._answered and isinstance(self._stream, trio.SSLStream) and tls is not None and tls.cert is None:
+            text += (
+                " before any answer (a server that requires client certificates closes so: "
+                "give the client one with --tls-cert and --tls-key)"
+            )
+        return PeerUnavailable(text, address=self.address)
 
     async def call(
         self, command: int, metadata: dict[str, Any] | None = None, body: bytes = b"", *, timeout: float
@@ -636,9 +824,9 @@ class Connection:
         finally:
             self._waiting.pop(request_id, None)
         if answer is self.refusal and self.refusal is not None:
-            raise PeerUnavailable(str(self.refusal), address=self.address)
+            raise self._refusal_error()
         if isinstance(answer, BaseException):
-            raise PeerUnavailable(f"connection to {self.address} lost: {answer}", address=self.address) from answer
+            raise self._lost(answer) from answer
         error = response_error(answer)
         if error is not None:
             raise error
@@ -658,8 +846,8 @@ class Connection:
         except (trio.BrokenResourceError, trio.ClosedResourceError) as error:
             self.closed = True
             if self.refusal is not None:
-                raise PeerUnavailable(str(self.refusal), address=self.address) from error
-            raise PeerUnavailable(f"connection to {self.address} lost: {error}", address=self.address) from error
+                raise self._refusal_error() from error
+            raise self._lost(error) from error
 
     async def read_responses(self) -> None:
         """Route each response to its caller until the stream ends."""
@@ -672,6 +860,7 @@ class Connection:
                     break
                 decoder.feed(data)
                 for frame in decoder:
+                    self._answered = True
                     if frame.request_id == CONNECTION_REQUEST_ID:
                         self._refused(frame)
                         continue
@@ -691,10 +880,23 @@ class Connection:
             await trio.aclose_forcefully(self._stream)
 
     def _refused(self, frame: Frame) -> None:
-        """An error frame about the connection (a server at a cap): why it is being closed."""
+        """An error frame about the connection (a server at a cap; a TLS listener to a plaintext client): why it closes."""
         error = response_error(frame)
-        if error is not None:
-            self.refusal = PeerUnavailable(f"{self.address} refused the connection: {error}", address=self.address)
+        if error is None:
+            return
+        message = f"{self.address} refused the connection: {error}"
+        if error.code == TLS_REQUIRED:  # about this client's configuration: no retry changes it
+            self.refusal = PeerError(message, code=TLS_REQUIRED, field=error.field)
+        else:
+            self.refusal = PeerUnavailable(message, address=self.address)
+
+    def _refusal_error(self) -> PeerUnavailable | PeerError:
+        """A fresh exception for each request the refusal fails (one raised in many tasks would share a traceback)."""
+        refusal = self.refusal
+        assert refusal is not None
+        if isinstance(refusal, PeerError):
+            return PeerError(str(refusal), code=refusal.code, field=refusal.field)
+        return PeerUnavailable(str(refusal), address=self.address)
 
 
 class AsyncCaller(Protocol):
@@ -779,6 +981,7 @@ class Peers:
         self._connect_timeout = connect_timeout
         self.request_timeout = request_timeout
         self._backoff = ConnectBackoff(backoff_initial, backoff_max)
+        self._tls = limits.tls.client_context() if limits.tls is not None else None
         self._connections: dict[str, Connection] = {}
         self._dialing: dict[str, trio.Event] = {}
         self._connects = 0
@@ -823,13 +1026,31 @@ class Peers:
             await dialing.wait()
         self._backoff.check(address, trio.current_time())
         done = self._dialing[address] = trio.Event()
+        dialed: Connection | None = None
         try:
             host, port = parse_address(address)
+            stream: trio.abc.Stream
             with trio.fail_after(connect_timeout):
                 stream = await trio.open_tcp_stream(host, port)
-        except (OSError, trio.TooSlowError, ValueError) as error:
+                if self._tls is not None:
+                    stream = await _tls_handshake(stream, self._tls, host, address)
+                dialed = Connection(address, stream, limits=self._limits)
+                self._nursery.start_soon(dialed.read_responses)
+                if self._limits.token is not None:
+                    await _authenticate(dialed, self._limits.token, timeout=connect_timeout)
+        except PeerError:  # the token refused (or a TLS listener to this plaintext client): no retry changes it
+            self._failures += 1
+            await _close(dialed)
+            raise
+        except PeerUnavailable:  # the TLS handshake failed: the server is not the one trusted, or refused us
             self._failures += 1
             self._backoff.failed(address, trio.current_time())
+            await _close(dialed)
+            raise
+        except (OSError, trio.TooSlowError, ValueError, TransportError) as error:
+            self._failures += 1
+            self._backoff.failed(address, trio.current_time())
+            await _close(dialed)
             raise PeerUnavailable(
                 f"cannot connect to {address}: {error or type(error).__name__}", address=address
             ) from error
@@ -838,15 +1059,45 @@ class Peers:
             done.set()
         self._connects += 1
         self._backoff.connected(address)
-        connection = Connection(address, stream, limits=self._limits)
-        self._connections[address] = connection
-        self._nursery.start_soon(connection.read_responses)
-        return connection
+        assert dialed is not None
+        self._connections[address] = dialed
+        return dialed
 
     async def aclose(self) -> None:
         for connection in self._connections.values():
             await trio.aclose_forcefully(connection._stream)
         self._connections.clear()
+
+
+async def _authenticate(connection: Connection, token: str, *, timeout: float) -> None:
+    """Present ``token`` on a new connection (AUTH); a refusal is a ``PeerError`` naming the server."""
+    try:
+        await connection.call(Command.AUTH, {"token": token}, timeout=timeout)
+    except PeerError as error:
+        raise PeerError(
+            f"{connection.address} refused this client's token: {error}", code=error.code, field=error.field
+        ) from None
+
+
+async def _close(connection: Connection | None) -> None:
+    if connection is not None:
+        connection.closed = True
+        await trio.aclose_forcefully(connection._stream)
+
+
+async def _tls_handshake(stream: trio.abc.Stream, context: ssl.SSLContext, host: str, address: str) -> trio.SSLStream:
+    """``stream`` wrapped in TLS, the server verified against the CA and ``host``; ``PeerUnavailable`` if not."""
+    secured = trio.SSLStream(stream, context, server_hostname=host)
+    try:
+        await secured.do_handshake()
+    except BaseException as error:
+        await trio.aclose_forcefully(stream)
+        if isinstance(error, trio.BrokenResourceError | trio.ClosedResourceError):
+            raise PeerUnavailable(
+                f"TLS handshake with {address} failed: {describe_broken(error)}", address=address
+            ) from error
+        raise
+    return secured
 
 
 @asynccontextmanager

@@ -21,6 +21,13 @@ past the checkpoint instead of writing it twice; ``finish_recovery`` cuts what
 replay did not confirm). Writes go to the page cache from the event loop (one
 small ``pwrite`` per subject per indexed batch); fsync runs in a worker thread at
 checkpoints.
+
+Reads for PULL come from memory, never from the file on the event loop: a log
+keeps the entries it wrote last (its *tail*, up to ``TAIL_ENTRIES``) and a
+*window* of older entries a worker thread read for a consumer that lags
+(``read`` then ``hold_window``); ``read_held`` and ``held_entry`` answer from
+those or say they cannot. The indexer bounds how many logs hold either
+(``delaymq.realtime.index``).
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ from typing import NamedTuple
 from delaymq.storage.errors import CorruptLog
 from delaymq.storage.files import pwrite_all
 
+#: Entries a log keeps in memory after writing them (its tail), and a window holds at most.
+TAIL_ENTRIES = 2048
 ENTRY = struct.Struct(">QIQqI")
 ENTRY_SIZE = ENTRY.size  # 32
 ENTRY_VERSION = 1
@@ -66,7 +75,7 @@ def decode_entry(data: bytes | bytearray | memoryview, position: int = 0) -> Ent
     return Entry(offset, size, mask, stored_at)
 
 
-def iter_entries(data: bytes) -> Iterator[tuple[int, int, int, int, int]]:
+def iter_entries(data: bytes | bytearray) -> Iterator[tuple[int, int, int, int, int]]:
     """``(offset, size, tag_mask, stored_at, crc)`` for each whole entry in ``data``.
 
     No CRC check: for reading entries this server wrote and recovery verified.
@@ -92,6 +101,12 @@ class ConsumeLog:
         self._on_disk = on_disk  # entries in the file, confirmed or not (recovery)
         self._pending = bytearray()
         self.created = False  # a new file whose name and folder entry await a fsync
+        # Entries [_tail_start, _written) in memory, and a window read for a lagging consumer.
+        self._tail = bytearray()
+        self._tail_start = count
+        self._window_start = 0
+        self._window = b""
+        self._generation = 0  # moves whenever entries below _written may change (window reads check it)
 
     @classmethod
     def open(cls, directory: Path, subject: str, *, checkpoint_count: int = 0) -> ConsumeLog:
@@ -138,6 +153,7 @@ class ConsumeLog:
             if old is not None and old.offset == offset and old.size == size:
                 self._written += 1
                 self.count += 1
+                self._forget_held()
                 return
             os.ftruncate(self._fd, position)
             self._on_disk = self._written
@@ -148,7 +164,17 @@ class ConsumeLog:
         """Write the added entries in one ``pwrite`` (to the page cache)."""
         if not self._pending:
             return
-        pwrite_all(self._fd, self._pending, self._written * ENTRY_SIZE, path=self.path)
+        written = self._written
+        pwrite_all(self._fd, self._pending, written * ENTRY_SIZE, path=self.path)
+        tail = self._tail
+        if self._tail_start + len(tail) // ENTRY_SIZE != written:
+            tail.clear()
+            self._tail_start = written
+        tail += self._pending
+        if len(tail) > 2 * TAIL_ENTRIES * ENTRY_SIZE:
+            cut = len(tail) - TAIL_ENTRIES * ENTRY_SIZE
+            del tail[:cut]
+            self._tail_start += cut // ENTRY_SIZE
         self._written = self.count
         self._on_disk = self.count
         self._pending = bytearray()
@@ -163,6 +189,7 @@ class ConsumeLog:
         self.count = count
         self._written = min(self._written, count)
         self._on_disk = max(self._on_disk, self._written)
+        self._forget_held()
 
     def finish_recovery(self) -> None:
         """Cut entries past the checkpoint that replay did not confirm."""
@@ -170,6 +197,7 @@ class ConsumeLog:
         if self._on_disk > self._written:
             os.ftruncate(self._fd, self._written * ENTRY_SIZE)
             self._on_disk = self._written
+        self._forget_held()
 
     def clamp(self, count: int) -> None:
         """Forget entries from ``count`` on (their records are gone from the message log)."""
@@ -177,6 +205,7 @@ class ConsumeLog:
             self.write_pending()
             os.ftruncate(self._fd, count * ENTRY_SIZE)
             self.count = self._written = self._on_disk = count
+            self._forget_held()
 
     def flush(self) -> bool:
         """fsync (blocking: run in a worker thread); True if the folder needs one too."""
@@ -195,6 +224,59 @@ class ConsumeLog:
         if stop <= start:
             return b""
         return os.pread(self._fd, (stop - start) * ENTRY_SIZE, start * ENTRY_SIZE)
+
+    def read_held(self, start: int, count: int) -> bytes | bytearray | None:
+        """``read`` from memory (the tail, or the window) without a system call: up to ``count``
+        entries from ``start`` (at least one if ``start`` is below the end), or None if memory
+        does not hold entry ``start``: read it with ``read`` in a worker thread, then ``hold_window``."""
+        stop = min(self._written, start + count)
+        if stop <= start:
+            return b""
+        if start >= self._tail_start:
+            tail_start = self._tail_start
+            return self._tail[(start - tail_start) * ENTRY_SIZE : (stop - tail_start) * ENTRY_SIZE]
+        window_start = self._window_start
+        window_stop = window_start + len(self._window) // ENTRY_SIZE
+        if window_start <= start < window_stop:
+            stop = min(stop, window_stop)
+            return self._window[(start - window_start) * ENTRY_SIZE : (stop - window_start) * ENTRY_SIZE]
+        return None
+
+    def held_entry(self, sequence: int) -> Entry | None:
+        """``entry`` from memory, or None if memory does not hold it (see ``read_held``)."""
+        if not 0 <= sequence < self._written:
+            raise IndexError(f"consume log of {self.subject!r} has no entry {sequence} (count {self._written})")
+        data = self.read_held(sequence, 1)
+        if data is None:
+            return None
+        entry = decode_entry(data)
+        if entry is None:
+            raise CorruptLog(f"consume log {self.path}: entry {sequence} does not check")
+        return entry
+
+    @property
+    def generation(self) -> int:
+        """Changes whenever held entries are forgotten (read it before a window's ``read``)."""
+        return self._generation
+
+    def hold_window(self, start: int, data: bytes, generation: int) -> None:
+        """Keep entries ``read`` from ``start`` (in a worker thread) for ``read_held``; ignored if the
+        log forgot what it held since ``generation`` (an index step was taken back meanwhile)."""
+        if generation == self._generation:
+            self._window_start = start
+            self._window = data[: max(0, self._written - start) * ENTRY_SIZE]
+
+    def release(self) -> None:
+        """Give the memory of the tail and the window back (the log is idle)."""
+        self._tail = bytearray()
+        self._tail_start = self._written
+        self._window = b""
+
+    def _forget_held(self) -> None:
+        self._generation += 1
+        self._tail.clear()
+        self._tail_start = self._written
+        self._window = b""
 
     def entry(self, sequence: int) -> Entry:
         """One entry, CRC checked."""

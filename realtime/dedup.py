@@ -13,6 +13,11 @@ in lmdb (written at checkpoints, with the index); memory holds
   cap: lmdb does not know them yet, replay re-adds them after a crash), and
 - ``recent``: committed ids, newest kept, evicted past ``memory_ids`` or the window.
 
+Memory also keeps, for QUERY (``delaymq.realtime.query``), where the batches indexed
+lately start in the message log: one ``(stored_at, base, keys)`` per indexed batch
+(no copy per record: the keys list is the one the index step was given), the
+newest ``memory_ids`` keys' worth within the window; ``locate`` finds an id's batch.
+
 Memory answers alone while it still holds every id of the window
 (``covers_from`` is the oldest stored-at time from which it holds all of them);
 otherwise ids it does not hold are looked up in lmdb. This class is sans-IO: it
@@ -80,6 +85,8 @@ class DedupWindow:
         self._recent: dict[str, int] = {}
         self._order: deque[tuple[int, str]] = deque()
         self._unpersisted: list[tuple[str, int]] = []
+        self._batches: deque[tuple[int, int, list[str]]] = deque()  # (stored_at, base, keys), oldest first
+        self._batch_keys = 0
 
     def __len__(self) -> int:
         return len(self._pending) + len(self._recent)
@@ -120,12 +127,41 @@ class DedupWindow:
         for message_id in ids:
             self._pending.pop(message_id, None)
 
-    def indexed(self, ids: Iterable[str], stored_at: int) -> None:
-        """Stored and indexed: to be committed with the next checkpoint."""
+    def indexed(self, ids: list[str], stored_at: int, base: int | None = None) -> None:
+        """Stored and indexed (their records back to back from message-log offset ``base``):
+        to be committed with the next checkpoint."""
         pending = self._pending
         for message_id in ids:
             pending[message_id] = stored_at
             self._unpersisted.append((message_id, stored_at))
+        if base is not None and ids:
+            self._batches.append((stored_at, base, ids))
+            self._batch_keys += len(ids)
+            if self._batch_keys > self.memory_ids:
+                self._drop_batches(stored_at - self.window_ms)
+
+    def _drop_batches(self, oldest: int) -> None:
+        """Forget the places of batches past ``memory_ids`` keys or stored at ``oldest`` or before."""
+        batches = self._batches
+        while batches and (self._batch_keys > self.memory_ids or batches[0][0] <= oldest):
+            self._batch_keys -= len(batches.popleft()[2])
+
+    def locate(self, ids: Iterable[str], now: int) -> dict[str, tuple[int, int, int]]:
+        """``id -> (stored_at, base, index)`` for the ids of batches memory still places (the
+        record is the ``index``-th from offset ``base``), the newest when an id came twice."""
+        wanted = set(ids)
+        found: dict[str, tuple[int, int, int]] = {}
+        oldest = now - self.window_ms
+        for stored_at, base, keys in reversed(self._batches):
+            if not wanted or stored_at <= oldest:
+                break
+            if wanted.isdisjoint(keys):
+                continue
+            for index, key in enumerate(keys):
+                if key in wanted:
+                    wanted.discard(key)
+                    found[key] = (stored_at, base, index)
+        return found
 
     def take_unpersisted(self) -> list[tuple[str, int]]:
         """The ids for the next checkpoint (give them to ``committed`` once written)."""
@@ -144,6 +180,7 @@ class DedupWindow:
 
     def evict(self, now: int) -> None:
         oldest = now - self.window_ms
+        self._drop_batches(oldest)
         recent, order = self._recent, self._order
         while order and (order[0][0] <= oldest or len(recent) > self.memory_ids):
             stored_at, message_id = order.popleft()
@@ -177,13 +214,12 @@ def lookup_stored(store: StateStore, ids: Iterable[str], since: int) -> set[str]
 
 def write_ids(batch: WriteBatch, entries: Iterable[tuple[str, int]]) -> set[int]:
     """Add ids to a checkpoint's write batch; returns the buckets written."""
-    buckets: set[int] = set()
-    for message_id, stored_at in entries:
-        key = message_id.encode()
-        bucket = stored_at // BUCKET_MS
-        batch.put(IDS_DB, key, _I64.pack(stored_at))
-        batch.put(TIME_DB, _U64.pack(max(bucket, 0)) + key, b"")
-        buckets.add(max(bucket, 0))
+    keys = [(message_id.encode(), stored_at) for message_id, stored_at in entries]
+    pack_i64, pack_u64 = _I64.pack, _U64.pack
+    batch.put_many(IDS_DB, [(key, pack_i64(stored_at)) for key, stored_at in keys])
+    by_bucket = [(max(stored_at // BUCKET_MS, 0), key) for key, stored_at in keys]
+    batch.put_many(TIME_DB, [(pack_u64(bucket) + key, b"") for bucket, key in by_bucket])
+    buckets = {bucket for bucket, _key in by_bucket}
     for bucket in buckets:
         batch.put(BUCKETS_DB, _U64.pack(bucket), b"")
     return buckets

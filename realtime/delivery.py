@@ -1,16 +1,20 @@
 """What a PULL hands out, and the bytes it answers with.
 
 ``pick`` chooses entries (given-back ones first, then new ones past the share's
-position, filtered by tag bitmask, within the message and byte limits); it reads
-consume-log entries (small ``pread``s from the page cache) and moves the share.
+position, filtered by tag bitmask, within the message and byte limits) from the
+consume-log entries held in memory, and moves the share; entries not held are
+read in a worker thread first (``EntriesNotHeld``).
 ``read_records`` then reads the records from the message log in a worker thread,
 adjacent ones in one read, and raises the attempts of redelivered ones;
 ``read_intact`` leaves out records that do not check (a damaged message log).
+Records stored lately come from memory instead (``read_recent_records``): no
+thread, no file read.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 
 from delaymq.protocol.records import raise_attempts
 from delaymq.realtime.consumelog import ConsumeLog, iter_entries
@@ -29,10 +33,22 @@ SCAN_ENTRIES = 64 * 1024
 Picked = tuple[int, int, int, int]
 
 
+class EntriesNotHeld(Exception):
+    """``pick`` needs consume-log entries from ``sequence`` on that memory does not hold."""
+
+    def __init__(self, sequence: int) -> None:
+        super().__init__(f"consume-log entry {sequence} is not in memory")
+        self.sequence = sequence
+
+
 def pick(
     consume_log: ConsumeLog | None, groups: Groups, share: Share, limit: int, max_bytes: int, mask: int
 ) -> tuple[list[Picked], bool]:
     """Entries to hand out now, and whether entries remain unscanned.
+
+    Reads no file: entries come from memory (``ConsumeLog.read_held``); where none it
+    needs are held, raises ``EntriesNotHeld`` (the share unchanged but for entries it
+    skipped) so the caller reads them in a worker thread and picks again.
 
     At least one entry is picked when any is available, even one bigger than
     ``max_bytes``. The tag filter (``mask``, 0 for none) skips new entries only:
@@ -57,10 +73,15 @@ def pick(
                 )
                 continue
             try:
-                entry = consume_log.entry(sequence)
+                entry = consume_log.held_entry(sequence)
             except BaseException:
-                groups.put_back(share, taken)  # never lose a given-back message
+                groups.put_back(share, taken[index:])  # never lose a given-back message
                 raise
+            if entry is None:  # not in memory: picked as far as it goes, or read it first
+                groups.put_back(share, taken[index:])
+                if picked:
+                    return picked, False
+                raise EntriesNotHeld(sequence)
             if picked and total + entry.size > max_bytes:
                 groups.put_back(share, taken[index:])
                 return picked, False
@@ -72,7 +93,12 @@ def pick(
     scanned = 0
     full = len(picked) >= limit
     while not full and position < count and scanned < SCAN_ENTRIES:
-        data = consume_log.read(position, min(READ_ENTRIES, count - position))
+        data = consume_log.read_held(position, min(READ_ENTRIES, count - position))
+        if data is None:  # not in memory: picked as far as it goes, or read it first
+            if picked:
+                break
+            groups.advance(share, position)
+            raise EntriesNotHeld(position)
         if not data:
             break
         for offset, size, entry_mask, _stored_at, _crc in iter_entries(data):
@@ -97,12 +123,35 @@ def pick(
 def read_records(log: SegmentedLog, picked: list[Picked]) -> bytes:
     """The records of ``picked``, in order (blocking: a worker thread)."""
     parts: list[bytes] = []
+    for offset, length, redeliveries in _spans(picked):
+        data = _read_span(log, offset, length)
+        parts.append(raise_attempts(data, redeliveries) if redeliveries else data)
+    return b"".join(parts)
+
+
+def read_recent_records(log: SegmentedLog, picked: list[Picked]) -> bytes | None:
+    """``read_records`` from the bytes the log keeps in memory (``SegmentedLog.keep_recent``),
+    or None unless it holds them all: then read them in a worker thread.
+
+    No system call, so the event loop serves a PULL of records just stored at once."""
+    parts: list[bytes] = []
+    read = log.read_recent
+    for offset, length, redeliveries in _spans(picked):
+        data = read(offset, length)
+        if data is None:
+            return None
+        parts.append(raise_attempts(data, redeliveries) if redeliveries else data)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def _spans(picked: list[Picked]) -> Iterator[tuple[int, int, int]]:
+    """``(offset, length, redeliveries)`` to read: adjacent first deliveries as one span."""
     index = 0
     count = len(picked)
     while index < count:
         _sequence, redeliveries, offset, size = picked[index]
         if redeliveries:
-            parts.append(raise_attempts(_read_span(log, offset, size), redeliveries))
+            yield offset, size, redeliveries
             index += 1
             continue
         end = offset + size
@@ -110,9 +159,8 @@ def read_records(log: SegmentedLog, picked: list[Picked]) -> bytes:
         while stop < count and picked[stop][1] == 0 and picked[stop][2] == end:
             end += picked[stop][3]
             stop += 1
-        parts.append(_read_span(log, offset, end - offset))
+        yield offset, end - offset, 0
         index = stop
-    return b"".join(parts)
 
 
 def read_intact(log: SegmentedLog, picked: list[Picked]) -> tuple[list[Picked], bytes, list[Picked]]:
@@ -155,4 +203,4 @@ def _read_span(log: SegmentedLog, offset: int, length: int) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-__all__ = ["Picked", "pick", "read_intact", "read_records"]
+__all__ = ["EntriesNotHeld", "Picked", "pick", "read_intact", "read_recent_records", "read_records"]

@@ -54,6 +54,10 @@ REPLAY_LIMITS = Limits(
     max_properties=0xFFFF_FFFF,
 )
 
+#: Consume logs that keep entries in memory at most (``ConsumeLog.TAIL_ENTRIES`` of 32 bytes
+#: each in its tail and as many in a window: 128 KiB a log, 8 MiB in all).
+HELD_LOGS = 64
+
 #: One indexed record: (subject, message-log offset, size, tag mask).
 Item = tuple[str, int, int, int]
 
@@ -80,7 +84,7 @@ class Indexer:
         *,
         indexed_offset: int,
         on_indexed: Callable[[set[str]], None] | None = None,
-        on_ids: Callable[[list[str], int], None] | None = None,
+        on_ids: Callable[[list[str], int, int], None] | None = None,
     ) -> None:
         self.directory = directory
         self.indexed_offset = indexed_offset
@@ -90,6 +94,8 @@ class Indexer:
         self.on_indexed = on_indexed
         self.on_ids = on_ids
         self.dirty: set[ConsumeLog] = set()  # written since the last checkpoint
+        #: Logs holding entries in memory (``ConsumeLog.read_held``), least recently used first.
+        self._held: dict[ConsumeLog, None] = {}
         self.entries = 0
         #: Why the index step at ``indexed_offset`` failed; None while it keeps up.
         self.stalled: OSError | None = None
@@ -232,12 +238,24 @@ class Indexer:
             raise
         for consume_log, _count in touched.values():
             self.dirty.add(consume_log)
-        self.indexed_offset = end
+            self.hold(consume_log)
+        base, self.indexed_offset = self.indexed_offset, end
         self.entries += len(items)
         if self.on_ids is not None:
-            self.on_ids(ids, stored_at)
+            self.on_ids(ids, stored_at, base)  # the records of ``ids`` start at ``base``, back to back
         if self.on_indexed is not None and touched:
             self.on_indexed(set(touched))
+
+    def hold(self, consume_log: ConsumeLog) -> None:
+        """``consume_log`` was just written or read: keep its entries in memory, and release the
+        memory of the least recently used logs past ``HELD_LOGS``."""
+        held = self._held
+        held.pop(consume_log, None)
+        held[consume_log] = None
+        while len(held) > HELD_LOGS:
+            oldest = next(iter(held))
+            del held[oldest]
+            oldest.release()
 
     @property
     def waiting(self) -> int:
@@ -254,4 +272,4 @@ class Indexer:
             consume_log.close()
 
 
-__all__ = ["REPLAY_LIMITS", "Indexer", "Item", "batch_items"]
+__all__ = ["HELD_LOGS", "REPLAY_LIMITS", "Indexer", "Item", "batch_items"]

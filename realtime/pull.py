@@ -1,8 +1,9 @@
 """PULL: hand a consumer the next entries of its share, waiting (long poll) when there are none.
 
 Per request the work is one read of consume-log entries (``pick``: given-back
-entries first, then new ones, by tag bitmask) and one read of the records in a
-worker thread (``run_blocking``) (a record that does not check, in a damaged message log, is
+entries first, then new ones, by tag bitmask) and one read of the records: from
+memory when they were stored lately (``RECENT_BYTES``), else in a worker thread
+(``run_blocking``) (a record that does not check, in a damaged message log, is
 left out and logged). With nothing to hand out the pull parks on its subject
 until an entry arrives or is given back, or its ``timeout_ms`` passes; a
 consumer in a long poll counts as alive. What is handed out goes into the
@@ -23,8 +24,9 @@ from delaymq.protocol.histogram import LatencyHistogram
 from delaymq.protocol.limits import Limits
 from delaymq.protocol.records import RECORD_TIMES, tags_mask
 from delaymq.protocol.transport import Request
+from delaymq.realtime.consumelog import TAIL_ENTRIES, ConsumeLog
 from delaymq.realtime.consumers import Consumers
-from delaymq.realtime.delivery import Picked, pick, read_intact
+from delaymq.realtime.delivery import EntriesNotHeld, Picked, pick, read_intact, read_recent_records
 from delaymq.realtime.groups import Groups
 from delaymq.realtime.index import Indexer
 from delaymq.realtime.parked import ParkedPulls
@@ -36,6 +38,10 @@ from delaymq.storage.threads import RunBlocking
 from delaymq.wheel.clock import Clock
 
 log = logging.getLogger(__name__)
+
+#: The newest message-log bytes kept in memory, so a PULL of records stored within
+#: the last seconds (most of them) reads no file and needs no worker thread.
+RECENT_BYTES = 8 << 20
 
 
 class PullHandler:
@@ -61,6 +67,7 @@ class PullHandler:
         self._parked = parked
         self._sweeper = sweeper
         self._log = message_log
+        message_log.keep_recent(RECENT_BYTES)
         self._clock = clock
         self._limits = limits
         self.pulls = 0  # PULL requests answered
@@ -92,9 +99,13 @@ class PullHandler:
             while True:
                 if self.closed is not None:
                     raise NotMaster(f"PULL: {self.closed}; ask the metaserver")
-                picked, more = pick(
-                    self._indexer.consume_log(subject), groups, consumer.share, pull.max, pull.max_bytes, mask
-                )
+                consume_log = self._indexer.consume_log(subject)
+                try:
+                    picked, more = pick(consume_log, groups, consumer.share, pull.max, pull.max_bytes, mask)
+                except EntriesNotHeld as missing:  # a consumer that lags: its entries from the file
+                    assert consume_log is not None
+                    await self._read_entries(consume_log, missing.sequence)
+                    continue
                 if picked or trio.current_time() >= deadline:
                     break
                 if more:
@@ -111,7 +122,12 @@ class PullHandler:
         # In the pull log before the answer: after a crash, recovery knows what went out.
         start = self._consumers.record_pull(consumer, picked, now)
         self._sweeper.poke()
-        kept, body, bad = await self._run_blocking(partial(read_intact, self._log, picked))
+        recent = read_recent_records(self._log, picked)
+        bad: list[Picked]
+        if recent is not None:
+            kept, body, bad = picked, recent, []
+        else:
+            kept, body, bad = await self._run_blocking(partial(read_intact, self._log, picked))
         if bad:
             log.warning(
                 "realtime: group %r on %r: %d record(s) at message-log offsets %s do not check "
@@ -131,6 +147,13 @@ class PullHandler:
         self.delivered += len(kept)
         self.lateness.record_many(_lateness(body, kept, self._clock.now_ms()))
         return {"pull_start": start, "count": len(kept), "acked": consumer.acked}, body
+
+    async def _read_entries(self, consume_log: ConsumeLog, start: int) -> None:
+        """Read consume-log entries from ``start`` in a worker thread and hold them for ``pick``."""
+        generation = consume_log.generation
+        data = await self._run_blocking(partial(consume_log.read, start, TAIL_ENTRIES))
+        consume_log.hold_window(start, data, generation)
+        self._indexer.hold(consume_log)
 
 
 def _lateness(body: bytes, kept: list[Picked], now: int) -> list[int]:

@@ -1,4 +1,4 @@
-"""The realtime server: SEND, PULL, ACK, NACK, CONSUMER_HEARTBEAT, FETCH and STATUS.
+"""The realtime server: SEND, PULL, ACK, NACK, CONSUMER_HEARTBEAT, QUERY, FETCH and STATUS.
 
 ``open_realtime_server`` opens the data folder (``recovery.open_storage``) and runs one
 member of a realtime group until its block ends. The metaserver says whether the member
@@ -7,6 +7,7 @@ from a ``master.RealtimeMaster`` (the state a restart recovers, and the handlers
 it) and ships its log to its slaves (FETCH), its consumer progress included; a slave
 copies the log, indexes it and applies that progress, and refuses the rest with
 ``not_master``. A realtime server without a metaserver is master for good (epoch 0).
+QUERY (``realtime.query``) says which consumer groups acked a message stored lately.
 Start-up and shutdown order follow the nesting: the log writer outlives the handlers,
 and a master session's last checkpoint is written as it ends. Every blocking call
 (fsync, lmdb, reads) goes through the ``run_blocking`` it is given.
@@ -30,7 +31,7 @@ from typing import Any
 import trio
 
 from delaymq.client.registration import MembershipView, Registration, start_registration
-from delaymq.client.routes import RouteClient, meta_addresses
+from delaymq.client.routes import CLIENT_PEERS_OPTIONS, RouteClient, meta_addresses
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import RemoteProtocolError
 from delaymq.protocol.limits import DEFAULT_LIMITS, Limits
@@ -39,6 +40,7 @@ from delaymq.protocol.serving import serve_frames
 from delaymq.protocol.transport import AsyncCaller, FrameServer, Peers, Request, open_peers, split_listen
 from delaymq.realtime.fences import load_fences
 from delaymq.realtime.master import MasterSettings, RealtimeMaster
+from delaymq.realtime.query import serve_query
 from delaymq.realtime.recovery import open_storage
 from delaymq.realtime.roles import MasterSession, Member, SlaveSession
 from delaymq.replication.membership import member_identity
@@ -124,6 +126,7 @@ class RealtimeServer:
                 Command.CONSUMER_HEARTBEAT: self._heartbeat,
                 Command.FETCH: self._fetch,
                 Command.STATUS: self._status,
+                Command.QUERY: partial(serve_query, self),  # delaymq.realtime.query
             },
             limits=limits,
         )
@@ -423,7 +426,9 @@ async def open_realtime_server(
         history, member_id = await run_blocking(partial(member_identity, root, storage.store))
         async with AsyncExitStack() as stack:
             if peers is None and meta_address is not None:
-                peers = await stack.enter_async_context(open_peers(limits=limits))
+                # Registration and replication FETCH pace their own retries: no redial wait of the
+                # transport's stacked under them (after a restart they would come back late).
+                peers = await stack.enter_async_context(open_peers(limits=limits, **CLIENT_PEERS_OPTIONS))
             member = Member(
                 group=group,
                 address=advertise_address or "",

@@ -5,10 +5,17 @@ every disk read or write runs through ``run_blocking`` (a worker thread):
 
 - the **loader** opens due hours (heads table + dispatch log -> ``SecondWheel``), walks
   the chains of seconds about ``load_ahead_ms`` ahead and reads their records into
-  memory (bounded by ``max_loaded`` entries and ``max_cached_bytes``), and closes
-  finished hours;
+  memory (bounded by ``max_loaded`` entries and ``max_cached_bytes``), reads the
+  records of arrivals linked into seconds already loaded (one thread call for all
+  hours, through readers kept open), and closes finished hours;
 - the **firer** sleeps until the next non-empty millisecond (or a poke), pops what is
-  due (never anything later than now) and appends each record to its subject's lane;
+  due (never anything later than now) and appends each record to its subject's lane.
+  A lane whose SEND returns fires too (``_fire``, before it builds its next batch), so
+  while a SEND is on the way the firer sleeps ``fire_slack_ms`` past the next due
+  moment: what falls due meanwhile goes out with the returning lane's next batch,
+  and the firer's own wake-up (which costs about as much as firing) is mostly saved;
+  a subject with no SEND on the way is fired at most ``fire_slack_ms`` late for it.
+  One firing at a time (``_firing``) keeps the firing order within every lane;
 - one **lane** per subject with messages on the way sends them in order, in batches
   (``dispatch_batch`` records, ``dispatch_bytes`` bytes) through ``deliver`` (SEND
   on the ``scheduler-delivery`` route: a realtime group for the subject, other groups
@@ -18,8 +25,9 @@ every disk read or write runs through ``run_blocking`` (a worker thread):
   before the wall clock reads its messages' ``deliver_at``, even if the clock stepped
   back after they fired;
 - the **confirmer** records what realtime accepted in the hours' dispatch logs (one
-  thread call and one fsync per round) and only then marks it done in the wheel, which
-  moves the tick and frees the memory budget.
+  thread call and one fsync per round; while more is on the way, rounds start at least
+  ``confirm_interval_ms`` apart, so one round covers the SENDs accepted meanwhile) and
+  only then marks it done in the wheel, which moves the tick and frees the memory budget.
 
 Docs: docs/scheduler.md.
 """
@@ -59,6 +67,13 @@ DEFAULT_MAX_CACHED_BYTES = 256 << 20
 DEFAULT_MAX_SENDS = 16
 DEFAULT_BACKOFF_MS = 100
 DEFAULT_MAX_BACKOFF_MS = 5_000
+#: While records are on their way, dispatch-log rounds start at least this far apart: a
+#: round's thread hand-off and fsync cost more than its entries. The tick (replicated every
+#: 50 ms) lags by at most this; once everything fired is accepted the round starts at once.
+DEFAULT_CONFIRM_INTERVAL_MS = 10
+#: While a SEND is on the way the firer wakes this long after the next due moment (the
+#: returning lane fires first, as a rule).
+DEFAULT_FIRE_SLACK_MS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +94,7 @@ class DispatcherStatistics:
     seconds_loaded: int
     fire_rounds: int  # times the firer popped due messages and put them in lanes
     confirm_rounds: int  # dispatch-log rounds (one thread call and one flush each)
+    fire_reads: int  # fire rounds that read records from disk (not in memory: due at once, or over budget)
     lateness_fired: dict[str, Any]  # fired - deliver_at per message, ms (``LatencyHistogram.to_wire``)
 
 
@@ -110,6 +126,8 @@ class Dispatcher:
         max_sends: int = DEFAULT_MAX_SENDS,
         backoff_ms: int = DEFAULT_BACKOFF_MS,
         max_backoff_ms: int = DEFAULT_MAX_BACKOFF_MS,
+        confirm_interval_ms: int = DEFAULT_CONFIRM_INTERVAL_MS,
+        fire_slack_ms: int = DEFAULT_FIRE_SLACK_MS,
         random: RandomSource | None = None,
         on_recorded: Callable[[dict[int, list[int]]], None] | None = None,
     ) -> None:
@@ -121,6 +139,9 @@ class Dispatcher:
         ):
             if value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
+        for name, value in (("confirm_interval_ms", confirm_interval_ms), ("fire_slack_ms", fire_slack_ms)):
+            if value < 0:
+                raise ValueError(f"{name} must be at least 0, got {value}")
         if max_backoff_ms < backoff_ms:
             raise ValueError(f"max_backoff_ms ({max_backoff_ms}) must be at least backoff_ms ({backoff_ms})")
         self.store = store
@@ -132,6 +153,10 @@ class Dispatcher:
         self._batch_bytes = dispatch_bytes
         self._max_cached_bytes = max_cached_bytes
         self._sends = trio.CapacityLimiter(max_sends)
+        self._confirm_interval_ms = confirm_interval_ms
+        self._fire_slack_ms = fire_slack_ms
+        self._firing = trio.Lock()  # held from popping due entries until they are in their lanes
+        self._slacking = False  # the firer sleeps past the next due moment: a SEND is on the way
         # "equal" jitter: a lane's retry waits at least half its ceiling (never a tight
         # loop against a realtime server that is down), while the lanes that failed
         # together come back spread out. ``random`` is its source (tests fix it).
@@ -142,10 +167,16 @@ class Dispatcher:
         self._paused = False
         self._confirming = False
         self._handing_out = 0  # firer rounds between popping due entries and putting them in lanes
+        #: Filters each hour's due ``(deliver_at, entry)`` before they reach a lane (cancels).
+        self.skip: Callable[[int, list[tuple[int, int]]], list[tuple[int, int]]] | None = None
         self.load_alarm = Alarm(clock)
         self.fire_alarm = Alarm(clock)
         self._confirm_alarm = Alarm(clock)
-        self._readers: dict[int, HourLog] = {}
+        self._gather_alarm = Alarm(clock)  # the confirmer's pause between rounds: poked when nothing is on the way
+        self._gathering = False
+        self._readers: dict[int, HourLog] = {}  # the loader's, per open hour
+        self._fire_readers: dict[int, HourLog] = {}  # the firer's, opened when it must read
+        self._reading: dict[int, set[int]] = {}  # linked entries the loader is reading; the firer drops fired ones
         self._cache: dict[int, dict[int, bytes]] = {}  # hour -> entry -> record, read ahead
         self._cached_bytes = 0
         self._cached_records = 0
@@ -166,6 +197,7 @@ class Dispatcher:
         self._seconds_loaded = 0
         self._fire_rounds = 0
         self._confirm_rounds = 0
+        self._fire_reads = 0
         #: Fired (put in its lane) - deliver_at of each message: the first stage of its lateness.
         self.lateness_fired = LatencyHistogram()
 
@@ -181,9 +213,10 @@ class Dispatcher:
                 nursery.start_soon(self._confirm_loop)
                 task_status.started()
         finally:
-            for reader in self._readers.values():
-                reader.close()
-            self._readers.clear()
+            for readers in (self._readers, self._fire_readers):
+                for reader in readers.values():
+                    reader.close()
+                readers.clear()
 
     def poke(self) -> None:
         """Something arrived (or changed): both sleepers work out their next moment again."""
@@ -197,6 +230,8 @@ class Dispatcher:
         self.fire_alarm.poke()
         while self._handing_out or self._waiting or self._to_confirm or self._confirming:
             self._confirm_alarm.poke()
+            if self._gathering:
+                self._gather_alarm.poke()
             await self._clock.sleep_ms(5)
 
     def resume(self) -> None:
@@ -224,6 +259,7 @@ class Dispatcher:
             seconds_loaded=self._seconds_loaded,
             fire_rounds=self._fire_rounds,
             confirm_rounds=self._confirm_rounds,
+            fire_reads=self._fire_reads,
             lateness_fired=self.lateness_fired.to_wire(),
         )
 
@@ -238,6 +274,9 @@ class Dispatcher:
             opening = wheels.hours_to_open(now)
             for hour in opening:
                 await self._open_hour(hour)
+            linked = wheels.take_linked()
+            if linked:
+                await self._read_linked(linked)
             loads = wheels.seconds_to_load(self._clock.now_ms())
             if loads:
                 await self._load(loads)
@@ -270,9 +309,10 @@ class Dispatcher:
 
     def _close_hour(self, hour: int) -> None:
         self.wheels.close(hour)
-        reader = self._readers.pop(hour, None)
-        if reader is not None:
-            reader.close()
+        for readers in (self._readers, self._fire_readers):
+            reader = readers.pop(hour, None)
+            if reader is not None:
+                reader.close()
         cache = self._cache.pop(hour, None)
         if cache:  # normally empty by now: every entry read ahead was handed out
             self._cached_records -= len(cache)
@@ -310,6 +350,39 @@ class Dispatcher:
                 self._cached_records += len(records)
                 self._cached_bytes += sum(map(len, records.values()))
 
+    async def _read_linked(self, linked: dict[int, list[int]]) -> None:
+        """Read the records of arrivals linked into loaded seconds (one thread call), so
+        the firer finds them in memory. Within the cache budget; what is not read here
+        (or is fired before the read ends) the firer reads itself."""
+        if self._cached_bytes >= self._max_cached_bytes:
+            return
+        wanted: dict[int, list[int]] = {}
+        for hour, entries in linked.items():
+            cache = self._cache.get(hour)
+            if cache is None or hour not in self._readers:
+                continue
+            missing = [entry for entry in entries if entry not in cache]
+            if missing:
+                wanted[hour] = missing
+        if not wanted:
+            return
+        self._reading = reading = {hour: set(entries) for hour, entries in wanted.items()}
+        try:
+            got = await self._run_blocking(partial(_read_many, {hour: self._readers[hour] for hour in wanted}, wanted))
+        finally:
+            self._reading = {}
+        for hour, records in got.items():
+            still = reading[hour]  # not fired meanwhile
+            cache = self._cache[hour]
+            size = count = 0
+            for entry, record in zip(wanted[hour], records):
+                if entry in still:
+                    cache[entry] = record
+                    size += len(record)
+                    count += 1
+            self._cached_records += count
+            self._cached_bytes += size
+
     # ------------------------------------------------------------------ firer
 
     async def _fire_loop(self) -> None:
@@ -319,16 +392,44 @@ class Dispatcher:
                 await self.fire_alarm.wait(None)
                 continue
             now = self._clock.now_ms()
-            due = wheels.pop_due(now)
-            if due:
-                self._fire_rounds += 1
-                await self._hand_out(due)
+            try:
+                self._firing.acquire_nowait()  # no checkpoints when it is free (nearly always)
+            except trio.WouldBlock:
+                await self._firing.acquire()
+            try:
+                fired = await self._fire(now)
+            finally:
+                self._firing.release()
+            if fired:
                 continue
             wake = wheels.next_due_ms()
             if wake is not None and wake <= now:
                 self.load_alarm.poke()  # a due second is not walked yet
                 wake = None
+            elif wake is not None and self._sends.borrowed_tokens and self._fire_slack_ms:
+                # The returning lane fires it first, as a rule; a lane that stops sending pokes.
+                self._slacking = True
+                try:
+                    await self.fire_alarm.wait(wake + self._fire_slack_ms)
+                finally:
+                    self._slacking = False
+                continue
             await self.fire_alarm.wait(wake)
+
+    async def hand_out(self, due: Due) -> None:
+        """Fire these after all (a cancel held them back and its write failed)."""
+        async with self._firing:  # not in the middle of another firing: lanes keep their order
+            await self._hand_out(due)
+
+    async def _fire(self, now: int) -> bool:
+        """Pop what is due at ``now`` and put it in its lanes; False if nothing was due.
+        The caller holds ``_firing``: every record fired passes through here."""
+        due = self.wheels.pop_due(now)
+        if not due:
+            return False
+        self._fire_rounds += 1
+        await self._hand_out(due)
+        return True
 
     async def _hand_out(self, due: Due) -> None:
         """Put each due record in its subject's lane, in firing order."""
@@ -340,10 +441,22 @@ class Dispatcher:
 
     async def _hand_out_hours(self, due: Due) -> None:
         for hour, items in due:
+            if self.skip is not None:  # cancelled entries stay out of the lanes (delaymq.scheduler.cancels)
+                items = self.skip(hour, items)
+                if not items:
+                    continue
             cache = self._cache.setdefault(hour, {})
             missing = [entry for _at, entry in items if entry not in cache]
-            if missing:  # linked after its second was read ahead, or the cache was full
-                records = await self._run_blocking(partial(_read_records, self.store, hour, missing))
+            if missing:  # linked and not read yet, or the cache was full
+                self._fire_reads += 1
+                reading = self._reading.get(hour)
+                if reading:
+                    reading.difference_update(missing)
+                with trio.CancelScope(shield=True):  # a reader opened in the thread must not leak
+                    reader, records = await self._run_blocking(
+                        partial(_read_records, self.store, self._fire_readers.get(hour), hour, missing)
+                    )
+                self._fire_readers[hour] = reader
                 cache.update(zip(missing, records))
                 self._cached_records += len(missing)
                 self._cached_bytes += sum(map(len, records))
@@ -400,6 +513,8 @@ class Dispatcher:
                     if len(results) != count:
                         raise ValueError(f"realtime answered {len(results)} results for {count} records")
                 except Exception as error:  # anything: the batch stays and is sent again
+                    if self._slacking:
+                        self.fire_alarm.poke()  # no SEND of this lane returns soon
                     self._send_failed(lane, error)
                     # An interval: a wall-clock step must not stretch it.
                     await self._clock.sleep_ms(backoff.next_delay_ms())
@@ -409,9 +524,20 @@ class Dispatcher:
                 backoff.reset()
                 self._accepted(batch)
                 self._send_succeeded(lane)
+                if not self._paused:
+                    try:  # fire what fell due meanwhile, so it goes in the next batch
+                        self._firing.acquire_nowait()
+                    except trio.WouldBlock:
+                        continue  # the firer is at it
+                    try:
+                        await self._fire(self._clock.now_ms())
+                    finally:
+                        self._firing.release()
         finally:
             if self._lanes.get(lane.subject) is lane:
                 del self._lanes[lane.subject]
+            if self._slacking:
+                self.fire_alarm.poke()  # no SEND of this lane returns soon
 
     def _accepted(self, batch: list[tuple[int, int, int, bytes]]) -> None:
         now = self._clock.now_ms()
@@ -433,6 +559,8 @@ class Dispatcher:
         self._waiting -= len(batch)
         self._batches += 1
         self._confirm_alarm.poke()
+        if not self._waiting and self._gathering:
+            self._gather_alarm.poke()  # everything fired is accepted: no need to wait for more
 
     def _send_failed(self, lane: _Lane, error: Exception) -> None:
         self._failures += 1
@@ -467,6 +595,7 @@ class Dispatcher:
         while True:
             await self._confirm_alarm.wait(None)
             while self._to_confirm:
+                started = self._clock.monotonic_ms()
                 batch, self._to_confirm = self._to_confirm, {}
                 self._confirm_rounds += 1
                 self._confirming = True
@@ -476,9 +605,22 @@ class Dispatcher:
                     self._confirming = False
                 if self._on_recorded is not None:
                     self._on_recorded({hour: [entry for _at, entry in items] for hour, items in batch.items()})
+                wheels = self.wheels
+                finished = False
                 for hour, items in batch.items():
-                    self.wheels.confirm(hour, items)
-                self.load_alarm.poke()  # memory freed; an hour may be finished
+                    wheels.confirm(hour, items)
+                    wheel = wheels.wheel(hour)
+                    finished = finished or (wheel is not None and wheel.is_done())
+                if finished or wheels.short_of_budget:
+                    self.load_alarm.poke()  # an hour to close, or memory freed for loads that wait
+                # More on its way: what realtime accepts meanwhile waits for the next round.
+                rest = self._confirm_interval_ms - (self._clock.monotonic_ms() - started)
+                if rest > 0 and self._waiting and not self._paused:
+                    self._gathering = True
+                    try:
+                        await self._gather_alarm.wait_ms(rest)
+                    finally:
+                        self._gathering = False
 
 
 # ---------------------------------------------------------------------- blocking parts
@@ -510,10 +652,24 @@ def _walk(
     return chains, dict(zip(wanted, reader.read_records(wanted)))
 
 
-def _read_records(store: ScheduleStore, hour: int, entries: list[int]) -> list[bytes]:
-    """Records not read ahead, through a reader of their own (the loader's may be busy)."""
-    with store.open_hour(hour) as reader:
-        return reader.read_records(entries)
+def _read_many(readers: dict[int, HourLog], wanted: dict[int, list[int]]) -> dict[int, list[bytes]]:
+    """The records of ``wanted`` entries, per hour, through the loader's readers."""
+    return {hour: readers[hour].read_records(entries) for hour, entries in wanted.items()}
+
+
+def _read_records(
+    store: ScheduleStore, reader: HourLog | None, hour: int, entries: list[int]
+) -> tuple[HourLog, list[bytes]]:
+    """Records due and not in memory, through the firer's own reader of the hour (the
+    loader's may be in use in another thread), opened on first need and kept open."""
+    if reader is not None:
+        return reader, reader.read_records(entries)
+    reader = store.open_hour(hour)
+    try:
+        return reader, reader.read_records(entries)
+    except BaseException:
+        reader.close()
+        raise
 
 
 def _record(store: ScheduleStore, batch: dict[int, list[tuple[int, int]]]) -> int:

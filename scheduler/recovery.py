@@ -54,12 +54,14 @@ from delaymq.scheduler.headstable import TABLE_BYTES, HeadsTables
 from delaymq.scheduler.hours import (
     DISPATCH_SUFFIX,
     HEADS_SUFFIX,
+    HOUR_MS,
     INDEX_SUFFIX,
     LOG_SUFFIX,
     SECOND_MS,
     hour_name,
     parse_hour_name,
 )
+from delaymq.scheduler.idindex import IDS_DB, KEYS_DB, SCHEDULED, IdEntry, record_key
 from delaymq.storage.folder import DataFolder
 from delaymq.storage.state import StateStore, WriteBatch
 
@@ -219,7 +221,8 @@ def _recover_hour(
             start = 0
             newest, counts = empty_heads()
             checker = EntryChecker(newest, counts)
-        touched = _check_entries(checker, index_fd, log_fd, start, stop, log_size, name)
+        rolled: list[tuple[int, tuple[str, bytes | None, str | None], int, int]] = []
+        touched = _check_entries(checker, index_fd, log_fd, start, stop, log_size, name, rolled, committed)
         kept = checker.entries
         changed = index_size != kept * ENTRY_SIZE or log_size != checker.log_end
         if changed:
@@ -260,6 +263,7 @@ def _recover_hour(
         base_key = hour << 12
         for second in touched:
             slots[base_key | second] = (checker.newest[second] + 1) << 32 | checker.counts[second]
+    _index_rolled(batch, hour, rolled)
     result = HourSummary(kept, checker.log_end, checker.first_source, checker.last_source)
     if kept != committed:
         batch.put(HOURS_DB, hour_key(hour), result.pack())
@@ -320,11 +324,36 @@ def _committed_end_checks(index_fd: int, log_fd: int, stop: int, log_size: int, 
     return not record_problem(pread_all(log_fd, size, offset), 0, size)
 
 
+def _index_rolled(
+    batch: WriteBatch, hour: int, rolled: list[tuple[int, tuple[str, bytes | None, str | None], int, int]]
+) -> None:
+    """Put the entries kept past the commit in the id index (``delaymq.scheduler.idindex``), as
+    their step would have: replay skips their records as filed, and the cancels and moves
+    it applies again find them there."""
+    for entry_no, (index_key, hashed, _key), ms_in_hour, source in rolled:
+        key = index_key.encode()
+        stored = batch.get(IDS_DB, key)
+        if stored is not None and IdEntry.unpack(stored).source >= source:
+            continue
+        batch.put(IDS_DB, key, IdEntry(hour * HOUR_MS + ms_in_hour, entry_no, source, SCHEDULED, hashed).pack())
+        if hashed is not None:
+            batch.put(KEYS_DB, hashed + key, b"")
+
+
 def _check_entries(
-    checker: EntryChecker, index_fd: int, log_fd: int, start: int, stop: int, log_size: int, name: str
+    checker: EntryChecker,
+    index_fd: int,
+    log_fd: int,
+    start: int,
+    stop: int,
+    log_size: int,
+    name: str,
+    rolled: list[tuple[int, tuple[str, bytes | None, str | None], int, int]] | None = None,
+    committed: int = 0,
 ) -> set[int]:
     """Feed entries ``start .. stop - 1`` and their records to ``checker`` until one fails;
-    returns the seconds the accepted ones fall in."""
+    returns the seconds the accepted ones fall in. Each accepted entry from ``committed`` on
+    goes to ``rolled`` with its record's index key (``(entry, keys, ms_in_hour, source)``)."""
     touched: set[int] = set()
     window = b""
     window_start = 0
@@ -346,6 +375,8 @@ def _check_entries(
             if problem:
                 checker.problem = f"entry {checker.entries}'s record at log byte {entry.offset}: {problem}"
                 return touched
+            if rolled is not None and checker.entries >= committed:
+                rolled.append((checker.entries, record_key(window, position), entry.ms_in_hour, entry.source))
             checker.take(entry)
             touched.add(entry.ms_in_hour // SECOND_MS)
         n += count

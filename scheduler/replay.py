@@ -103,7 +103,10 @@ def merge_steps(steps: list[ReplayStep], checkpoint: int) -> ReplayStep:
     if not steps:
         return _idle(checkpoint)
     arrivals: dict[int, HourArrivals] = {}
+    cancelled: dict[int, list[int]] = {}
     for step in steps:
+        for hour, entries in step.cancelled.items():
+            cancelled.setdefault(hour, []).extend(entries)
         for hour, got in step.arrivals.items():
             have = arrivals.get(hour)
             if have is None:
@@ -121,6 +124,7 @@ def merge_steps(steps: list[ReplayStep], checkpoint: int) -> ReplayStep:
         bytes=sum(s.bytes for s in steps),
         arrivals=arrivals,
         new_hours=tuple(sorted({h for s in steps for h in s.new_hours})),
+        cancelled=cancelled,
     )
 
 

@@ -36,6 +36,7 @@ from delaymq.replication.epochs import EpochHistory
 from delaymq.replication.fetcher import ReplicaFetcher
 from delaymq.replication.roles import Handover, Mastership
 from delaymq.replication.source import ReplicationSource
+from delaymq.scheduler.cancels import Holds, Tail
 from delaymq.scheduler.dispatcher import Deliver, Dispatcher
 from delaymq.scheduler.replay import replay_step, replay_until_caught_up
 from delaymq.scheduler.replica import DispatchRecords, HeldTick, dispatch_record, snapshot_records
@@ -123,6 +124,15 @@ class MasterSession:
             self.source.on_joined_in_sync = lambda address: registration.heartbeat_now()
         self.pending = 0
         self.filed = 0
+        self.cancelled = 0  # entries cancelled by filing CANCEL and MOVE records in this session
+        #: CANCEL / MOVE / QUERY / duplicates (``delaymq.scheduler.cancels``): the unfiled tail's
+        #: word on ids, the ids being appended or cancelled now, the entries held back.
+        self.tail = Tail()
+        self.appending: dict[str, trio.Event] = {}
+        self.cancelling: dict[str, trio.Event] = {}
+        self.holds: Holds | None = None
+        #: Set (and replaced) after each replay step: what waits for its records to be filed.
+        self.step_filed = trio.Event()
 
     def _tick(self) -> bytes:
         return self.wheels.tick(self.member.clock.now_ms()).encode()
@@ -143,6 +153,8 @@ class MasterSession:
             )
         self.wheels = self._make_wheels(hours)
         self.dispatcher = self._make_dispatcher(self.wheels, self._deliver(self.epoch, self.mastership), self._journal)
+        self.holds = Holds(self.wheels, self.dispatcher)
+        self.dispatcher.skip = self.holds.skip
         self.pending = pending
         log.warning(
             "scheduler %s: master of epoch %d at %s (log end %d, %d record(s) filed now, %d message(s) to deliver "
@@ -173,8 +185,14 @@ class MasterSession:
                 if step.idle:
                     break
                 self.filed += step.filed
+                self.cancelled += sum(map(len, step.cancelled.values()))
                 for hour, arrivals in step.arrivals.items():
                     wheels.arrive(hour, arrivals.first_entry, arrivals.ms_in_hour)
+                self.tail.filed(step.checkpoint)
+                if self.holds is not None:
+                    self.holds.prune(step.checkpoint, member.clock.now_ms())
+                filed, self.step_filed = self.step_filed, trio.Event()
+                filed.set()
                 dispatcher.poke()
             if member.log.flushed_offset < member.log.end_offset or member.store.checkpoint < member.log.flushed_offset:
                 await self.replay_alarm.wait_ms(_UNFLUSHED_POLL_MS)

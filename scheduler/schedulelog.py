@@ -81,6 +81,13 @@ from delaymq.scheduler.hours import (
     check_hour,
     hour_name,
 )
+from delaymq.scheduler.idindex import (
+    CANCELLED_DB,
+    cancelled_counts,
+    cancelled_entries,
+    cancelled_key,
+    forget_hour,
+)
 from delaymq.scheduler.recovery import RecoveredHours, recover_hours
 from delaymq.scheduler.schedulefiles import ScheduleFiles, syncfs
 from delaymq.scheduler.staging import ReplayStep, StagedStep
@@ -168,6 +175,9 @@ class ScheduleStore:
         #: others have delivered nothing, which ``pending`` then knows without a ``stat``
         #: (a restart asks it of every hour of the backlog).
         self._dispatch_hours = recovered.dispatch_hours
+        #: Entries per hour that filed CANCEL and MOVE records took out (lmdb
+        #: ``scheduler.cancelled``): done, as delivered ones are. Read once here.
+        self._cancelled = cancelled_counts(state)
         self._closed = False
         self._failure: BaseException | None = None
         self._steps = self._filed = self._bytes_filed = 0
@@ -303,7 +313,10 @@ class ScheduleStore:
             written = [w for w in self._step.hours.values() if w.entries > w.committed_entries]
             summaries = {w.hour: HourSummary(w.entries, w.log_end, w.first_source, w.last_source) for w in written}
             previous = {hour: self._summaries.get(hour) for hour in summaries}
+            changes = self._step.changes
             try:
+                # The step's cancels go to lmdb with its checkpoint: until that commit, a restart
+                # replays the CANCEL and MOVE records again before any wheel runs.
                 self._files.append(written)
                 # Entry counts move before the heads: an entry a reader can learn of (from
                 # the heads or the arrivals) is always within ``entries``.
@@ -313,6 +326,7 @@ class ScheduleStore:
                         batch.put(HOURS_DB, hour_key(w.hour), summaries[w.hour].pack())
                     batch.put(REPLAY_DB, CHECKPOINT_KEY, checkpoint.to_bytes(8, "big"))
                     batch.put(REPLAY_DB, JOURNAL_KEY, pack_journal(self._step.heads))
+                    changes.write(batch)
             except BaseException as error:
                 for hour, summary in previous.items():
                     if summary is None:
@@ -338,6 +352,8 @@ class ScheduleStore:
                         f"tables failed: {error}; reopen the store to write them again"
                     ) from error
                 raise
+            for hour, entries in changes.cancelled.items():
+                self._cancelled[hour] = self._cancelled.get(hour, 0) + len(entries)
             step = self._step.outcome(written, self._checkpoint, checkpoint)
             nbytes = 0
             for w in written:
@@ -449,16 +465,43 @@ class ScheduleStore:
         self._dispatch.flush()
 
     def delivered(self, hour: int) -> set[int]:
-        """The entry numbers of ``hour`` recorded as delivered."""
+        """The entry numbers of ``hour`` that are done: recorded as delivered, or cancelled
+        (what the wheel skips)."""
+        done = self._dispatch.delivered(hour) if hour in self._dispatch_hours else set()
+        if self._cancelled.get(hour):
+            done.update(cancelled_entries(self._state, hour))
+        return done
+
+    def cancelled(self, hour: int) -> list[int]:
+        """The entry numbers of ``hour`` that filed CANCEL and MOVE records took out."""
+        return cancelled_entries(self._state, hour) if self._cancelled.get(hour) else []
+
+    def delivered_among(self, hour: int, entry_nos: list[int]) -> list[bool]:
+        """Whether each entry of ``hour`` is in its dispatch log (delivered; a cancelled entry
+        is known as such from its id's value, ``delaymq.scheduler.idindex``)."""
         if hour not in self._dispatch_hours:
-            return set()
-        return self._dispatch.delivered(hour)
+            return [False] * len(entry_nos)
+        with self._dispatch.lock:
+            log = self._dispatch._open(hour, create=False)  # the cached log: a bitmap test each
+            if log is None:
+                return [False] * len(entry_nos)
+            return [entry in log for entry in entry_nos]
+
+    def read_record(self, hour: int, entry_no: int) -> bytes:
+        """One filed record (a MOVE re-files it with a new ``deliver_at``)."""
+        with self.open_hour(hour) as reader:
+            return reader.read_records([entry_no])[0]
 
     def dispatched_count(self, hour: int) -> int:
-        """How many distinct entries of ``hour`` are recorded as delivered."""
-        if hour not in self._dispatch_hours:
-            return 0
-        return self._dispatch.count(hour)
+        """How many distinct entries of ``hour`` are done: recorded as delivered, or cancelled."""
+        logged = self._dispatch.count(hour) if hour in self._dispatch_hours else 0
+        if not self._cancelled.get(hour):
+            return logged
+        cancelled = cancelled_entries(self._state, hour)
+        if logged:
+            among = self.delivered_among(hour, cancelled)
+            return logged + among.count(False)
+        return len(cancelled)
 
     def pending(self, hour: int) -> int:
         """Committed entries of ``hour`` not yet recorded as delivered."""
@@ -495,13 +538,19 @@ class ScheduleStore:
                     f"hour {hour_name(hour)} still has {pending} of {self.entries(hour)} entries "
                     "undelivered; delete_hour(force=True) to drop them"
                 )
+            # The id index first: a crash midway leaves the hour, deleted again next time.
+            forget_hour(self._state, hour, str(self.path_of(hour, LOG_SUFFIX)), self.entries(hour))
+            cancelled = self.cancelled(hour)
             with self._state.write() as batch:
                 batch.delete(HOURS_DB, hour_key(hour))
+                for entry in cancelled:
+                    batch.delete(CANCELLED_DB, cancelled_key(hour, entry))
                 summary = self._summaries.get(hour)
                 if summary is not None:
                     last = summary.last_source.to_bytes(8, "big", signed=True)
                     batch.put(DELETED_DB, hour_key(hour), last)
             self._summaries.pop(hour, None)
+            self._cancelled.pop(hour, None)
             self._checked_hours.discard(hour)
             self._dispatch.forget(hour)
             self._dispatch_hours.discard(hour)

@@ -44,7 +44,8 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from delaymq.client.registration import Registration, start_registration
-from delaymq.client.routes import NoRouteError, RouteClient
+from delaymq.client.routes import CLIENT_PEERS_OPTIONS, NoRouteError, RouteClient
+from delaymq.protocol.cancel import MAX_KEY
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError, RemoteProtocolError
 from delaymq.protocol.fencing import FENCED, Fence
@@ -56,9 +57,16 @@ from delaymq.protocol.transport import AsyncCaller, FrameServer, Request, open_p
 from delaymq.replication.membership import member_identity
 from delaymq.replication.roles import Mastership, NotMaster, RoleLoop
 from delaymq.replication.wire import FetchRequest
+from delaymq.scheduler.cancels import RecentDispatches, TailEntry, look_up
+from delaymq.scheduler.changes import ChangeCommands
 from delaymq.scheduler.cutback import cut_schedule_folder
 from delaymq.scheduler.dispatcher import DEFAULT_DISPATCH_BATCH, Deliver, Dispatcher
 from delaymq.scheduler.hours import DEFAULT_RETENTION_MS, MAX_DELIVER_AT, ScheduleError, hour_name
+from delaymq.scheduler.idindex import (
+    SCHEDULED,
+    drop_from,
+    record_key,
+)
 from delaymq.scheduler.replay import DEFAULT_STEP_BYTES, Unfiled, unfiled
 from delaymq.scheduler.replica import DispatchRecords
 from delaymq.scheduler.roles import MasterSession, Member, SlaveSession
@@ -113,7 +121,7 @@ class MessageLog(SegmentedLog):
             return True
 
 
-class Scheduler:
+class Scheduler(ChangeCommands):
     """One scheduler member. Build it with ``open_scheduler``."""
 
     def __init__(
@@ -155,7 +163,14 @@ class Scheduler:
         self._idle_dispatcher = make_dispatcher(self._idle_wheels, _no_delivery, lambda rounds: None)
         self._fenced_epoch: int | None = None
         self.frame_server = FrameServer(
-            {Command.SCHEDULE: self._schedule, Command.STATUS: self._status, Command.FETCH: self._fetch},
+            {
+                Command.SCHEDULE: self._schedule,
+                Command.STATUS: self._status,
+                Command.FETCH: self._fetch,
+                Command.CANCEL: self._cancel,
+                Command.MOVE: self._move,
+                Command.QUERY: self._query,
+            },
             limits=limits,
         )
         self.crashed = False
@@ -175,6 +190,9 @@ class Scheduler:
         self._deleted_segments = 0
         self._cut_records = 0
         self._cut_bytes = 0
+        self.duplicates = 0  # SCHEDULE records answered "duplicate"
+        #: When realtime accepted the latest dispatches (QUERY's and CANCEL's ``dispatched_at``).
+        self.recent = RecentDispatches()
 
     # --------------------------------------------------------------- public
 
@@ -245,7 +263,9 @@ class Scheduler:
             unfiled_exact=False,
             message_log_bytes=sum(size for _base, size in segments),
             message_log_segments=len(segments),
-            pending=(master.pending + master.filed - dispatch.recorded) if master is not None else -1,
+            pending=(master.pending + master.filed - master.cancelled - dispatch.recorded)
+            if master is not None
+            else -1,
             hours=counts.hours,
             open_hours=counts.open_hours,
             loaded=counts.scheduled + counts.in_flight,
@@ -426,38 +446,108 @@ class Scheduler:
                 limit=MAX_DELIVER_AT,
                 index=index,
             )
+        keys, hashes = _index_keys(batch)
         session.source.check_insync("SCHEDULE")
         await session.mastership.confirm()
+        fresh = await self._fresh(session, keys)
+        if self.session is not session or not session.accepting:
+            raise NotMaster(f"SCHEDULE: scheduler {self.address or '-'} stopped being master; ask the metaserver")
+        results = ["scheduled" if new else "duplicate" for new in fresh]
+        self.duplicates += len(fresh) - sum(fresh)
+        starts, ends, attempts = batch.starts, batch.ends, batch.attempts
+        kept = [i for i, new in enumerate(fresh) if new]
+        if not kept:  # a "duplicate" is an answer too: its first copy is replicated
+            await session.source.confirm_replicated(
+                self._log.end_offset, timeout_ms=self._replication_timeout_ms, what=f"SCHEDULE at {self.address or '-'}"
+            )
+            self._requests += 1
+            return {"results": results, "group": self.group}
         data: bytes = batch.buf
-        if min(deliver_ats) < now:
+        if len(kept) < len(fresh) or min(deliver_ats) < now:
             # "Deliver now": filed at the time of receipt, never into a finished hour.
-            starts, ends, attempts = batch.starts, batch.ends, batch.attempts
             parts = []
-            for i, at in enumerate(deliver_ats):
+            for i in kept:
                 record = data[starts[i] : ends[i]]
-                if at < now:
+                if deliver_ats[i] < now:
                     record = rewrite_delivery(record, deliver_at=now, attempts=attempts[i])
                     self._rewritten += 1
                 parts.append(record)
             data = b"".join(parts)
         assert self._writer is not None
-        if self.session is not session or not session.accepting:  # changed while confirming: nothing queued yet
-            raise NotMaster(f"SCHEDULE: scheduler {self.address or '-'} stopped being master; ask the metaserver")
+        appending = session.appending
+        done = trio.Event()
+        for i in kept:
+            appending[keys[i]] = done
         try:
-            offset = await self._writer.append(data)  # queued at once: a session that ends later waits for it
+            # Shielded: once handed to the writer the batch may reach the log, and then the
+            # tail must say so (a retry of it is a duplicate).
+            with trio.CancelScope(shield=True):
+                offset = await self._writer.append(data)  # queued at once: a session that ends later waits for it
         except StorageError as error:  # the disk failed (full?): retried here later, or another group takes it
             raise storage_refusal("SCHEDULE: the message log could not store the batch", error) from error
+        finally:
+            for i in kept:
+                if appending.get(keys[i]) is done:
+                    del appending[keys[i]]
+            done.set()
+        end = offset + len(data)
+        entries = []
+        position = offset
+        for i in kept:
+            size = ends[i] - starts[i]
+            entries.append((keys[i], TailEntry(max(deliver_ats[i], now), position, end, SCHEDULED, hashes[i])))
+            position += size
+        await self._logged(session, entries, end, "SCHEDULE")
+        self._requests += 1
+        self._scheduled += len(kept)
+        self._wake_housekeeping()
+        return {"results": results, "group": self.group}
+
+    async def _logged(
+        self, session: MasterSession, entries: list[tuple[str, TailEntry]], end: int, command: str
+    ) -> None:
+        """What a SCHEDULE, CANCEL or MOVE appended (up to ``end``): in the unfiled tail for
+        replay, then replicated as the policy asks, before the answer."""
+        session.tail.add(entries, end)
         session.source.poke()
         session.replay_alarm.poke()
         await session.source.confirm_replicated(
-            offset + len(data), timeout_ms=self._replication_timeout_ms, what=f"SCHEDULE at {self.address or '-'}"
+            end, timeout_ms=self._replication_timeout_ms, what=f"{command} at {self.address or '-'}"
         )
         if self.session is not session:
-            raise NotMaster(f"SCHEDULE: scheduler {self.address or '-'} stopped being master while the batch waited")
-        self._requests += 1
-        self._scheduled += len(deliver_ats)
-        self._wake_housekeeping()
-        return {"results": ["scheduled"] * len(deliver_ats)}
+            raise NotMaster(f"{command}: scheduler {self.address or '-'} stopped being master while the write waited")
+
+    async def _fresh(self, session: MasterSession, keys: list[str]) -> list[bool]:
+        """Which records are new: not an id already scheduled and not yet delivered (in the
+        index or the unfiled tail), nor the same id twice in the batch. A record whose id is
+        being appended right now waits for that append: a duplicate only once it is stored."""
+        tail, appending = session.tail, session.appending
+        store = self.store
+        while True:
+            busy = next((appending[k] for k in keys if k in appending), None) if appending else None
+            if busy is not None:
+                await busy.wait()
+                continue
+            epoch = tail.begin_lookup()
+            try:
+                found = await self._run_blocking(partial(look_up, store, keys))
+            finally:
+                tail.end_lookup(epoch)
+            if not appending or not any(k in appending for k in keys):
+                break
+        fresh = []
+        seen: set[str] = set()
+        for k, (value, logged) in zip(keys, found):
+            entry = tail.ids.get(k)
+            if k in seen:
+                new = False
+            elif entry is not None:
+                new = entry.state != SCHEDULED
+            else:
+                new = value is None or value.state != SCHEDULED or logged
+            seen.add(k)
+            fresh.append(new)
+        return fresh
 
     async def _fetch(self, request: Request) -> tuple[dict[str, Any], bytes]:
         fetch = FetchRequest.from_metadata(request.metadata)
@@ -580,6 +670,9 @@ class Scheduler:
             member.store.close()
             entries = cut_schedule_folder(folder, offset)
             size = member.log.truncate(offset)
+            # Ids whose last record was cut (their entries may be reused) and cancels that were cut:
+            # before the store opens, which counts the cancelled entries.
+            drop_from(member.state, offset)
             member.store = self._stores["store"] = ScheduleStore.open(folder, member.state)
             member.records = DispatchRecords(member.store)
         else:
@@ -674,6 +767,23 @@ class Scheduler:
         return segments, deleted
 
 
+def _index_keys(batch: Any) -> tuple[list[str], list[bytes | None]]:
+    """Each record's index key and key hash; a ``key`` property that is no business key is refused."""
+    keys: list[str] = []
+    hashes: list[bytes | None] = []
+    buf = batch.buf
+    for index, start in enumerate(batch.starts):
+        try:
+            k, hashed, _key = record_key(buf, start, strict=True)
+        except ValueError as error:
+            raise RemoteProtocolError(
+                f"record {index}: property key: {error}", code="bad_value", field="key", limit=MAX_KEY, index=index
+            ) from None
+        keys.append(k)
+        hashes.append(hashed)
+    return keys, hashes
+
+
 async def _no_delivery(subject: str, body: bytes) -> list[str]:
     raise RuntimeError("this member is not master: it delivers nothing")
 
@@ -751,7 +861,11 @@ async def open_scheduler(
         counters = await run_blocking(partial(_load_counters, state, group))
         async with AsyncExitStack() as stack:
             if peers is None:
-                peers = await stack.enter_async_context(open_peers(limits=limits, request_timeout=send_timeout))
+                # Registration, delivery and replication FETCH pace their own retries: no redial
+                # wait of the transport's under them (after a restart they would come back late).
+                peers = await stack.enter_async_context(
+                    open_peers(limits=limits, request_timeout=send_timeout, **CLIENT_PEERS_OPTIONS)
+                )
             member = Member(
                 group=group,
                 address=advertise_address or "",
@@ -783,6 +897,7 @@ async def open_scheduler(
             ) -> Dispatcher:
                 def recorded(rounds: dict[int, list[int]]) -> None:
                     on_recorded(rounds)
+                    scheduler.recent.recorded(rounds, clock.now_ms())
                     scheduler._wake_housekeeping()  # counters to save
 
                 return Dispatcher(

@@ -41,6 +41,15 @@ from delaymq.scheduler.hours import (
     ScheduleError,
     hour_name,
 )
+from delaymq.scheduler.idindex import (
+    CANCEL_KIND,
+    MOVE_KIND,
+    IdChanges,
+    cancel_keys,
+    move_spans,
+    record_index_key,
+    record_key,
+)
 from delaymq.storage.state import StateStore
 
 #: A step reading more slots of one hour than this reads its whole table at once.
@@ -82,6 +91,9 @@ class ReplayStep:
     bytes: int  # message-log bytes the step read
     arrivals: dict[int, HourArrivals] = field(default_factory=dict)
     new_hours: tuple[int, ...] = ()
+    #: Entries the step's CANCEL and MOVE records cancelled (hour -> entry numbers),
+    #: put in lmdb ``scheduler.cancelled`` in the step's commit so the wheel skips them.
+    cancelled: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def idle(self) -> bool:
@@ -162,6 +174,9 @@ class StagedStep:
         self._heads_max = 0
         self._staged: dict[int, StagedHour] = {}
         self._step_filed = self._step_already = self._step_skipped = 0
+        #: The step's changes to the id and key index (``delaymq.scheduler.idindex``), and
+        #: the entries its CANCEL and MOVE records cancel, committed with it.
+        self.changes = IdChanges(state)
 
     @property
     def hours(self) -> dict[int, StagedHour]:
@@ -195,6 +210,7 @@ class StagedStep:
             bytes=max(0, checkpoint - start_offset),
             arrivals=arrivals,
             new_hours=tuple(sorted(new_hours)),
+            cancelled=self.changes.cancelled,
         )
 
     def stage(self, buf: bytes, source: int, stop: int) -> int:
@@ -212,6 +228,7 @@ class StagedStep:
         heads = self._heads
         get_head = heads.get
         limit = self._max_step_hours
+        file_id = self.changes.filed
         filed = already = skipped = 0
         pos = 0
         try:
@@ -224,7 +241,11 @@ class StagedStep:
                         f"past the end of what was given to stage ({source + stop})"
                     )
                 if kind != _MESSAGE:
-                    skipped += 1
+                    if kind == CANCEL_KIND or kind == MOVE_KIND:
+                        if not self._stage_change(view, pos, end, source, kind):
+                            break  # the step touched max_step_hours hours
+                    else:
+                        skipped += 1
                     pos = end
                     continue
                 if at <= 0:
@@ -268,6 +289,8 @@ class StagedStep:
                 w.last_source = src
                 if w.first_source < 0:
                     w.first_source = src
+                index_key, hashed = record_index_key(buf, pos)
+                file_id(index_key, hashed, at, n, src)
                 filed += 1
                 pos = end
         finally:
@@ -277,6 +300,66 @@ class StagedStep:
             if len(heads) > self._heads_max:
                 self._heads_max = len(heads)
         return pos
+
+    def _stage_change(self, view: memoryview, pos: int, end: int, source: int, kind: int) -> bool:
+        """Apply a CANCEL or MOVE record (at ``view[pos:end]``, message-log offset ``source + pos``).
+        False, with nothing done, if its moved records would take the step past ``max_step_hours``."""
+        src = source + pos
+        if kind == CANCEL_KIND:
+            keys = cancel_keys(view[pos + HEADER_SIZE : end])
+            read = self.changes.read(keys)
+            for index_key in keys:
+                self.changes.cancel(index_key, src, read=read)
+            return True
+        spans = move_spans(view, pos, end)
+        times = [(start, inner_end, _delivery(view, start)) for start, inner_end in spans]
+        new_hours = {at // HOUR_MS for _s, _e, at in times} - self._staged.keys()
+        if new_hours and len(self._staged) + len(new_hours) > self._max_step_hours:
+            return False
+        for start, inner_end, at in times:
+            index_key, hashed, _key = record_key(view, start)
+            self.changes.cancel(index_key, src, moving=True)
+            self._file_one(view, start, inner_end, at, source + start, index_key, hashed)
+        return True
+
+    def _file_one(
+        self, view: memoryview, pos: int, end: int, at: int, src: int, index_key: str, hashed: bytes | None
+    ) -> None:
+        """File one record (a moved one) as the hot loop of ``stage`` files a message."""
+        hour = at // HOUR_MS
+        w = self._staged.get(hour)
+        if w is None:
+            w = self._stage_hour(hour, at, src)
+        if src <= w.last_source:
+            self._step_already += 1
+            return
+        n = w.entries
+        if n >= MAX_ENTRIES:
+            raise ScheduleError(f"hour {hour_name(hour)}: an hour holds at most {MAX_ENTRIES} entries (MAX_ENTRIES)")
+        ms = at - hour * HOUR_MS
+        key = w.key_base | ms // 1000
+        head = self._heads.get(key, 0)
+        self._heads[key] = (n + 1) << 32 | ((head & 0xFFFF_FFFF) + 1)
+        w.entries = n + 1
+        length = end - pos
+        body = ENTRY_BODY.pack(w.log_end, length, ms, (head >> 32) - 1, src)
+        w.index += body
+        w.index += ENTRY_CRC.pack(zlib.crc32(body))
+        w.log_end += length
+        if w.run_end == pos and w.run_view is view:
+            w.run_end = end
+        else:
+            if w.run_view is not None:
+                w.parts.append(w.run_view[w.run_start : w.run_end])
+            w.run_view = view
+            w.run_start = pos
+            w.run_end = end
+        w.ms.append(ms)
+        w.last_source = src
+        if w.first_source < 0:
+            w.first_source = src
+        self.changes.filed(index_key.encode(), hashed, at, n, src)
+        self._step_filed += 1
 
     def _stage_hour(self, hour: int, at: int, src: int) -> StagedHour:
         if not 0 <= hour <= (MAX_DELIVER_AT // HOUR_MS):
@@ -311,10 +394,16 @@ class StagedStep:
             if kind == _MESSAGE:
                 if at <= 0:
                     at = created if created > 0 else 0
+                moved = [at]
+            elif kind == MOVE_KIND:
+                moved = [_delivery(buf, start) for start, _end in move_spans(buf, pos, end)]
+            else:
+                moved = []
+            for at in moved:
                 hour = at // HOUR_MS
                 if hour not in hours:
                     if len(hours) >= limit:
-                        break
+                        return wanted
                     hours.add(hour)
                 key = hour << 12 | (at - hour * HOUR_MS) // 1000
                 if key not in heads:
@@ -357,7 +446,13 @@ class StagedStep:
     def clear(self) -> None:
         self._staged = {}
         self._heads = {}
+        self.changes.clear()
         self._step_filed = self._step_already = self._step_skipped = 0
+
+
+def _delivery(buf: bytes | memoryview, pos: int) -> int:
+    """The ``deliver_at`` of the message record at ``buf[pos:]``."""
+    return int(RECORD_TIMES.unpack_from(buf, pos)[5])
 
 
 __all__ = ["HourArrivals", "ReplayStep", "StagedHour", "StagedStep"]

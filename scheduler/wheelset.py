@@ -23,7 +23,9 @@ The rules, in one place:
   they are linked into loaded seconds or counted in unloaded ones, unless a disk read
   of that hour is under way (``begin_open``/``begin_load``): that read snapshotted
   the hour's entry count, so arrivals wait in a buffer and are applied, skipping the
-  ones the read already saw, when it ends. An arrival into an hour that is not open
+  ones the read already saw, when it ends. The entries linked into loaded seconds
+  are listed for ``take_linked``: their records were not read with their second. An
+  arrival into an hour that is not open
   (a later hour, or one finished and closed already) only adds the hour: opening it
   reads the heads, which include the arrival, and an overdue hour fires at once.
 - **Closing.** An open hour whose entries are all confirmed is closed once it has
@@ -105,6 +107,8 @@ class WheelSet:
         self._busy: dict[int, int] = {}  # hour -> disk reads under way (opening counts one)
         self._buffered: dict[int, list[tuple[int, Sequence[int]]]] = {}
         self._frontier = (-1, -1)  # the latest (hour, second) ever loaded
+        self._linked: dict[int, list[int]] = {}  # hour -> entries linked by arrivals, not taken yet
+        self._short_of_budget = False  # the last seconds_to_load left seconds out for the budget
 
     # -- hours ---------------------------------------------------------------------
 
@@ -176,6 +180,7 @@ class WheelSet:
             raise WheelError(f"close(hour={hour}): not an open, idle, finished hour")
         del self._open[hour]
         self._hours.discard(hour)
+        self._linked.pop(hour, None)
 
     # -- arrivals ------------------------------------------------------------------
 
@@ -189,7 +194,13 @@ class WheelSet:
             return
         wheel = self._open.get(hour)
         if wheel is not None:
-            _apply(wheel, first_entry, ms_in_hour)
+            _apply(wheel, first_entry, ms_in_hour, self._linked)
+
+    def take_linked(self) -> dict[int, list[int]]:
+        """The entries arrivals linked into loaded seconds since the last call, per hour,
+        in entry order: the walk of their second did not read their records."""
+        linked, self._linked = self._linked, {}
+        return linked
 
     # -- loading -------------------------------------------------------------------
 
@@ -212,11 +223,19 @@ class WheelSet:
             known = wheel.pending().known
             for second in wheel.seconds_to_load(now_ms, self.load_ahead_ms):
                 if budget <= 0 and (hour, second) >= self._frontier:
+                    self._short_of_budget = True
                     return out
                 count = wheel.count(second)
                 out.append(Load(hour, second, known, wheel.walk_floor(second), count))
                 budget -= count
+        self._short_of_budget = False
         return out
+
+    @property
+    def short_of_budget(self) -> bool:
+        """The last ``seconds_to_load`` left due seconds out for the ``max_loaded`` budget:
+        a confirmation (which frees it) is worth a look."""
+        return self._short_of_budget
 
     def begin_load(self, loads: Iterable[Load]) -> None:
         """The chains of ``loads`` are about to be walked: buffer their hours' arrivals."""
@@ -347,11 +366,12 @@ class WheelSet:
         wheel = self._open.get(hour)
         if wheel is not None:
             for first_entry, ms_in_hour in parts:
-                _apply(wheel, first_entry, ms_in_hour)
+                _apply(wheel, first_entry, ms_in_hour, self._linked)
 
 
-def _apply(wheel: SecondWheel, first_entry: int, ms_in_hour: Sequence[int]) -> None:
-    """Tell ``wheel`` of entries it does not know yet (numbers below ``known`` are skipped)."""
+def _apply(wheel: SecondWheel, first_entry: int, ms_in_hour: Sequence[int], linked: dict[int, list[int]]) -> None:
+    """Tell ``wheel`` of entries it does not know yet (numbers below ``known`` are skipped);
+    add those linked into loaded seconds to ``linked[hour]``."""
     known = wheel.pending().known
     skip = known - first_entry
     if skip < 0:
@@ -359,14 +379,22 @@ def _apply(wheel: SecondWheel, first_entry: int, ms_in_hour: Sequence[int]) -> N
             f"hour {wheel.hour}: arrivals start at entry {first_entry}, the wheel knows {known}: an arrival was lost"
         )
     is_loaded, link, note = wheel.is_loaded, wheel.link, wheel.note_arrival
+    out: list[int] = []
     entry = first_entry + skip
     for ms in ms_in_hour[skip:] if skip else ms_in_hour:
         second = ms // SECOND_MS
         if is_loaded(second):
             link(second, ms, entry)
+            out.append(entry)
         else:
             note(second)
         entry += 1
+    if out:
+        have = linked.get(wheel.hour)
+        if have is None:
+            linked[wheel.hour] = out
+        else:
+            have += out
 
 
 __all__ = [

@@ -63,6 +63,7 @@ from delaymq.storage.errors import (
 from delaymq.storage.files import pwrite_all
 from delaymq.storage.folder import DataFolder
 from delaymq.storage.format import FormatValue, ensure_format
+from delaymq.storage.recent import RecentBytes
 from delaymq.storage.verified import VerifiedEnd, VerifiedEndFile, read_verified, tail_crc
 
 LOG_FORMAT = "segmented-log"
@@ -185,6 +186,7 @@ class SegmentedLog:
         self._index_lock = threading.Lock()
         self._closed = False
         self._failure: BaseException | None = None
+        self._recent: RecentBytes | None = None  # see keep_recent
 
     # ------------------------------------------------------------------ opening
 
@@ -337,6 +339,8 @@ class SegmentedLog:
             offset = segment.end
             self._write(segment, data, offset)
             segment.size += size
+            if self._recent is not None:
+                self._recent.add(offset, data)
             self._end = offset + size  # publish only once the bytes are written
             return offset
 
@@ -413,6 +417,8 @@ class SegmentedLog:
             segment.size = keep
             self._end = self._flushed
             self._failure = None
+            if self._recent is not None:
+                self._recent.clear()
             return cut
 
     def truncate(self, offset: int) -> int:
@@ -465,6 +471,8 @@ class SegmentedLog:
                 self._failure = error
                 raise LogIOError(f"cannot cut log {self._folder.path} back to offset {offset}: {error}") from error
             held.size = offset - held.base
+            if self._recent is not None:
+                self._recent.clear()
             with self._index_lock:
                 self._index = (bases[: keep + 1], segments[: keep + 1])
             self._active = held
@@ -545,6 +553,22 @@ class SegmentedLog:
             )
 
     # ------------------------------------------------------------------ reading
+
+    def keep_recent(self, limit: int) -> None:
+        """From now on keep about the last ``limit`` bytes appended in memory, for ``read_recent``."""
+        if self._recent is None:
+            self._recent = RecentBytes(limit)
+        else:
+            self._recent.limit = limit
+
+    def read_recent(self, offset: int, length: int) -> bytes | None:
+        """The bytes ``[offset, offset + length)`` if this process appended them lately and keeps
+        them in memory (``keep_recent``), else None: read them with ``read_raw`` (blocking).
+
+        Not a system call, so the event loop may call it. The bytes are the ones written (their
+        records checked by whoever appended them), so no CRC is checked again."""
+        recent = self._recent
+        return recent.read(offset, length) if recent is not None else None
 
     def read(self, offset: int) -> Record:
         """The record starting at ``offset``."""
@@ -692,6 +716,8 @@ class SegmentedLog:
         finally:
             with self._append_lock, self._flush_lock, self._index_lock:
                 self._closed = True
+                if self._recent is not None:
+                    self._recent.clear()
                 for segment in self._index[1]:
                     segment.close()
                 self._verified.close()

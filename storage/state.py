@@ -204,18 +204,16 @@ class StateStore:
         return WriteBatch(self)
 
     def _apply(self, ops: list[tuple[str, bytes, object]]) -> None:
+        max_key = self._max_key
         for db, key, _value in ops:
-            self._check_key(db, key)
-        handles = {db: self._handle(db) for db, _key, _value in ops}
+            if not key or len(key) > max_key:
+                self._check_key(db, key)
+        handles = {db: self._handle(db) for db in {op[0] for op in ops}}
         while True:
             seen_map_size = self.map_size
             try:
                 with self._gate.transaction(), self._env.begin(write=True) as txn:
-                    for db, key, value in ops:
-                        if value is _DELETE:
-                            txn.delete(key, db=handles[db])
-                        else:
-                            txn.put(key, value, db=handles[db])  # type: ignore[arg-type]
+                    _write_ops(txn, ops, handles)
                 return
             except lmdb.MapFullError:
                 self._grow(seen_map_size)
@@ -317,6 +315,26 @@ class StateStore:
         self.close()
 
 
+def _write_ops(txn: lmdb.Transaction, ops: list[tuple[str, bytes, object]], handles: dict[str, Any]) -> None:
+    """Apply ``ops`` in order: each run of puts into one db with one ``putmulti`` (one call into lmdb)."""
+    run: list[tuple[bytes, bytes]] = []
+    run_db = ""
+    for db, key, value in ops:
+        if value is _DELETE:
+            if run:
+                txn.cursor(db=handles[run_db]).putmulti(run)
+                run = []
+            txn.delete(key, db=handles[db])
+            continue
+        if db != run_db and run:
+            txn.cursor(db=handles[run_db]).putmulti(run)
+            run = []
+        run_db = db
+        run.append((key, value))  # type: ignore[arg-type]
+    if run:
+        txn.cursor(db=handles[run_db]).putmulti(run)
+
+
 class WriteBatch:
     """Puts and deletes for one write transaction.
 
@@ -327,21 +345,36 @@ class WriteBatch:
     def __init__(self, store: StateStore) -> None:
         self._store = store
         self._ops: list[tuple[str, bytes, object]] = []
-        self._pending: dict[tuple[str, bytes], object] = {}
+        #: The batch's own writes by key, built by the first ``get`` (most batches never read).
+        self._pending: dict[tuple[str, bytes], object] | None = None
 
     def put(self, db: str, key: Bytes, value: Bytes) -> None:
-        key = bytes(key)
-        value = bytes(value)
+        if type(key) is not bytes:
+            key = bytes(key)
+        if type(value) is not bytes:
+            value = bytes(value)
         self._ops.append((db, key, value))
-        self._pending[(db, key)] = value
+        if self._pending is not None:
+            self._pending[(db, key)] = value
+
+    def put_many(self, db: str, items: Iterable[tuple[bytes, bytes]]) -> None:
+        """``put`` each ``(key, value)`` (both ``bytes``) into ``db``."""
+        ops = [(db, key, value) for key, value in items]
+        self._ops += ops
+        if self._pending is not None:
+            for _db, key, value in ops:
+                self._pending[(db, key)] = value
 
     def delete(self, db: str, key: Bytes) -> None:
         key = bytes(key)
         self._ops.append((db, key, _DELETE))
-        self._pending[(db, key)] = _DELETE
+        if self._pending is not None:
+            self._pending[(db, key)] = _DELETE
 
     def get(self, db: str, key: Bytes) -> bytes | None:
         key = bytes(key)
+        if self._pending is None:
+            self._pending = {(op_db, op_key): value for op_db, op_key, value in self._ops}
         pending = self._pending.get((db, key))
         if pending is _DELETE:
             return None

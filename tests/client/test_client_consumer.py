@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from delaymq.client.delivery import AckTracker, ConsumerCore, FlowControl, ReceivedMessage, TagFilter
+from delaymq.client.delivery import PULL_BACKOFF, AckTracker, ConsumerCore, FlowControl, ReceivedMessage, TagFilter
 from delaymq.protocol.errors import LocalProtocolError, RemoteProtocolError
 from delaymq.protocol.limits import Limits
 from delaymq.protocol.ranges import RangeSet
@@ -243,14 +243,15 @@ def test_route_changes_start_and_stop_groups() -> None:
     assert consumer.update_route([("rt1", "127.0.0.1:1"), ("rt2", "127.0.0.1:3")]) == (["rt1"], [])
 
 
-#: The ceilings of the waits after 1, 2, ... failed pulls in a row: 100 ms doubling to 1 s (a
-#: restarted server is pulled again within a second of coming back).
-PULL_CEILINGS_MS = [100, 200, 400, 800, 1_000, 1_000, 1_000]
+#: The ceilings of the waits after 1, 2, ... failed pulls in a row: the policy's first wait,
+#: doubling up to its cap (which bounds how soon a restarted server is pulled again).
+PULL_CEILINGS_MS = [PULL_BACKOFF.ceiling_ms(n) for n in range(1, 8)]
 
 
 def test_consumers_that_lost_a_group_together_pull_it_again_spread_out_never_in_a_tight_loop() -> None:
     rng = random.Random(5)
     consumers = [core(random=rng.random) for _ in range(40)]
+    assert PULL_CEILINGS_MS[0] < PULL_CEILINGS_MS[-1] == PULL_BACKOFF.maximum_ms  # it grows, up to its cap
     waits = [[consumer.pull_failed("rt1") for _ in PULL_CEILINGS_MS] for consumer in consumers]
     for n, ceiling in enumerate(PULL_CEILINGS_MS):
         nth = [each[n] for each in waits]
@@ -262,9 +263,10 @@ def test_consumers_that_lost_a_group_together_pull_it_again_spread_out_never_in_
 def test_failed_pulls_wait_at_least_half_the_ceiling_per_subject_and_start_over_on_an_answer() -> None:
     floor = core(random=lambda: 0.0)
     assert [floor.pull_failed("rt1") for _ in PULL_CEILINGS_MS] == [c // 2 for c in PULL_CEILINGS_MS]
-    assert floor.pull_failed("rt1", retry=True) == 50  # the retry subject's pulls back off on their own
+    first = PULL_CEILINGS_MS[0] // 2
+    assert floor.pull_failed("rt1", retry=True) == first  # the retry subject's pulls back off on their own
     floor.accept_pull("rt1", *answer(0, []), T0)
-    assert floor.pull_failed("rt1") == 50  # an answer starts the backoff over
+    assert floor.pull_failed("rt1") == first  # an answer starts the backoff over
     top = core(random=lambda: 1 - 1e-9)
     assert [top.pull_failed("rt1") for _ in PULL_CEILINGS_MS] == [c - 1 for c in PULL_CEILINGS_MS]
 

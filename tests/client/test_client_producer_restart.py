@@ -21,7 +21,7 @@ import trio
 import trio.testing
 
 from delaymq.client import BlockingProducer, CallFailed, PeerError, open_consumer, open_producer
-from delaymq.client.routes import CallTimedOut
+from delaymq.client.routes import CALL_BACKOFF, CallTimedOut
 from delaymq.metaserver.server import open_metaserver
 from delaymq.protocol.commands import Command
 from delaymq.protocol.frames import Frame
@@ -253,7 +253,8 @@ async def test_after_send_timeout_the_error_says_what_was_tried(
         error = failed.value
         assert isinstance(error, CallTimedOut)
         assert 29_000 <= took <= 30_000  # the default send_timeout, on the producer's clock
-        assert 20 <= len(error.attempts) <= 60  # backed off: not thousands of tries, not three
+        at_most = 30_000 / (CALL_BACKOFF.maximum_ms / 2)  # every wait at least half the cap
+        assert at_most / 3 <= len(error.attempts) <= at_most  # backed off: not thousands of tries, not three
         message = str(error)
         assert message.startswith(f"SEND on route 'immediate-producer' gave up after {took / 1000:.1f} s "
                                   f"(send_timeout is 30 s): {len(error.attempts)} failed attempts in ")  # fmt: skip

@@ -11,6 +11,7 @@ run inline, so the tests run under ``autojump_clock``.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -23,6 +24,7 @@ import trio
 import trio.testing
 
 from delaymq.client import ReceivedMessage, open_consumer, open_producer
+from delaymq.client.delivery import PULL_BACKOFF, SETTLE_INTERVAL
 from delaymq.metaserver.server import open_metaserver
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import RemoteProtocolError
@@ -111,6 +113,9 @@ class Member:
     request_times: dict[str, list[float]] = field(default_factory=dict)
     send_ids: list[list[str]] = field(default_factory=list)  # the ids of each SEND received
     on_send: Callable[[Member, list[str]], Any] | None = None
+    ack_delay: float = 0.0  # how long an ACK takes (a real server's checkpoint)
+    acks_on_the_way: int = 0
+    most_acks_on_the_way: int = 0
     _scopes: set[trio.CancelScope] = field(default_factory=set)
 
     def server(self) -> FrameServer:
@@ -160,6 +165,12 @@ class Member:
 
     async def ack(self, request: Request) -> dict[str, Any]:
         await self._admit("ACK")
+        self.acks_on_the_way += 1
+        self.most_acks_on_the_way = max(self.most_acks_on_the_way, self.acks_on_the_way)
+        try:
+            await trio.sleep(self.ack_delay)
+        finally:
+            self.acks_on_the_way -= 1
         start, end = request.metadata["start"], request.metadata["end"]
         self.acks.append((start, end))
         self.shared.acked.update(range(start, end))
@@ -320,7 +331,8 @@ async def test_acks_refused_as_not_master_are_retried_with_growing_waits_and_rou
             assert len(ack_times) >= 20  # still trying
             assert min(waits[8:]) >= 2.0  # grown to seconds, not a tight loop
             pulls = w.old.request_times["PULL"]
-            assert len(pulls) <= 2 * 300 / 0.5 + 20  # two lanes, each backing off to 0.5-1 s apart
+            floor = PULL_BACKOFF.maximum_ms / 2 / 1000  # a wait at the cap is at least half of it
+            assert len(pulls) <= 2 * 300 / floor + 20  # two lanes, each backing off to its cap
             assert w.network.calls[META] - routes_before <= 310  # about one route ask a second at most
             assert w.shared.acked == set()
             # The route moves at last: the acks queued all this time are delivered.
@@ -370,6 +382,41 @@ async def test_a_consumer_closing_during_a_failover_delivers_its_acks_to_the_new
             # The block ends: the acks go to the new master, m2 (held, not acked) is given back.
         assert w.shared.acked == {0, 1}
         assert w.new.acks == [(0, 2)]
+
+
+async def test_acks_of_messages_handled_one_by_one_travel_as_a_few_ranges(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each ACK costs the server a checkpoint: a round goes at most every SETTLE_INTERVAL."""
+    async with world(tmp_path, monkeypatch) as w:
+        w.shared.add(*(f"order {n}" for n in range(50)))
+        async with open_consumer(META, SUBJECT, **consumer_options(w)) as consumer:
+            for message in await receive(consumer, 50):
+                await trio.sleep(0.01)  # the application's work on it
+                await message.ack()
+            await wait_until(lambda: w.shared.acked == set(range(50)))
+        ack_times = w.old.request_times["ACK"]
+        assert len(ack_times) <= 50 * 0.01 / SETTLE_INTERVAL + 2  # not one per message
+        assert all(b - a >= SETTLE_INTERVAL - 1e-6 for a, b in itertools.pairwise(ack_times))
+        assert w.old.acks == sorted(w.old.acks) and sum(end - start for start, end in w.old.acks) == 50
+
+
+async def test_the_ranges_of_one_round_are_on_the_way_together(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Acks out of order make several ranges: they share the server's checkpoint, not one each in turn."""
+    async with world(tmp_path, monkeypatch) as w:
+        w.old.ack_delay = 0.5
+        w.shared.add(*(f"order {n}" for n in range(10)))
+        async with open_consumer(META, SUBJECT, **consumer_options(w)) as consumer:
+            held = await receive(consumer, 10)
+            for message in held[::2]:  # five ranges: [0, 1), [2, 3), ...
+                await message.ack()
+            await wait_until(lambda: w.shared.acked == {0, 2, 4, 6, 8}, within=0.9)  # sent in turn: 2.5 s
+            assert w.old.most_acks_on_the_way == 5
+            for message in held[1::2]:
+                await message.ack()
+            await wait_until(lambda: w.shared.acked == set(range(10)))
 
 
 # ------------------------------------------------------------------ producer

@@ -149,7 +149,8 @@ class LocalServers:
 
     def server(self, **options: Any) -> AbstractAsyncContextManager[RealtimeServer]:
         """A server on ``data`` (open it again to restart it); ``options`` go to ``open_realtime_server``."""
-        return open_realtime_server(data_dir=self.data, clock=self.clock, run_blocking=run_inline, **options)
+        options.setdefault("run_blocking", run_inline)
+        return open_realtime_server(data_dir=self.data, clock=self.clock, **options)
 
 
 @pytest.fixture

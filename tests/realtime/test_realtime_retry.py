@@ -279,7 +279,7 @@ async def test_replay_after_a_crash_readds_the_retry_dedup_keys(tmp_path: Path) 
     try:
         log.append(encode_batch([message("m1"), message("m1", "%retry%g%orders", attempts=3)]))
         keys: list[str] = []
-        indexer = Indexer(tmp_path, indexed_offset=0, on_ids=lambda ids, _at: keys.extend(ids))
+        indexer = Indexer(tmp_path, indexed_offset=0, on_ids=lambda ids, *_: keys.extend(ids))
         indexer.replay(log, EPOCH)
         indexer.close()
     finally:

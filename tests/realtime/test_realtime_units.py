@@ -13,9 +13,16 @@ from hypothesis import strategies as st
 from delaymq.protocol.errors import RemoteProtocolError
 from delaymq.protocol.limits import Limits
 from delaymq.protocol.ranges import AckRanges
-from delaymq.realtime.consumelog import ENTRY_SIZE, ConsumeLog, decode_entry, encode_entry, list_subjects
+from delaymq.realtime.consumelog import (
+    ENTRY_SIZE,
+    TAIL_ENTRIES,
+    ConsumeLog,
+    decode_entry,
+    encode_entry,
+    list_subjects,
+)
 from delaymq.realtime.dedup import DedupWindow
-from delaymq.realtime.delivery import pick
+from delaymq.realtime.delivery import EntriesNotHeld, pick
 from delaymq.realtime.groups import ConsumerState, Groups, Share, UnknownPull
 from delaymq.realtime.pulllog import (
     PULL_ENTRY_SIZE,
@@ -109,6 +116,36 @@ def test_pick_hands_out_given_back_entries_first_within_the_limits(tmp_path: Pat
     assert [seq for seq, *_ in picked] == [5, 7, 9]  # 6 and 8 skipped by the bitmask
     assert share.position == 10
     assert pick(log, groups, share, limit=1, max_bytes=1, mask=0) == ([], False)
+    log.close()
+
+
+def test_pick_reads_no_file_and_names_the_entries_it_needs_read_first(tmp_path: Path) -> None:
+    log = ConsumeLog.open(tmp_path, "orders")
+    for n in range(TAIL_ENTRIES * 4):
+        log.add(n * 100, 100, 0, 0)
+        if n % 100 == 99:
+            log.write_pending()
+    log.write_pending()
+    groups, share = make_groups()
+    share.redeliver.append((5, 1))
+    with pytest.raises(EntriesNotHeld) as missing:  # entry 5 fell out of the tail
+        pick(log, groups, share, limit=10, max_bytes=10_000, mask=0)
+    assert missing.value.sequence == 5 and list(share.redeliver) == [(5, 1)]  # nothing lost
+    log.hold_window(0, log.read(0, TAIL_ENTRIES), log.generation)  # as PULL does, in a worker thread
+    picked, _ = pick(log, groups, share, limit=10, max_bytes=10_000, mask=0)
+    assert [(seq, red) for seq, red, _, _ in picked] == [(5, 1), *((n, 0) for n in range(9))]
+    lagging = log.count - 2 * TAIL_ENTRIES - 1  # past the window, before the tail (at most twice that)
+    share.position = lagging
+    with pytest.raises(EntriesNotHeld) as missing:
+        pick(log, groups, share, limit=10, max_bytes=10_000, mask=0)
+    assert missing.value.sequence == lagging and share.position == lagging
+    share.position = log.count - 3  # in the tail
+    picked, _ = pick(log, groups, share, limit=10, max_bytes=10_000, mask=0)
+    assert [entry[2] for entry in picked] == [n * 100 for n in range(log.count - 3, log.count)]
+    log.take_back(log.count - 1)  # an index step taken back: what memory held is forgotten
+    stale = log.generation - 1
+    log.hold_window(0, log.read(0, 10), stale)  # a read from before it is not held
+    assert log.read_held(0, 10) is None
     log.close()
 
 

@@ -156,6 +156,23 @@ def test_arrivals_during_a_chain_walk_wait_then_link_or_count() -> None:
     assert [e for _h, _at, e in fire(wheels, START + 1_500)] == [0, 2]
 
 
+def test_arrivals_linked_into_loaded_seconds_are_listed_once_for_reading() -> None:
+    model = Model()
+    model.file(H, 1_000, 4_000)
+    wheels = WheelSet([H], load_ahead_ms=2_000)
+    open_all(wheels, model, START)
+    loads = wheels.seconds_to_load(START)
+    wheels.begin_load(loads)  # second 1 is walked ...
+    wheels.arrive(H, *model.file(H, 1_500, 4_100))  # ... while these arrive (buffered)
+    assert wheels.take_linked() == {}
+    wheels.loaded(loads[0], model.chain(loads[0]))
+    wheels.arrive(H, *model.file(H, 1_700, 4_200))
+    # Linked into the loaded second 1 (the walk saw neither); second 4 is counted, read with its walk.
+    assert wheels.take_linked() == {H: [2, 4]}
+    assert wheels.take_linked() == {}
+    assert [e for _h, _at, e in fire(wheels, START + 2_000)] == [0, 2, 4]
+
+
 def test_an_arrival_behind_the_firing_position_fires_at_once() -> None:
     model = Model()
     model.file(H, 1_000)
@@ -196,12 +213,21 @@ def test_the_memory_budget_bounds_loading_but_never_blocks_an_earlier_second() -
     open_all(wheels, model, START)
     assert [load.second for load in load_all(wheels, model, START)] == [10, 11]  # 6 entries >= 5
     assert wheels.seconds_to_load(START) == []
-    assert wheels.next_load_ms(START) is None  # due loads wait for budget, not for time
+    assert wheels.short_of_budget  # a confirmation is worth a look ...
+    assert wheels.next_load_ms(START) is None  # ... due loads wait for budget, not for time
     wheels.arrive(H, *model.file(H, 5_000))  # an arrival into an empty second before them
     assert [load.second for load in load_all(wheels, model, START)] == [5]
     fired = fire(wheels, START + 11_000)
     assert len(fired) == 7
     assert [load.second for load in load_all(wheels, model, START)] == [12, 13]
+    fire(wheels, START + 13_000)
+    assert [load.second for load in load_all(wheels, model, START)] == [14, 15]
+    assert wheels.short_of_budget
+    fire(wheels, START + 15_000)
+    assert [load.second for load in load_all(wheels, model, START)] == [16, 17]
+    fire(wheels, START + 17_000)
+    assert [load.second for load in load_all(wheels, model, START)] == [18, 19]
+    assert not wheels.short_of_budget  # every second is loaded: nothing waits for budget
 
 
 def test_tick_is_the_earliest_unfinished_hour_or_the_current_one() -> None:

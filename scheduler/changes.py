@@ -1,0 +1,297 @@
+"""CANCEL, MOVE and QUERY on a scheduler master (docs/cancel.md).
+
+Each id is decided on the event loop with no await between looking and deciding
+(the index read in one transaction, its pages warmed by a thread just before), so
+a message is either delivered or cancelled, never both. A cancel or move holds the
+entries back from firing, appends one record to the write-ahead message log, and
+answers once it is durable (and replicated as the policy asks); replay then files
+it like a SCHEDULE. The ``Scheduler`` serves these through this mixin.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from delaymq.protocol.cancel import Selector, parse_selector
+from delaymq.protocol.limits import Limits
+from delaymq.protocol.records import rewrite_delivery
+from delaymq.protocol.transport import Request
+from delaymq.replication.roles import NotMaster
+from delaymq.scheduler.cancels import Hold, RecentDispatches, TailEntry, handed_out, look_up
+from delaymq.scheduler.hours import HOUR_MS
+from delaymq.scheduler.idindex import (
+    CANCELLED,
+    SCHEDULED,
+    IdEntry,
+    cancel_record,
+    ids_for_key,
+    key_hash,
+    move_record,
+)
+from delaymq.storage.errors import StorageError, storage_refusal
+
+if TYPE_CHECKING:
+    from delaymq.scheduler.roles import MasterSession, SlaveSession
+    from delaymq.scheduler.schedulelog import ScheduleStore
+    from delaymq.scheduler.wheelset import WheelSet
+    from delaymq.storage.threads import RunBlocking
+    from delaymq.storage.writer import LogWriter
+    from delaymq.wheel.clock import Clock
+
+
+class ChangeCommands:
+    """The CANCEL, MOVE and QUERY handlers of a ``Scheduler``."""
+
+    if TYPE_CHECKING:  # what the handlers use of the Scheduler
+        group: str
+        recent: RecentDispatches
+        _clock: Clock
+        _limits: Limits
+        _run_blocking: RunBlocking
+        _writer: LogWriter | None
+        _replication_timeout_ms: int
+
+        @property
+        def address(self) -> str: ...
+        @property
+        def store(self) -> ScheduleStore: ...
+        @property
+        def wheels(self) -> WheelSet: ...
+        @property
+        def session(self) -> MasterSession | SlaveSession | None: ...
+        def _master(self, what: str) -> MasterSession: ...
+        async def _logged(
+            self, session: MasterSession, entries: list[tuple[str, TailEntry]], end: int, command: str
+        ) -> None: ...
+
+    async def _cancel(self, request: Request) -> dict[str, Any]:
+        return await self._change(request, "CANCEL")
+
+    async def _move(self, request: Request) -> dict[str, Any]:
+        return await self._change(request, "MOVE")
+
+    async def _query(self, request: Request) -> dict[str, Any]:
+        session = self._master("QUERY")
+        selector = parse_selector(request.metadata, command="QUERY", limits=self._limits)
+        keys = await self._selected(session, selector)
+        if selector.key is None:  # by key, ``_selected`` read the pages already
+            await self._run_blocking(partial(look_up, self.store, keys))  # the pages, for the look below
+        states = self._states_now(session, keys)
+        results = []
+        for k in keys:
+            state, value, _logged = states[k]
+            answer: dict[str, Any] = {"id": k, "state": "scheduled" if state == "unfiled" else state}
+            if value is not None:
+                answer.update(deliver_at=value.deliver_at, hour=value.deliver_at // HOUR_MS, group=self.group)
+                if state == "delivered" and isinstance(value, IdEntry):
+                    at = self.recent.get(value.hour, value.entry)
+                    if at is not None:
+                        answer["dispatched_at"] = at
+            results.append(answer)
+        return {"results": results}
+
+    async def _selected(self, session: MasterSession, selector: Selector) -> list[str]:
+        """The index keys a request names: its ids, or the ids filed or in the tail with its key."""
+        if selector.key is None:
+            return list(selector.ids)
+        assert selector.subject is not None
+        tail = session.tail
+        epoch = tail.begin_lookup()
+        try:
+            found = await self._run_blocking(partial(_ids_and_pages, self.store, selector.subject, selector.key))
+        finally:
+            tail.end_lookup(epoch)
+        hashed = key_hash(selector.subject, selector.key)
+        in_tail = tail.with_key(hashed)
+        # A tail entry that moved the key elsewhere (or cancelled it) still names it: its state decides.
+        keys = [k for k in dict.fromkeys([*found, *in_tail]) if "\x00" not in k]
+        return keys
+
+    def _states_now(
+        self, session: MasterSession, keys: list[str]
+    ) -> dict[str, tuple[str, IdEntry | TailEntry | None, bool]]:
+        """Where each key's message is now, decided on the event loop (no await; the index
+        read in one transaction, its pages in memory from the thread's read just before):
+        "unknown", "unfiled" (scheduled, replay has not filed it), "busy" (a cancel or an
+        append of it is under way), "cancelled", "delivered" (in the dispatch log, or handed
+        to a lane) or "scheduled"."""
+        out: dict[str, tuple[str, IdEntry | TailEntry | None, bool]] = {}
+        appending, cancelling = session.appending, session.cancelling
+        tail, checkpoint = session.tail, self.store.checkpoint
+        indexed: list[str] = []
+        for key in keys:
+            if key in appending or key in cancelling:
+                out[key] = ("busy", None, False)
+                continue
+            entry = tail.unfiled(key, checkpoint)
+            if entry is not None:
+                out[key] = (("cancelled" if entry.state == CANCELLED else "unfiled"), entry, False)
+            else:
+                indexed.append(key)
+        if indexed:
+            wheels = self.wheels
+            for key, (value, logged) in zip(indexed, look_up(self.store, indexed)):
+                if value is None:
+                    out[key] = ("unknown", None, False)
+                elif value.state == CANCELLED:
+                    out[key] = ("cancelled", value, False)
+                elif logged or handed_out(wheels, value.hour, value.entry):
+                    out[key] = ("delivered", value, logged)
+                else:
+                    out[key] = ("scheduled", value, False)
+        return out
+
+    async def _change(self, request: Request, command: str) -> dict[str, Any]:
+        """CANCEL or MOVE: decide each id on the event loop, hold what is to change back from
+        firing, append one record, answer once it is durable (docs/cancel.md)."""
+        session = self._master(command)
+        move = command == "MOVE"
+        selector = parse_selector(
+            request.metadata, command=command, limits=self._limits, now_ms=self._clock.now_ms(), move=move
+        )
+        await session.mastership.confirm()
+        keys = await self._selected(session, selector)
+        records: dict[str, tuple[int | None, int | None, bytes]] = {}  # MOVE: key -> (hour, entry, record) read
+        warm = selector.key is not None  # by key, ``_selected`` read the pages already
+        while True:
+            if not warm:
+                await self._run_blocking(partial(look_up, self.store, keys))  # the pages, for the look below
+            warm = False
+            if self.session is not session or not session.accepting:
+                raise NotMaster(f"{command}: scheduler {self.address or '-'} stopped being master; ask the metaserver")
+            states = self._states_now(session, keys)
+            wait = [k for k, (state, _v, _l) in states.items() if state in ("busy", "unfiled")]
+            if wait:
+                await self._wait_settled(session, states, wait, command)
+                continue
+            changing = [k for k, (state, _v, _l) in states.items() if state == "scheduled"]
+            if move:
+                wanted = [k for k in changing if records.get(k, (None, None))[:2] != _place(states[k][1])]
+                if wanted:
+                    places = [_place(states[k][1]) for k in wanted]
+                    read = await self._run_blocking(partial(_read_records, self.store, places))
+                    for k, (hour, entry), record in zip(wanted, places, read):
+                        records[k] = (hour, entry, record)
+                    continue  # decide again: nothing may have changed while reading
+            break
+        results = self._answers(command, keys, states, selector.deliver_at)
+        if not changing:
+            return {"results": results}
+        assert session.holds is not None and self._writer is not None
+        holds: list[Hold] = []
+        for k in changing:
+            value = states[k][1]
+            assert isinstance(value, IdEntry)
+            holds.append(session.holds.hold(value.hour, value.entry))
+        if move:
+            assert selector.deliver_at is not None
+            moved = [_moved(records[k][2], selector.deliver_at) for k in changing]
+            data = move_record(moved)
+        else:
+            data = cancel_record(changing, taken_at=self._clock.now_ms())
+        done = trio.Event()
+        for k in changing:
+            session.cancelling[k] = done
+        try:
+            with trio.CancelScope(shield=True):  # once handed to the writer it may reach the log
+                offset = await self._writer.append(data)
+        except BaseException as error:
+            with trio.CancelScope(shield=True):
+                await session.holds.release(holds)  # not in the log: they fire after all
+            if isinstance(error, StorageError):
+                raise storage_refusal(f"{command}: the message log could not store the record", error) from error
+            raise
+        finally:
+            for k in changing:
+                if session.cancelling.get(k) is done:
+                    del session.cancelling[k]
+            done.set()
+        session.holds.settle(holds, offset)
+        end = offset + len(data)
+        entries = []
+        position = offset + 12  # the envelope header of the MOVE record
+        for k in changing:
+            value = states[k][1]
+            assert isinstance(value, IdEntry)
+            if move:
+                assert selector.deliver_at is not None
+                entries.append((k, TailEntry(selector.deliver_at, position, end, SCHEDULED, value.key_hash)))
+                position += len(records[k][2])
+            else:
+                entries.append((k, TailEntry(value.deliver_at, offset, end, CANCELLED, value.key_hash)))
+        await self._logged(session, entries, end, command)
+        return {"results": results}
+
+    async def _wait_settled(
+        self, session: MasterSession, states: dict[str, tuple[str, Any, bool]], wait: list[str], command: str
+    ) -> None:
+        """Wait until an append or cancel of these ids is over, or replay has filed them."""
+        k = wait[0]
+        event = session.appending.get(k) or session.cancelling.get(k)
+        if event is not None:
+            await event.wait()
+            return
+        entry = states[k][1]
+        assert isinstance(entry, TailEntry)
+        session.replay_alarm.poke()
+        with trio.move_on_after(self._replication_timeout_ms / 1000) as waited:
+            while self.store.checkpoint < entry.end and self.session is session:
+                await session.step_filed.wait()
+        if waited.cancelled_caught:
+            raise storage_refusal(
+                f"{command}: id {k!r} is not filed yet (replay is behind); try again",
+                StorageError("replay has not reached the record"),
+            )
+
+    def _answers(
+        self, command: str, keys: list[str], states: dict[str, tuple[str, Any, bool]], moved_to: int | None
+    ) -> list[dict[str, Any]]:
+        done = "moved" if command == "MOVE" else "cancelled"
+        out = []
+        for k in keys:
+            state, value, _logged = states[k]
+            answer: dict[str, Any] = {"id": k}
+            if state == "scheduled":
+                answer["state"] = done
+            elif state == "cancelled":
+                answer["state"] = "cancelled" if command == "CANCEL" else "unknown"
+            else:
+                answer["state"] = state  # delivered, unknown
+            if answer["state"] == "moved":
+                answer["deliver_at"] = moved_to
+            elif value is not None and answer["state"] != "unknown":
+                answer["deliver_at"] = value.deliver_at
+            if state == "delivered" and isinstance(value, IdEntry):
+                at = self.recent.get(value.hour, value.entry)
+                if at is not None:
+                    answer["dispatched_at"] = at
+            out.append(answer)
+        return out
+
+
+def _ids_and_pages(store: ScheduleStore, subject: str, key: str) -> list[str]:
+    """The index keys filed with (``subject``, ``key``), their values and dispatch logs read
+    too (in memory for the decision on the event loop): one thread hop, not two."""
+    found = ids_for_key(store.state, subject, key)
+    look_up(store, found)
+    return found
+
+
+def _read_records(store: ScheduleStore, places: list[Any]) -> list[bytes]:
+    return [store.read_record(hour, entry) for hour, entry in places]
+
+
+def _place(value: object) -> tuple[int, int] | tuple[None, None]:
+    return (value.hour, value.entry) if isinstance(value, IdEntry) else (None, None)
+
+
+def _moved(record: bytes, deliver_at: int) -> bytes:
+    """The record again for ``deliver_at``: same id, body and attempts."""
+    attempts = int.from_bytes(record[28:30], "big")
+    return rewrite_delivery(record, deliver_at=deliver_at, attempts=attempts)
+
+
+__all__ = ["ChangeCommands"]

@@ -1,0 +1,403 @@
+"""The scheduler's id index and business-key index (lmdb), and the cancel and move records.
+
+What CANCEL, MOVE, QUERY and the SCHEDULE duplicate check look up (docs/cancel.md).
+Two named dbs of the scheduler's lmdb ``StateStore``, written by the replay commit
+that files the records they describe (so they move together with the checkpoint)::
+
+    scheduler.ids   key: index key (UTF-8)        value: deliver_at i64, entry u32, source i64,
+                                                         state u8 [, key hash 16 bytes]
+    scheduler.keys  key: key hash 16 bytes + index key   value: empty
+    scheduler.cancelled  key: hour u32, entry u32       value: source i64 (the CANCEL or MOVE record)
+
+The **index key** of a message is its id; a record coming back from a consumer group's
+retry (``attempts`` > 0, same id, another subject) is ``id NUL attempts NUL
+subject-hash``, as the realtime server's dedup key, so it never takes the original's
+place. ``entry`` is the entry number in the hour of ``deliver_at``; ``source`` the
+message-log offset of the record that last set the value (a re-filed record at or
+before it changes nothing: replay after a crash is idempotent); ``state`` scheduled
+or cancelled (delivered is what the hour's dispatch log says). The **key hash** is
+BLAKE2b-128 of ``subject NUL key``; a lookup by key checks each id's value still
+carries it (a re-scheduled id may have another key). Both go when their hour is
+deleted (``forget_hour``): the index stays bounded by the hours kept.
+``scheduler.cancelled`` holds the entries CANCEL and MOVE records took out of their
+hours, so the wheel skips them as it skips delivered ones (``ScheduleStore.delivered``
+adds them to the dispatch log's); written in the same commit, it costs no file and no
+fsync of its own per hour touched.
+
+Two envelope kinds of the message log carry cancels and moves, replicated and
+replayed like a SCHEDULE batch:
+
+- ``CANCEL_KIND`` (5): i64 0, i64 the time it was taken (epoch ms), then the msgpack
+  list of the index keys the master decided to cancel;
+- ``MOVE_KIND`` (6): message records end to end, each the moved message with its new
+  ``deliver_at`` (same id, body, attempts): filing cancels the index key's current
+  entry and files the record as a new one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Iterable, Iterator
+from typing import NamedTuple
+
+import msgpack
+
+from delaymq.protocol.cancel import KEY_PROPERTY, check_key
+from delaymq.protocol.envelope import HEADER_SIZE, RecordKind, encode, iter_spans
+from delaymq.protocol.errors import LocalProtocolError
+from delaymq.scheduler.hours import HOUR_MS
+from delaymq.storage.state import StateStore
+
+IDS_DB = "scheduler.ids"
+KEYS_DB = "scheduler.keys"
+CANCELLED_DB = "scheduler.cancelled"
+#: Envelope kinds of the scheduler's message log besides MESSAGE.
+CANCEL_KIND = int(RecordKind.CANCEL)
+MOVE_KIND = int(RecordKind.MOVE)
+
+SCHEDULED = 0
+CANCELLED = 1
+
+_VALUE = struct.Struct(">qIqB")
+_FIELDS = struct.Struct(">HHHBBHI")  # attempts .. props_len, at byte 28 of a message record
+_ID_AT = 46
+_TIMES = struct.Struct(">qq")
+_PLACE = struct.Struct(">II")  # a scheduler.cancelled key: hour, entry
+_SOURCE = struct.Struct(">q")
+#: Every msgpack spelling of the str "key" holds these bytes: a properties map without
+#: them has no ``key`` property, and filing does not decode it.
+_KEY_PACKED = b"key"
+_ONLY_KEY = b"\x81\xa3key"  # a map of one entry, "key"
+_blake2b = hashlib.blake2b
+KEY_HASH_SIZE = 16
+#: Deletions per lmdb transaction when an hour goes (a transaction's dirty pages stay in memory).
+_DELETE_CHUNK = 20_000
+
+
+class IdEntry(NamedTuple):
+    """One index key's value: where its message is and what became of it."""
+
+    deliver_at: int
+    entry: int
+    source: int
+    state: int
+    key_hash: bytes | None
+
+    @property
+    def hour(self) -> int:
+        return self.deliver_at // HOUR_MS
+
+    def pack(self) -> bytes:
+        head = _VALUE.pack(self.deliver_at, self.entry, self.source, self.state)
+        return head + self.key_hash if self.key_hash else head
+
+    @classmethod
+    def unpack(cls, data: bytes) -> IdEntry:
+        deliver_at, entry, source, state = _VALUE.unpack_from(data)
+        key_hash = bytes(data[_VALUE.size :]) or None
+        return cls(deliver_at, entry, source, state, key_hash)
+
+
+def index_key(message_id: str, subject: str, attempts: int) -> str:
+    """The id; for a retry (``attempts`` > 0) ``id NUL attempts NUL subject-hash``."""
+    if not attempts:
+        return message_id
+    subject_hash = hashlib.blake2b(subject.encode(), digest_size=8).hexdigest()
+    return f"{message_id}\x00{attempts}\x00{subject_hash}"
+
+
+def key_hash(subject: str, key: str) -> bytes:
+    return hashlib.blake2b(f"{subject}\x00{key}".encode(), digest_size=KEY_HASH_SIZE).digest()
+
+
+def record_key(buf: bytes | memoryview, pos: int, *, strict: bool = False) -> tuple[str, bytes | None, str | None]:
+    """``(index key, key hash or None, business key or None)`` of the message record at ``buf[pos:]``
+    (checked when it was received; a properties map that does not decode has no key).
+    ``strict``: a ``key`` property that is not a business key raises ``ValueError``."""
+    attempts, id_len, subject_len, _tags, _flags, tags_len, props_len = _FIELDS.unpack_from(buf, pos + 28)
+    p = pos + _ID_AT
+    message_id = bytes(buf[p : p + id_len]).decode()
+    if not attempts and not props_len:
+        return message_id, None, None
+    subject = bytes(buf[p + id_len : p + id_len + subject_len]).decode()
+    found_key = None
+    if props_len:
+        q = p + id_len + subject_len + tags_len
+        if not strict and bytes(buf[q : q + props_len]).find(_KEY_PACKED) < 0:
+            props_len = 0  # no "key" in the map: nothing to decode
+    if props_len:
+        try:
+            properties = msgpack.unpackb(bytes(buf[q : q + props_len]), raw=False)
+        except Exception:
+            properties = None
+        if isinstance(properties, dict) and KEY_PROPERTY in properties:
+            value = properties[KEY_PROPERTY]
+            if strict:
+                try:
+                    check_key(value, error=LocalProtocolError)
+                except LocalProtocolError as error:
+                    raise ValueError(error.message) from None
+            if isinstance(value, str) and value:
+                found_key = value
+    hashed = key_hash(subject, found_key) if found_key is not None else None
+    return index_key(message_id, subject, attempts), hashed, found_key
+
+
+def record_index_key(buf: bytes, pos: int) -> tuple[bytes, bytes | None]:
+    """``(index key as UTF-8, key hash or None)`` of the message record at ``buf[pos:]``: what
+    filing needs, read at fixed offsets (no decoding unless the record is a retry or its
+    properties spell ``key``)."""
+    if type(buf) is not bytes:
+        found, hashed, _key = record_key(buf, pos)
+        return found.encode(), hashed
+    attempts, id_len, subject_len, _tags, _flags, tags_len, props_len = _FIELDS.unpack_from(buf, pos + 28)
+    p = pos + _ID_AT
+    if not attempts:
+        if not props_len:
+            return buf[p : p + id_len], None
+        q = p + id_len + subject_len + tags_len
+        if buf.find(_KEY_PACKED, q, q + props_len) < 0:
+            return buf[p : p + id_len], None
+        # The common map, {"key": K} with K a short str (fixstr): hash its bytes as they are.
+        if buf.startswith(_ONLY_KEY, q) and props_len > 6 and buf[q + 5] == 0xA0 + props_len - 6:
+            s = p + id_len
+            digest = _blake2b(buf[s : s + subject_len] + b"\x00" + buf[q + 6 : q + props_len], digest_size=16)
+            return buf[p : p + id_len], digest.digest()
+    key, hashed, _found = record_key(buf, pos)
+    return key.encode(), hashed
+
+
+def cancelled_key(hour: int, entry: int) -> bytes:
+    """The ``scheduler.cancelled`` key of an entry."""
+    return _PLACE.pack(hour, entry)
+
+
+def cancelled_entries(state: StateStore, hour: int) -> list[int]:
+    """The entries of ``hour`` cancelled (or moved away) by a filed CANCEL or MOVE record."""
+    prefix = hour.to_bytes(4, "big")
+    return [_PLACE.unpack(key)[1] for key, _ in state.items(CANCELLED_DB, prefix)]
+
+
+def cancelled_counts(state: StateStore) -> dict[int, int]:
+    """How many entries of each hour ``scheduler.cancelled`` holds (read once, at open)."""
+    counts: dict[int, int] = {}
+    for key, _ in state.items(CANCELLED_DB):
+        hour = int.from_bytes(key[:4], "big")
+        counts[hour] = counts.get(hour, 0) + 1
+    return counts
+
+
+# ------------------------------------------------------------------ records
+
+
+def cancel_record(keys: Iterable[str], *, taken_at: int = 0) -> bytes:
+    """The CANCEL record: 16 bytes where a message keeps ``deliver_at`` (0) and ``created_at``
+    (``taken_at``), so every record of the log has them, then the msgpack list of keys."""
+    return encode(CANCEL_KIND, _TIMES.pack(0, taken_at) + msgpack.packb(list(keys), use_bin_type=True))
+
+
+def cancel_keys(payload: bytes | memoryview) -> list[str]:
+    keys = msgpack.unpackb(bytes(payload[_TIMES.size :]), raw=False)
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise ValueError("a CANCEL record's payload is not a msgpack list of str")
+    return keys
+
+
+def move_record(records: Iterable[bytes]) -> bytes:
+    return encode(MOVE_KIND, b"".join(records))
+
+
+def move_spans(buf: bytes | memoryview, start: int, end: int) -> list[tuple[int, int]]:
+    """``(start, end)`` in ``buf`` of each message record inside the MOVE record at ``buf[start:end]``."""
+    return [(span.start, span.end) for span in iter_spans(buf, start + HEADER_SIZE, end)]
+
+
+# ------------------------------------------------------------------ a replay step's changes
+
+
+class IdChanges:
+    """What one replay step does to the index: values set, keys added, entries cancelled.
+
+    Values are read from lmdb only for cancels and moves; a filed message just sets its
+    key's value, packed at once (a key hash its id had before stays behind, harmless:
+    lookups check it, and ``forget_hour`` removes it). Keys are the index keys' UTF-8 bytes."""
+
+    __slots__ = ("_state", "values", "key_entries", "cancelled", "cancelled_puts")
+
+    def __init__(self, state: StateStore) -> None:
+        self._state = state
+        self.values: dict[bytes, bytes] = {}  # index key -> packed ``IdEntry``
+        self.key_entries: list[bytes] = []
+        self.cancelled: dict[int, list[int]] = {}  # hour -> entry numbers cancelled by the step
+        self.cancelled_puts: list[tuple[bytes, bytes]] = []  # scheduler.cancelled key, source
+
+    def __bool__(self) -> bool:
+        return bool(self.values or self.cancelled)
+
+    def current(self, key: str, read: dict[bytes, bytes | None] | None = None) -> IdEntry | None:
+        """``key``'s value as the step left it (``read``: lmdb's values, read just before)."""
+        encoded = key.encode()
+        data = self.values.get(encoded)
+        if data is None:
+            data = read[encoded] if read is not None and encoded in read else self._state.get(IDS_DB, encoded)
+        return None if data is None else IdEntry.unpack(data)
+
+    def read(self, keys: list[str]) -> dict[bytes, bytes | None]:
+        """lmdb's values of ``keys`` the step has not set, in one transaction (for ``cancel``)."""
+        wanted = [k for k in (key.encode() for key in keys) if k not in self.values]
+        return dict(zip(wanted, self._state.get_many(IDS_DB, wanted)))
+
+    def filed(self, key: bytes, hashed: bytes | None, deliver_at: int, entry: int, source: int) -> None:
+        if hashed is None:
+            self.values[key] = _VALUE.pack(deliver_at, entry, source, SCHEDULED)
+        else:
+            self.values[key] = _VALUE.pack(deliver_at, entry, source, SCHEDULED) + hashed
+            self.key_entries.append(hashed + key)
+
+    def cancel(
+        self, key: str, source: int, *, moving: bool = False, read: dict[bytes, bytes | None] | None = None
+    ) -> bool:
+        """Cancel ``key``'s scheduled entry by the record at ``source``; False if there is none
+        or the record was applied before (a value set at or after ``source``)."""
+        value = self.current(key, read)
+        if value is None or value.state != SCHEDULED or value.source >= source:
+            return False
+        hour = value.hour
+        self.cancelled.setdefault(hour, []).append(value.entry)
+        self.cancelled_puts.append((_PLACE.pack(hour, value.entry), _SOURCE.pack(source)))
+        if not moving:
+            self.values[key.encode()] = value._replace(state=CANCELLED, source=source).pack()
+        return True
+
+    def write(self, batch: object) -> None:
+        """Put the step's changes in ``batch`` (keys sorted: lmdb inserts in order fastest)."""
+        put_many = batch.put_many  # type: ignore[attr-defined]
+        if self.values:
+            put_many(IDS_DB, sorted(self.values.items()))
+        if self.key_entries:
+            put_many(KEYS_DB, [(entry, b"") for entry in sorted(self.key_entries)])
+        if self.cancelled_puts:
+            put_many(CANCELLED_DB, self.cancelled_puts)
+
+    def clear(self) -> None:
+        self.values = {}
+        self.key_entries = []
+        self.cancelled = {}
+        self.cancelled_puts = []
+
+
+# ------------------------------------------------------------------ reading (blocking)
+
+
+def lookup(state: StateStore, keys: list[str]) -> list[IdEntry | None]:
+    """The values of ``keys`` (None: not in the index), one read transaction."""
+    return [
+        None if data is None else IdEntry.unpack(data) for data in state.get_many(IDS_DB, [k.encode() for k in keys])
+    ]
+
+
+def ids_for_key(state: StateStore, subject: str, key: str) -> list[str]:
+    """The index keys filed with (``subject``, ``key``) whose value still carries that key."""
+    hashed = key_hash(subject, key)
+    keys = [entry[KEY_HASH_SIZE:].decode() for entry, _ in state.items(KEYS_DB, hashed)]
+    values = lookup(state, keys)
+    return [k for k, v in zip(keys, values) if v is not None and v.key_hash == hashed]
+
+
+def hour_records(log_path: str, entries: int, *, chunk: int = 8 << 20) -> Iterator[tuple[int, bytes, int]]:
+    """``(entry number, buffer, position)`` of each of the first ``entries`` records of a schedule log."""
+    with open(log_path, "rb") as file:
+        entry = 0
+        rest = b""
+        while entry < entries:
+            data = file.read(chunk)
+            if not data:
+                return
+            buf = rest + data
+            pos = 0
+            while entry < entries and len(buf) - pos >= HEADER_SIZE:
+                size = int.from_bytes(buf[pos : pos + 4], "big")
+                end = pos + HEADER_SIZE + size
+                if end > len(buf):
+                    break
+                yield entry, buf, pos
+                entry += 1
+                pos = end
+            rest = buf[pos:]
+
+
+def forget_hour(state: StateStore, hour: int, log_path: str, entries: int) -> int:
+    """Delete the index values of ``hour``'s entries (those still pointing there) and their key
+    entries, in transactions of ``_DELETE_CHUNK``; returns how many values went. Blocking."""
+    removed = 0
+    pending: list[tuple[str, int, bytes | None]] = []  # index key, its record's key entry
+
+    def flush() -> None:
+        nonlocal removed
+        values = lookup(state, [k for k, _n, _h in pending])
+        with state.write() as batch:
+            for (k, number, hashed), value in zip(pending, values):
+                if value is not None and value.hour == hour and value.entry == number:
+                    batch.delete(IDS_DB, k.encode())
+                    if value.key_hash is not None:
+                        batch.delete(KEYS_DB, value.key_hash + k.encode())
+                    removed += 1
+                    if value.key_hash == hashed:
+                        continue
+                if hashed is not None and (value is None or value.key_hash != hashed):
+                    batch.delete(KEYS_DB, hashed + k.encode())  # left behind by a re-scheduled id
+        pending.clear()
+
+    try:
+        for entry, buf, pos in hour_records(log_path, entries):
+            k, hashed, _key = record_key(buf, pos)
+            pending.append((k, entry, hashed))
+            if len(pending) >= _DELETE_CHUNK:
+                flush()
+    except FileNotFoundError:
+        pass
+    if pending:
+        flush()
+    return removed
+
+
+def drop_from(state: StateStore, offset: int) -> int:
+    """Delete every value set by a record at or after message-log ``offset`` (a cut-back of
+    entries the master never had). Blocking; reads the whole index."""
+    doomed = [key for key, value in state.items(IDS_DB) if IdEntry.unpack(value).source >= offset]
+    undone = [key for key, value in state.items(CANCELLED_DB) if _SOURCE.unpack(value)[0] >= offset]
+    with state.write() as batch:
+        for key in doomed:
+            batch.delete(IDS_DB, key)
+        for key in undone:  # cancels the master never had: their entries fire after all
+            batch.delete(CANCELLED_DB, key)
+    return len(doomed)
+
+
+__all__ = [
+    "CANCELLED",
+    "CANCELLED_DB",
+    "CANCEL_KIND",
+    "IDS_DB",
+    "KEYS_DB",
+    "MOVE_KIND",
+    "SCHEDULED",
+    "IdChanges",
+    "IdEntry",
+    "cancel_keys",
+    "cancel_record",
+    "cancelled_counts",
+    "cancelled_entries",
+    "cancelled_key",
+    "drop_from",
+    "forget_hour",
+    "ids_for_key",
+    "index_key",
+    "key_hash",
+    "lookup",
+    "move_record",
+    "move_spans",
+    "record_index_key",
+    "record_key",
+]

@@ -1,0 +1,91 @@
+"""The bytes last appended to a log, kept in memory so the newest records are read without the disk.
+
+A realtime server hands most records out within moments of storing them: a PULL
+that finds them here needs no file read and no worker thread. The owner of a log
+turns it on (``SegmentedLog.keep_recent``); the log remembers each batch it wrote,
+in offset order and end to end, and forgets the oldest past ``limit`` bytes, and
+everything when it cuts its tail (what was cut may be written again differently).
+
+Thread-safe: a worker thread appends while the event loop reads.
+"""
+
+from __future__ import annotations
+
+import threading
+from bisect import bisect_right
+
+Bytes = bytes | bytearray | memoryview
+
+
+class RecentBytes:
+    """The last ``limit`` bytes (at least the last batch) appended at contiguous offsets."""
+
+    def __init__(self, limit: int) -> None:
+        if limit <= 0:
+            raise ValueError(f"the recent bytes' limit must be positive, got {limit}")
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._bases: list[int] = []
+        self._chunks: list[bytes] = []
+        self._first = 0  # chunks before this index are forgotten (compacted now and then)
+        self._size = 0
+
+    def __len__(self) -> int:
+        """Bytes held."""
+        return self._size
+
+    def add(self, base: int, data: Bytes) -> None:
+        """``data`` was written at ``base``; a gap from the last chunk starts afresh."""
+        chunk = data if isinstance(data, bytes) else bytes(data)
+        with self._lock:
+            bases, chunks = self._bases, self._chunks
+            if len(bases) > self._first and bases[-1] + len(chunks[-1]) != base:
+                self._clear()
+            bases.append(base)
+            chunks.append(chunk)
+            self._size += len(chunk)
+            first = self._first
+            while self._size > self.limit and first < len(chunks) - 1:
+                self._size -= len(chunks[first])
+                first += 1
+            if first > 64 and first * 2 > len(chunks):
+                del bases[:first], chunks[:first]
+                first = 0
+            self._first = first
+
+    def read(self, offset: int, length: int) -> bytes | None:
+        """The bytes ``[offset, offset + length)``, or None unless all of them are held."""
+        with self._lock:
+            bases, chunks, first = self._bases, self._chunks, self._first
+            if len(bases) <= first or offset < bases[first]:
+                return None
+            index = bisect_right(bases, offset, first) - 1
+            chunk = chunks[index]
+            start = offset - bases[index]
+            stop = start + length
+            if stop <= len(chunk):
+                return chunk[start:stop] if start or stop != len(chunk) else chunk
+            parts = [chunk[start:]]
+            needed = stop - len(chunk)
+            while needed > 0:
+                index += 1
+                if index >= len(chunks):
+                    return None
+                chunk = chunks[index]
+                parts.append(chunk[:needed])
+                needed -= len(chunk)
+            return b"".join(parts)
+
+    def clear(self) -> None:
+        """Forget everything (the log cut its tail, or closed)."""
+        with self._lock:
+            self._clear()
+
+    def _clear(self) -> None:
+        self._bases.clear()
+        self._chunks.clear()
+        self._first = 0
+        self._size = 0
+
+
+__all__ = ["RecentBytes"]

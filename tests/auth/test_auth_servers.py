@@ -1,0 +1,142 @@
+"""Tokens on a running cluster: refused requests store nothing; the servers' own token registers and delivers.
+
+The servers run in-process on loopback with the real clock, plaintext and TLS.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import trio
+
+from delaymq.client import open_consumer, open_producer
+from delaymq.metaserver.server import Metaserver, open_metaserver
+from delaymq.protocol.auth import FORBIDDEN, UNAUTHORIZED, TokenFile
+from delaymq.protocol.commands import Command
+from delaymq.protocol.errors import PeerError
+from delaymq.protocol.limits import Limits
+from delaymq.protocol.records import Message, encode_batch, new_message_id
+from delaymq.protocol.tls import TlsSettings
+from delaymq.protocol.transport import open_peers
+from delaymq.realtime.server import RealtimeServer, open_realtime_server
+from delaymq.scheduler.server import Scheduler, open_scheduler
+from delaymq.wheel.clock import SystemClock
+
+from .conftest import CONSUMER, ORDERS, PRODUCER, SERVER, Pki
+
+WAIT = 20.0
+
+
+@dataclass
+class Cluster:
+    meta: Metaserver
+    realtime: RealtimeServer
+    scheduler: Scheduler
+    tls: TlsSettings | None
+
+    @property
+    def address(self) -> str:
+        assert self.meta.address is not None
+        return self.meta.address
+
+    def client(self, token: str | None) -> Limits:
+        return Limits(token=token, tls=self.tls)
+
+
+@asynccontextmanager
+async def open_cluster(tmp_path: Path, tokens_file: Path, tls: TlsSettings | None = None) -> AsyncIterator[Cluster]:
+    clock = SystemClock()
+    limits = Limits(tokens=TokenFile(tokens_file), token=SERVER, tls=tls)
+    async with AsyncExitStack() as stack:
+        meta = await stack.enter_async_context(open_metaserver(data_dir=tmp_path / "meta", clock=clock, limits=limits))
+        assert meta.address is not None
+        realtime = await stack.enter_async_context(
+            open_realtime_server(data_dir=tmp_path / "rt", clock=clock, meta_address=meta.address, limits=limits)
+        )
+        scheduler = await stack.enter_async_context(
+            open_scheduler(data_dir=tmp_path / "sched", clock=clock, meta_address=meta.address, limits=limits)
+        )
+        with trio.fail_after(WAIT):  # both registered with their server token
+            while not (realtime.registration and realtime.registration.registered):
+                await trio.sleep(0.01)
+            while not (scheduler.registration and scheduler.registration.registered):
+                await trio.sleep(0.01)
+        client_tls = None if tls is None else TlsSettings(ca=tls.ca)
+        yield Cluster(meta, realtime, scheduler, client_tls)
+
+
+@pytest.fixture(params=["plaintext", "tls"])
+def tls(request: pytest.FixtureRequest, pki: Pki) -> TlsSettings | None:
+    return None if request.param == "plaintext" else pki.server()
+
+
+REFUSALS = [
+    pytest.param(None, "payments", UNAUTHORIZED, "no token", id="no-token"),
+    pytest.param("wrong-token", "payments", UNAUTHORIZED, "unknown token", id="wrong-token"),
+    pytest.param(CONSUMER, "payments", FORBIDDEN, "role producer or server needed", id="consumer-only"),
+    pytest.param(
+        ORDERS, "payments", FORBIDDEN, "subject 'payments' not allowed for 'orders-service'", id="orders-only"
+    ),
+]
+
+
+@pytest.mark.parametrize(("token", "subject", "code", "words"), REFUSALS)
+async def test_a_refused_producer_is_told_why_and_nothing_is_stored(
+    tmp_path: Path, tokens_file: Path, tls: TlsSettings | None, token: str | None, subject: str, code: str, words: str
+) -> None:
+    async with open_cluster(tmp_path, tokens_file, tls) as cluster:
+        async with open_producer(cluster.address, limits=cluster.client(token), timeout=5.0) as producer:
+            for delay in (60, None):  # SCHEDULE to the scheduler, SEND to the realtime server
+                with pytest.raises(Exception) as refused:
+                    with trio.fail_after(WAIT):  # refused at once, never retried for minutes
+                        await producer.send_batch([producer.message(subject, b"paid", delay=delay)])
+                assert words in str(refused.value), refused.value
+        # the servers' own view: nothing stored
+        assert cluster.scheduler.statistics().scheduled == 0
+        assert cluster.scheduler.statistics().message_log_end == 0
+        assert cluster.realtime.statistics().messages_stored == 0
+        # the same token on a raw connection: the error code a program reads
+        batch = encode_batch([Message(new_message_id(), subject, body=b"paid", deliver_at=2**41)])
+        async with open_peers(limits=cluster.client(token)) as peers:
+            with pytest.raises(PeerError) as error:
+                await peers.call(cluster.scheduler.address or "", Command.SCHEDULE, {}, batch, timeout=WAIT)
+            assert error.value.code == code
+            assert words in str(error.value)
+        assert cluster.scheduler.statistics().message_log_end == 0
+
+
+async def test_allowed_tokens_send_and_consume_through_the_servers_own_token(
+    tmp_path: Path, tokens_file: Path, tls: TlsSettings | None
+) -> None:
+    """The scheduler delivers to the realtime server, and both registered, with the server token."""
+    async with open_cluster(tmp_path, tokens_file, tls) as cluster:
+        async with open_consumer(
+            cluster.address, "orders.eu", group="billing", start="earliest", limits=cluster.client(ORDERS)
+        ) as consumer:
+            async with open_producer(cluster.address, limits=cluster.client(ORDERS)) as producer:
+                [delayed] = await producer.send_batch([producer.message("orders.eu", b"later", delay=0.2)])
+            async with open_producer(cluster.address, limits=cluster.client(PRODUCER)) as producer:
+                [now] = await producer.send_batch([producer.message("orders.eu", b"now")])
+            received = []
+            with trio.fail_after(WAIT):
+                while len(received) < 2:
+                    message = await consumer.receive()
+                    await consumer.ack(message)
+                    received.append(message.id)
+        assert sorted(received) == sorted([str(delayed), str(now)])
+        assert cluster.scheduler.statistics().scheduled == 1
+
+
+async def test_a_consumer_token_limited_to_orders_cannot_pull_payments(tmp_path: Path, tokens_file: Path) -> None:
+    async with open_cluster(tmp_path, tokens_file) as cluster:
+        with pytest.raises(Exception) as refused:
+            with trio.fail_after(WAIT):
+                async with open_consumer(
+                    cluster.address, "payments", group="billing", limits=cluster.client(ORDERS)
+                ) as consumer:
+                    await consumer.receive()
+        assert "subject 'payments'" in str(refused.value) and "not allowed for 'orders-service'" in str(refused.value)

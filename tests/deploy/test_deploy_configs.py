@@ -1,0 +1,207 @@
+"""Every config in deploy/ parses and names only options that exist.
+
+The TOML configs and the units' and compose services' command lines go through the
+real ``delaymq`` parser (``parse_args``, which applies a ``--config`` file's tables the
+way a server start does); values given as lists (``meta = [...]``), which argparse does
+not see one by one, go through the option's own type here. The units are read as the
+INI-like files systemd reads; the compose file with a YAML parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from delaymq.cli.main import build_parser, parse_args
+from delaymq.cli.options import duration
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+SYSTEMD = DEPLOY / "systemd"
+COMPOSE = DEPLOY / "compose"
+SERVER_COMMANDS = ("metaserver", "realtime", "scheduler")
+
+
+def read_unit(path: Path) -> dict[str, dict[str, list[str]]]:
+    """A systemd unit as {section: {key: [values]}}: keys may repeat, comments start with # or ;."""
+    sections: dict[str, dict[str, list[str]]] = {}
+    current: dict[str, list[str]] | None = None
+    for number, raw in enumerate(path.read_text().splitlines(), 1):
+        line = raw.strip()
+        if not line or line[0] in "#;":
+            continue
+        assert not line.endswith("\\"), f"{path.name}:{number}: no continued lines here"
+        if line.startswith("["):
+            assert line.endswith("]"), f"{path.name}:{number}: bad section header {line!r}"
+            current = sections.setdefault(line[1:-1], {})
+            continue
+        key, equals, value = line.partition("=")
+        assert equals and re.fullmatch(r"[A-Za-z][A-Za-z0-9]*", key.strip()), f"{path.name}:{number}: {line!r}"
+        assert current is not None, f"{path.name}:{number}: a setting before any section"
+        current.setdefault(key.strip(), []).append(value.strip())
+    return sections
+
+
+def check_config_values(path: Path) -> argparse.Namespace:
+    """Parse a server config through ``delaymq --config PATH COMMAND`` and check its list values."""
+    import tomllib
+
+    table = tomllib.loads(path.read_text())
+    commands = [name for name in SERVER_COMMANDS if name in table]
+    assert len(commands) == 1, f"{path.name}: one server table, not {commands}"
+    command = commands[0]
+    args = parse_args(["--config", str(path), command])
+    assert args.command == command
+    _, parsers = build_parser()
+    actions = {action.dest: action for action in parsers[command]._actions}
+    for key, value in table[command].items():
+        if isinstance(value, list):
+            action = actions[key.replace("-", "_")]
+            assert action.type is not None and isinstance(action, argparse._AppendAction), f"{key} takes one value"
+            for item in value:
+                action.type(item)  # raises ArgumentTypeError naming what is wrong
+    return args
+
+
+def unit_files() -> list[Path]:
+    return sorted(SYSTEMD.glob("*.service"))
+
+
+def test_deploy_holds_a_unit_and_an_example_config_per_server_kind() -> None:
+    assert [path.name for path in unit_files()] == [
+        "delaymq-metaserver.service",
+        "delaymq-realtime@.service",
+        "delaymq-scheduler@.service",
+    ]
+    assert sorted(path.name for path in SYSTEMD.glob("*.toml")) == [
+        "metaserver.toml",
+        "realtime-1.toml",
+        "scheduler-1.toml",
+    ]
+    assert (SYSTEMD / "README.md").is_file() and (DEPLOY / "spark" / "submit.sh").is_file()
+
+
+@pytest.mark.parametrize("path", sorted(DEPLOY.rglob("*.toml")), ids=lambda path: path.name)
+def test_every_toml_config_parses_through_the_delaymq_parser(path: Path) -> None:
+    args = check_config_values(path)
+    assert args.data is not None and args.metrics_listen is not None
+
+
+def test_a_config_with_a_misspelt_option_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The check above can fail: the parser refuses a key that names no option."""
+    bad = tmp_path / "bad.toml"
+    bad.write_text((SYSTEMD / "realtime-1.toml").read_text().replace("metrics-listen", "metric-listen"))
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["--config", str(bad), "realtime"])
+    assert exited.value.code == 2
+    assert "unknown option 'metric-listen' in [realtime]" in capsys.readouterr().err
+    bad.write_text(
+        (SYSTEMD / "realtime-1.toml").read_text().replace('meta = ["192.0.2.10:20880"]', 'meta = ["192.0.2.10"]')
+    )
+    with pytest.raises(argparse.ArgumentTypeError, match="is not HOST:PORT"):
+        check_config_values(bad)
+
+
+@pytest.mark.parametrize("path", unit_files(), ids=lambda path: path.name)
+def test_every_unit_runs_its_config_as_its_own_user_with_the_settings_operations_need(path: Path) -> None:
+    unit = read_unit(path)
+    assert set(unit) == {"Unit", "Service", "Install"}
+    service = unit["Service"]
+    kind = path.name.removeprefix("delaymq-").split("@")[0].removesuffix(".service")
+    assert kind in SERVER_COMMANDS
+    assert service["User"] == [f"delaymq-{kind}"] and service["Group"] == [f"delaymq-{kind}"]
+    assert "MALLOC_ARENA_MAX=2" in service["Environment"]
+    assert service["Restart"] == ["on-failure"]
+    assert 1 <= duration(service["RestartSec"][0]) <= 60
+    assert service["RestartPreventExitStatus"] == ["2"]  # a usage error: restarting cannot help
+    assert int(service["LimitNOFILE"][0]) >= 65536
+    assert unit["Install"]["WantedBy"] == ["multi-user.target"]
+    # The user exists: systemd-sysusers makes it from the file beside the units.
+    users = (SYSTEMD / "delaymq.sysusers.conf").read_text()
+    assert re.search(rf"^u delaymq-{kind}\s", users, re.MULTILINE)
+
+
+@pytest.mark.parametrize("path", unit_files(), ids=lambda path: path.name)
+def test_every_unit_command_line_parses_with_its_example_config(path: Path) -> None:
+    """ExecStart is ``delaymq --config /etc/delaymq/NAME.toml COMMAND``; the example NAME.toml
+    beside the unit stands in for the installed one (instance ``%i`` of a template: its group)."""
+    (exec_start,) = read_unit(path)["Service"]["ExecStart"]
+    argv = shlex.split(exec_start)
+    assert argv[0] == "/opt/delaymq/bin/delaymq"
+    instance = "metaserver" if "@" not in path.name else f"{path.name.split('@')[0].removeprefix('delaymq-')}-1"
+    argv = [arg.replace("%i", instance) for arg in argv[1:]]
+    config = argv.index("--config") + 1
+    installed = Path(argv[config])
+    assert installed.parent == Path("/etc/delaymq")
+    argv[config] = str(SYSTEMD / installed.name)
+    args = parse_args(argv)
+    assert args.command in SERVER_COMMANDS and args.config == SYSTEMD / installed.name
+    # The data folder is the unit's StateDirectory.
+    (state,) = read_unit(path)["Service"]["StateDirectory"]
+    assert args.data == Path("/var/lib") / state.replace("%i", instance)
+    assert args.max_connections < int(read_unit(path)["Service"]["LimitNOFILE"][0]) // 2
+
+
+def load_compose() -> dict:
+    data = yaml.safe_load((COMPOSE / "compose.yaml").read_text())
+    assert isinstance(data, dict)
+    return data
+
+
+def test_the_compose_file_starts_a_metaserver_two_realtime_groups_and_a_scheduler_master_with_a_slave() -> None:
+    compose = load_compose()
+    services = compose["services"]
+    commands = {name: service["command"] for name, service in services.items() if name != "client"}
+    parsed = {name: parse_args(argv) for name, argv in commands.items()}
+    kinds = sorted(args.command for args in parsed.values())
+    assert kinds == ["metaserver", "realtime", "realtime", "scheduler", "scheduler"]
+    realtime_groups = {args.group for args in parsed.values() if args.command == "realtime"}
+    scheduler_groups = [args.group for args in parsed.values() if args.command == "scheduler"]
+    assert len(realtime_groups) == 2 and len(set(scheduler_groups)) == 1  # one group, two members
+    (meta,) = [name for name, args in parsed.items() if args.command == "metaserver"]
+    meta_address = parsed[meta].listen
+    volumes = set(compose["volumes"])
+    mounts: set[str] = set()
+    for name, args in parsed.items():
+        service = services[name]
+        assert args.metrics_listen is not None
+        if args.command != "metaserver":
+            assert args.meta == [meta_address]
+            # A group of one realtime member cannot wait for a slave.
+            assert args.command == "scheduler" or args.min_insync == 0
+        (mount,) = service["volumes"]
+        volume, _, target = mount.partition(":")
+        assert volume in volumes and Path(target) == args.data
+        mounts.add(volume)
+        assert service["environment"]["MALLOC_ARENA_MAX"] == "2"
+        assert service["image"] == "delaymq:local" and service["build"]["context"] == "."
+        # Metrics published on the host's loopback only.
+        (port,) = service["ports"]
+        assert port.startswith("127.0.0.1:") and port.endswith(":" + args.metrics_listen.rpartition(":")[2])
+    assert mounts == volumes  # every server its own volume
+    client = services["client"]
+    assert parse_args(client["command"]).command == "status"
+
+
+def test_the_image_is_built_from_the_wheel_and_runs_as_a_user() -> None:
+    lines = [line.strip() for line in (COMPOSE / "Dockerfile").read_text().splitlines()]
+    instructions = [line.split()[0] for line in lines if line and not line.startswith("#") and line[0].isupper()]
+    assert instructions[0] == "FROM"
+    assert "COPY dist/ /tmp/dist/" in lines
+    assert any("pip install --no-cache-dir /tmp/dist/delaymq-*.whl" in line for line in lines)
+    assert "USER delaymq" in lines and 'ENTRYPOINT ["delaymq"]' in lines
+    assert "ENV MALLOC_ARENA_MAX=2 \\" in lines
+    assert (COMPOSE / ".dockerignore").read_text().split()[-2:] == ["*", "!dist/"]
+
+
+@pytest.mark.parametrize("script", sorted(DEPLOY.rglob("*.sh")), ids=lambda path: path.name)
+def test_every_script_is_executable_bash_that_parses(script: Path) -> None:
+    assert script.stat().st_mode & 0o111
+    assert script.read_text().startswith("#!/usr/bin/env bash\n")
+    checked = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr

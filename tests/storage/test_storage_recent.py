@@ -1,0 +1,66 @@
+"""The bytes a log keeps in memory (``keep_recent``): what was written, never what was cut."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from delaymq.protocol.envelope import RecordKind, encode
+from delaymq.storage.log import SegmentedLog
+from delaymq.storage.recent import RecentBytes
+
+
+def record(i: int, size: int = 60) -> bytes:
+    return encode(RecordKind.OPAQUE, f"record-{i:04d}".encode().ljust(size, b"."))
+
+
+def test_a_log_keeps_its_newest_bytes_and_reads_them_as_the_disk_holds_them(tmp_path: Path) -> None:
+    with SegmentedLog.open(tmp_path, segment_size=2000) as log:
+        log.keep_recent(1000)
+        batches = [record(i) + record(i + 1000) for i in range(40)]  # rolls segments on the way
+        offsets = [log.append(batch) for batch in batches]
+        ends = [offset + len(batch) for offset, batch in zip(offsets, batches, strict=True)]
+        held = [i for i in range(40) if log.read_recent(offsets[i], len(batches[i])) is not None]
+        assert held == list(range(40 - len(held), 40))  # the newest, about the limit's worth
+        assert 1000 - 2 * len(batches[0]) <= sum(len(batches[i]) for i in held) <= 1000
+        for i in held:
+            assert log.read_recent(offsets[i], len(batches[i])) == log.read_raw(offsets[i], len(batches[i]))[0]
+        # A span across batches, and one record inside a batch.
+        span = log.read_recent(offsets[-3], ends[-1] - offsets[-3])
+        assert span == batches[-3] + batches[-2] + batches[-1]
+        assert log.read_recent(offsets[-1] + len(record(0)), len(record(0))) == record(1039)
+        assert log.read_recent(offsets[0], len(batches[0])) is None  # forgotten: read from the disk
+        assert log.read_recent(ends[-1], 1) is None  # not written
+
+
+def test_bytes_cut_from_a_log_are_never_read_from_memory(tmp_path: Path) -> None:
+    with SegmentedLog.open(tmp_path) as log:
+        log.keep_recent(1 << 20)
+        first = log.append(record(1))
+        second = log.append(record(2))
+        log.truncate(second)
+        assert log.read_recent(first, len(record(1))) is None
+        assert log.read_recent(second, len(record(2))) is None
+        again = log.append(record(3))
+        assert again == second
+        assert log.read_recent(again, len(record(3))) == record(3)
+        log.flush()
+        log.append(record(4))
+        log.drop_unflushed()  # as the sync writer does after a failed fsync
+        assert log.read_recent(again, len(record(3))) is None
+
+
+def test_a_log_keeps_nothing_unless_asked(tmp_path: Path) -> None:
+    with SegmentedLog.open(tmp_path) as log:
+        offset = log.append(record(1))
+        assert log.read_recent(offset, len(record(1))) is None
+
+
+def test_recent_bytes_start_afresh_after_a_gap() -> None:
+    recent = RecentBytes(100)
+    recent.add(0, b"abc")
+    recent.add(3, bytearray(b"def"))
+    assert recent.read(1, 4) == b"bcde"
+    recent.add(10, memoryview(b"xyz"))  # not where the last chunk ended
+    assert recent.read(0, 3) is None
+    assert recent.read(10, 3) == b"xyz"
+    assert len(recent) == 3
