@@ -87,6 +87,14 @@ def add_connection_options(parser: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="bytes of unfinished requests held across all connections (default: twice the frame limit, 128MiB)",
     )
+    parser.add_argument(
+        "--max-in-flight",
+        type=count,
+        default=defaults.max_in_flight,
+        metavar="N",
+        help="requests one connection may have in flight; at it the server reads no more from that connection "
+        "until one is answered (back-pressure, not a refusal) (default: %(default)s)",
+    )
     add_tls_options(parser, server=True)
 
 
@@ -235,6 +243,7 @@ def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
             idle_timeout=_seconds(args.idle_timeout, "--idle-timeout"),
             frame_timeout=_seconds(args.frame_timeout, "--frame-timeout"),
             max_buffered=args.max_buffered,
+            max_in_flight=args.max_in_flight,
         )
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None

@@ -41,6 +41,11 @@ from delaymq.wheel import HOUR_MS
 LATENESS_BUCKETS_S: tuple[float, ...] = (
     0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0, 3600.0,
 )  # fmt: skip
+#: Upper bounds (seconds) of the fsync-duration histogram's buckets: from 100 µs (a disk
+#: with a write cache) to 10 s (a disk that stalls).
+FSYNC_BUCKETS_S: tuple[float, ...] = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
 #: Hours after the current one the scheduler's pending gauge has a window of its own;
 #: later hours add up in the window "later".
 PENDING_WINDOW_HOURS = 24
@@ -82,22 +87,50 @@ def lateness_histogram(name: str, documentation: str, wire: Mapping[str, Any]) -
     Each log-linear bucket counts under the first bound at or above its highest value
     (capped at the largest value recorded), as its percentiles do: a lateness is never
     shown lower than it was. Early values (negative) were recorded as 0."""
+    buckets, total = histogram_buckets(wire, LATENESS_BUCKETS_S, unit_s=0.001)
+    return HistogramMetricFamily(name, documentation, buckets=buckets, sum_value=total)
+
+
+def histogram_buckets(
+    wire: Mapping[str, Any], bounds_s: Sequence[float], *, unit_s: float
+) -> tuple[list[tuple[str, float]], float]:
+    """The cumulative Prometheus buckets and the sum (seconds) of a ``LatencyHistogram.to_wire``
+    map whose values are in units of ``unit_s`` seconds; see ``lateness_histogram``."""
     histogram = LatencyHistogram.from_wire(wire) if wire else LatencyHistogram()
-    bounds_ms = [round(bound * 1000) for bound in LATENESS_BUCKETS_S]
-    per_bound = [0] * len(bounds_ms)
+    bounds = [round(bound / unit_s) for bound in bounds_s]
+    per_bound = [0] * len(bounds)
     for index, count in enumerate(histogram.counts):
         if count:
             highest = min(bucket_bounds(index)[1], histogram.max)
-            slot = next((i for i, bound in enumerate(bounds_ms) if highest <= bound), None)
+            slot = next((i for i, bound in enumerate(bounds) if highest <= bound), None)
             if slot is not None:
                 per_bound[slot] += count
     buckets: list[tuple[str, float]] = []
     seen = 0
-    for bound, count in zip(LATENESS_BUCKETS_S, per_bound):
+    for bound, count in zip(bounds_s, per_bound):
         seen += count
         buckets.append((floatToGoString(bound), seen))
     buckets.append(("+Inf", histogram.count))
-    return HistogramMetricFamily(name, documentation, buckets=buckets, sum_value=histogram.total / 1000)
+    return buckets, histogram.total * unit_s
+
+
+def fsync_histogram(fsync_us: Mapping[str, Mapping[str, Any]]) -> Metric:
+    """``delaymq_fsync_duration_seconds`` by ``log`` from a server's ``fsync_us`` (microseconds)."""
+    family = HistogramMetricFamily(
+        "delaymq_fsync_duration_seconds",
+        'How long fsyncs take, by log: "message" (the message log\'s group commit), '
+        '"checkpoint" (a realtime checkpoint: consume and pull logs, lmdb)',
+        labels=["log"],
+    )
+    for log, wire in sorted(fsync_us.items()):
+        buckets, total = histogram_buckets(wire, FSYNC_BUCKETS_S, unit_s=0.000_001)
+        family.add_metric([log], buckets, total)
+    return family
+
+
+def log_bytes(sizes: Mapping[str, int]) -> Metric:
+    """``delaymq_log_bytes`` by ``log``: what each kind of log holds on disk."""
+    return labelled(GaugeMetricFamily, "delaymq_log_bytes", "Bytes each kind of log holds on disk", "log", sizes)
 
 
 def server_info(kind: str, group: str, address: str | None, role: str) -> Metric:
@@ -134,6 +167,13 @@ def transport_families(stats: ServerStatistics) -> Iterator[Metric]:
     yield counter("delaymq_requests", "Requests answered", stats.requests)
     yield counter(
         "delaymq_request_errors", "Requests answered with an error (every reason together)", stats.errors_answered
+    )
+    yield labelled(
+        CounterMetricFamily,
+        "delaymq_requests_refused",
+        "Requests answered with an error, by its code (unauthorized, forbidden, rate_limited, limit, ...)",
+        "reason",
+        dict(sorted(stats.refused_by_reason.items())),
     )
     yield gauge("delaymq_request_buffer_bytes", "Bytes of unfinished requests held now", stats.buffered_bytes)
     yield gauge(
@@ -267,6 +307,22 @@ def realtime_families(stats: RealtimeStatistics, transport: ServerStatistics) ->
         "Hand-out to a consumer minus deliver_at (created_at for immediate messages), per message",
         stats.lateness_handed_out,
     )
+    yield counter(
+        "delaymq_messages_acked",
+        "Messages consumers acked (each once; ACK requests are counted apart)",
+        stats.acked_messages,
+    )
+    lag = GaugeMetricFamily(
+        "delaymq_consumer_lag_messages",
+        "Messages stored for a subject a consumer group has not acked yet "
+        "(the groups with the most lag, at most 100 series)",
+        labels=["group", "subject"],
+    )
+    for group, subject, count in stats.consumer_lag:
+        lag.add_metric([group, subject], count)
+    yield lag
+    yield log_bytes(stats.log_bytes)
+    yield fsync_histogram(stats.fsync_us)
 
 
 def pending_windows(now_ms: int, hours: Sequence[int], pending: Sequence[int], total: int) -> dict[str, int]:
@@ -336,6 +392,8 @@ def scheduler_families(
     yield lateness_histogram(
         prefix + "fire_lateness_seconds", "Fired minus deliver_at, per message", stats.lateness_fired
     )
+    yield log_bytes({"message": stats.message_log_bytes})
+    yield fsync_histogram(stats.fsync_us)
     if stats.pending >= 0:  # a master's (a slave's wheel is idle)
         yield gauge(prefix + "pending_messages", "Messages filed, not yet recorded as delivered", stats.pending)
     if windows is not None:
@@ -481,12 +539,15 @@ class Exposition:
 
 
 __all__ = [
+    "FSYNC_BUCKETS_S",
     "LATENESS_BUCKETS_S",
     "Exposition",
     "MetaserverSource",
     "MetricsSource",
     "RealtimeSource",
     "SchedulerSource",
+    "fsync_histogram",
+    "histogram_buckets",
     "lateness_histogram",
     "metaserver_families",
     "pending_windows",

@@ -52,7 +52,9 @@ from delaymq.protocol.transport import AsyncCaller, TransportError
 from delaymq.wheel.clock import Clock
 
 #: Error codes that mean "this group will not take it now; another may".
-RETRY_CODES = frozenset({"read_only", "not_master", "unavailable", "overloaded", "shutting_down", "internal"})
+RETRY_CODES = frozenset(
+    {"read_only", "not_master", "unavailable", "overloaded", "shutting_down", "internal", "rate_limited"}
+)
 
 #: The waits between rounds of a call with ``retry_for``: 100 ms doubling to 500 ms, each at least half its
 #: ceiling. The cap bounds how long after a restarted server is back a send waiting for it goes through.
@@ -481,14 +483,16 @@ class CallPlan:
         self._round_tries += 1
         answer = table.answer(self._key)
         untried = answer is not None and any(g.group not in self._round for g in answer.groups)
-        self._record(Attempt(group.group, group.address, error), now_ms, end_round=not untried)
+        # A rate limit says how long until the same request fits (``retry_after_ms``): no round sooner.
+        wait_ms = error.retry_after_ms if isinstance(error, PeerError) else None
+        self._record(Attempt(group.group, group.address, error), now_ms, end_round=not untried, at_least_ms=wait_ms)
 
-    def _record(self, attempt: Attempt, now_ms: int, *, end_round: bool) -> None:
+    def _record(self, attempt: Attempt, now_ms: int, *, end_round: bool, at_least_ms: int | None = None) -> None:
         self._tried.append(attempt)
         if self._deadline_ms is None:
             return
         if end_round or self._round_tries >= self._attempts:
-            self.ready_at_ms = now_ms + self._backoff.next_delay_ms()
+            self.ready_at_ms = now_ms + max(self._backoff.next_delay_ms(), at_least_ms or 0)
             self._round.clear()
             self._round_tries = 0
             self.rounds += 1

@@ -7,6 +7,8 @@ A tokens file (TOML) lists one ``[[token]]`` table per token::
     token = "8f3b...long random..."  # the secret the client presents
     roles = ["producer"]             # producer, consumer, admin, server
     subjects = ["orders.*"]          # optional; default ["*"]: every subject
+    messages_per_s = 1000            # optional; default none: SEND/SCHEDULE messages a second
+    bytes_per_s = 10_485_760         # optional; default none: SEND/SCHEDULE batch bytes a second
 
 ``subjects`` are shell-style patterns (``fnmatch``, case-sensitive): ``*`` matches
 any run of characters, dots included (``orders.*`` matches ``orders.eu`` and
@@ -26,7 +28,8 @@ Which roles a command needs (any one of them), ``COMMAND_ROLES``:
 
 ``TokenTable.check`` answers an ``Identity`` or an ``AuthRefusal`` naming what was
 missing; ``TokenFile`` is the table of one file, reloaded in place (SIGHUP), so
-the next request is checked against the new permissions.
+the next request is checked against the new permissions. An identity's ``rates``
+are enforced by the transport (``delaymq.protocol.ratelimit``) after this check.
 """
 
 from __future__ import annotations
@@ -35,13 +38,14 @@ import hashlib
 import logging
 import tomllib
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
 from delaymq.protocol.commands import Command, command_name
 from delaymq.protocol.errors import RemoteProtocolError
+from delaymq.protocol.ratelimit import RATE_FIELDS
 from delaymq.protocol.subjects import DEAD_PREFIX, RETRY_PREFIX, SEPARATOR
 
 log = logging.getLogger(__name__)
@@ -103,11 +107,12 @@ class TokenFileError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Identity:
-    """Who a token is: its name, roles and subject patterns."""
+    """Who a token is: its name, roles, subject patterns and rates (``RATE_FIELDS`` name → per second)."""
 
     name: str
     roles: frozenset[str]
     subjects: tuple[str, ...]
+    rates: Mapping[str, float] = field(default_factory=dict, hash=False)
 
     def allows(self, subject: str) -> bool:
         checked = base_subject(subject)
@@ -154,6 +159,9 @@ class TokenTable:
 
     def __len__(self) -> int:
         return len(self._by_digest)
+
+    def names(self) -> set[str]:
+        return {identity.name for identity in self._by_digest.values()}
 
     def identify(self, token: str | None) -> Identity | None:
         return None if token is None else self._by_digest.get(_digest(token))
@@ -244,16 +252,17 @@ def _entry_lines(text: str) -> list[int]:
 def _entry(entry: Any, where: str) -> tuple[str, Identity]:
     if not isinstance(entry, dict):
         raise TokenFileError(f"{where}: not a table")
-    unknown = sorted(set(entry) - {"name", "token", "roles", "subjects"})
+    known = ("name", "token", "roles", "subjects", *RATE_FIELDS)
+    unknown = sorted(set(entry) - set(known))
     if unknown:
-        raise TokenFileError(f"{where}: unknown field {unknown[0]!r} (fields: name, token, roles, subjects)")
-    for field in ("name", "token", "roles"):
-        if field not in entry:
-            raise TokenFileError(f"{where}: {field}: missing")
+        raise TokenFileError(f"{where}: unknown field {unknown[0]!r} (fields: {', '.join(known)})")
+    for required in ("name", "token", "roles"):
+        if required not in entry:
+            raise TokenFileError(f"{where}: {required}: missing")
     name, token = entry["name"], entry["token"]
-    for field, value in (("name", name), ("token", token)):
+    for required, value in (("name", name), ("token", token)):
         if not isinstance(value, str) or not value.strip():
-            raise TokenFileError(f"{where}: {field}: must be a non-empty string")
+            raise TokenFileError(f"{where}: {required}: must be a non-empty string")
     roles = entry["roles"]
     if not isinstance(roles, list) or not roles:
         raise TokenFileError(f"{where} ({name}): roles: must be a non-empty list of {', '.join(ROLES)}")
@@ -266,7 +275,15 @@ def _entry(entry: Any, where: str) -> tuple[str, Identity]:
     for pattern in subjects:
         if not isinstance(pattern, str) or not pattern:
             raise TokenFileError(f"{where} ({name}): subjects: {pattern!r} is not a non-empty string")
-    return token, Identity(name, frozenset(roles), tuple(subjects))
+    rates: dict[str, float] = {}
+    for rate_field in RATE_FIELDS:
+        rate = entry.get(rate_field)
+        if rate is None:
+            continue
+        if not isinstance(rate, int | float) or isinstance(rate, bool) or not 1 <= rate < float("inf"):
+            raise TokenFileError(f"{where} ({name}): {rate_field}: must be a number of at least 1, not {rate!r}")
+        rates[rate_field] = float(rate)
+    return token, Identity(name, frozenset(roles), tuple(subjects), rates)
 
 
 def load_tokens(path: Path) -> TokenTable:

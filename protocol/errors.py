@@ -28,6 +28,7 @@ CODES = frozenset(
         "bad_request",  # a well-formed request the peer cannot serve
         "unauthorized",  # no token, or one the server does not know (delaymq.protocol.auth)
         "forbidden",  # a known token without the role or subject the request needs
+        "rate_limited",  # a token over its messages_per_s or bytes_per_s: retry after retry_after_ms
     }
 )
 
@@ -41,7 +42,8 @@ class ProtocolError(Exception):
     connection); a non-fatal error leaves the stream in sync, and then
     ``request_id`` and ``command`` (when the frame header was readable) let a
     server answer the offending request with an error frame. ``index`` is the
-    position of the offending record in a batch.
+    position of the offending record in a batch. ``retry_after_ms`` is the
+    least wait before the same request may succeed (a rate limit), or None.
     """
 
     def __init__(
@@ -55,6 +57,7 @@ class ProtocolError(Exception):
         fatal: bool = False,
         request_id: int | None = None,
         command: int | None = None,
+        retry_after_ms: int | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -65,6 +68,7 @@ class ProtocolError(Exception):
         self.fatal = fatal
         self.request_id = request_id
         self.command = command
+        self.retry_after_ms = retry_after_ms
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Keyword-only arguments: the default pickling would lose them.
@@ -79,6 +83,7 @@ class ProtocolError(Exception):
             "fatal": self.fatal,
             "request_id": self.request_id,
             "command": self.command,
+            "retry_after_ms": self.retry_after_ms,
         }
 
     def __repr__(self) -> str:
@@ -96,6 +101,8 @@ class ProtocolError(Exception):
         }
         if self.index is not None:
             data["index"] = self.index
+        if self.retry_after_ms is not None:
+            data["retry_after_ms"] = self.retry_after_ms
         return data
 
     @classmethod
@@ -116,16 +123,20 @@ class ProtocolError(Exception):
         field = data.get("field")
         limit = data.get("limit")
         index = data.get("index")
+        retry_after_ms = data.get("retry_after_ms")
         for name, ok, wanted in (
             ("code", isinstance(code, str) and code, "a non-empty string"),
             ("message", isinstance(message, str), "a string"),
             ("field", field is None or isinstance(field, str), "a string"),
             ("limit", limit is None or _is_int(limit) or isinstance(limit, str), "an int or str"),
             ("index", index is None or _is_int(index), "an int"),
+            ("retry_after_ms", retry_after_ms is None or _is_int(retry_after_ms), "an int"),
         ):
             if not ok:
                 raise RemoteProtocolError(f"error {name!r} is not {wanted}", code="bad_metadata", field=f"error.{name}")
-        return cls(str(message or code), code=str(code), field=field, limit=limit, index=index)
+        return cls(
+            str(message or code), code=str(code), field=field, limit=limit, index=index, retry_after_ms=retry_after_ms
+        )
 
 
 class LocalProtocolError(ProtocolError):

@@ -60,6 +60,10 @@ class ConnectionLimits:
     - ``max_buffered``: bytes of partial frames the server holds across all its
       connections; the connection whose frame would go past it is answered
       ``unavailable`` and closed. None: twice ``Limits.max_frame``.
+    - ``max_in_flight``: requests one connection may have in flight (being
+      handled, answers not yet written); at the cap the server stops reading that
+      connection until one is answered (back-pressure: the client's requests wait
+      in its socket, none is refused), so a client cannot start unbounded work.
     """
 
     max_connections: int = 10_000
@@ -68,9 +72,10 @@ class ConnectionLimits:
     idle_timeout: float = 300.0
     frame_timeout: float = 60.0
     max_buffered: int | None = None
+    max_in_flight: int = 1024
 
     def __post_init__(self) -> None:
-        for name in ("max_connections", "max_per_address", "spare_fds", "max_buffered"):
+        for name in ("max_connections", "max_per_address", "spare_fds", "max_buffered", "max_in_flight"):
             value = getattr(self, name)
             if value is None and name in ("spare_fds", "max_buffered"):
                 continue

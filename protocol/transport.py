@@ -25,7 +25,14 @@ The frame codec (``frames.py``) is sans-IO; this module does the I/O around it:
   (an AUTH request, answered here; ``Peers`` sends ``Limits.token`` so first on
   each connection it dials): a refused request is answered ``unauthorized`` or
   ``forbidden`` and changes nothing. The check reads the table as it is at each
-  request, so a reload applies to connections already open.
+  request, so a reload applies to connections already open. A token with rates
+  (``messages_per_s``, ``bytes_per_s``) then has its SEND and SCHEDULE batches
+  taken from its buckets (``ratelimit.RateLimiter``, fed trio's monotonic clock):
+  one over its rate is answered ``rate_limited`` with ``retry_after_ms``.
+- A connection has at most ``ConnectionLimits.max_in_flight`` requests in
+  flight; at the cap the server stops reading it until one is answered
+  (back-pressure, not a refusal). ``ServerStatistics.refused_by_reason`` counts
+  every error answer by its code.
 """
 
 from __future__ import annotations
@@ -37,14 +44,15 @@ import math
 import os
 import socket
 import ssl
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import trio
 
-from delaymq.protocol.auth import SUBJECT_COMMANDS, UNAUTHORIZED, AuthRefusal, TokenFile
+from delaymq.protocol.auth import SUBJECT_COMMANDS, UNAUTHORIZED, AuthRefusal, Identity, TokenFile, TokenTable
 from delaymq.protocol.backoff import Backoff, BackoffRun, RandomSource
 from delaymq.protocol.commands import Command, command_name
 from delaymq.protocol.connections import (
@@ -73,6 +81,7 @@ from delaymq.protocol.frames import (
     response_to,
 )
 from delaymq.protocol.limits import DEFAULT_LIMITS, Limits
+from delaymq.protocol.ratelimit import RateLimiter
 from delaymq.protocol.records import RECORD_HEADER_SIZE, record_subject
 from delaymq.protocol.tls import TLS_HANDSHAKE_RECORD, TLS_REQUIRED
 
@@ -83,8 +92,8 @@ Reply = dict[str, Any] | tuple[dict[str, Any], bytes] | None
 Handler = Callable[["Request"], Awaitable[Reply]]
 
 RECEIVE_SIZE = 256 * 1024
-#: Requests one connection may have in flight before the server stops reading it.
-MAX_IN_FLIGHT = 1024
+#: Commands whose batches count against a token's rates.
+RATED_COMMANDS = frozenset({Command.SEND, Command.SCHEDULE})
 #: The request id of an error frame about the connection itself (a refusal), not a request.
 CONNECTION_REQUEST_ID = 0
 
@@ -196,6 +205,10 @@ class ServerStatistics:
     #: Bytes of unfinished frames held now, and the most held at once.
     buffered_bytes: int
     buffered_bytes_peak: int
+    #: Requests answered with an error, by its code (``unauthorized``, ``rate_limited``, ``limit``, ...).
+    refused_by_reason: Mapping[str, int] = field(default_factory=dict)
+    #: Times a connection reached ``max_in_flight`` and the server stopped reading it until an answer.
+    in_flight_full: int = 0
 
 
 class FrameServer:
@@ -217,6 +230,10 @@ class FrameServer:
         self._dropped = 0
         self._closed_idle = 0
         self._closed_slow = 0
+        self._refused: Counter[str] = Counter()
+        self._in_flight_full = 0
+        self._rates = RateLimiter()
+        self._rated_table: TokenTable | None = None  # the token table the rate limiter last saw
 
     def statistics(self) -> ServerStatistics:
         admission = self.admission
@@ -235,7 +252,13 @@ class FrameServer:
             closed_slow=self._closed_slow,
             buffered_bytes=admission.buffered,
             buffered_bytes_peak=admission.buffered_peak,
+            refused_by_reason=dict(self._refused),
+            in_flight_full=self._in_flight_full,
         )
+
+    def _error_answered(self, code: str) -> None:
+        self._errors += 1
+        self._refused[code] += 1
 
     async def serve(
         self, host: str = "127.0.0.1", port: int = 0, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
@@ -410,14 +433,14 @@ class FrameServer:
             error = RemoteProtocolError(
                 "AUTH: field 'token' must be a non-empty string", code="bad_request", field="token"
             )
-            self._errors += 1
+            self._error_answered("bad_request")
             return error_response(frame, error), None
         tokens = self.limits.tokens
         if tokens is None:
             return response_to(frame, {"name": None}), token  # no tokens file: every request is served
         identity = tokens.table.identify(token)
         if identity is None:
-            self._errors += 1
+            self._error_answered(UNAUTHORIZED)
             count = self._refusal_log.note("AUTH:unauthorized", trio.current_time())
             if count is not None:
                 log.warning(
@@ -430,12 +453,29 @@ class FrameServer:
         return response_to(frame, {"name": identity.name}), token
 
     def _authorize(self, tokens: TokenFile, frame: Frame, token: str | None) -> str:
-        """The name of the identity the request acts as; ``RemoteProtocolError`` when the token may not send it."""
+        """The name of the identity the request acts as; ``RemoteProtocolError`` when the token may not send it,
+        ``ProtocolError`` (``rate_limited``, or ``limit`` for a batch over a second's worth) past its rates."""
         subjects = request_subjects(frame) if frame.command in SUBJECT_COMMANDS else ()
-        checked = tokens.table.check(token, frame.command, subjects)
+        table = tokens.table
+        checked = table.check(token, frame.command, subjects)
         if isinstance(checked, AuthRefusal):
             raise checked.error()
+        if checked.rates and frame.command in RATED_COMMANDS:
+            self._check_rates(table, checked, frame)
         return checked.name
+
+    def _check_rates(self, table: TokenTable, identity: Identity, frame: Frame) -> None:
+        """Take the batch's messages and bytes from the token's buckets, or refuse it (nothing taken)."""
+        if table is not self._rated_table:  # reloaded: a token removed takes its buckets with it
+            self._rates.forget(table.names())
+            self._rated_table = table
+        amounts = {"messages_per_s": batch_messages(frame), "bytes_per_s": len(frame.body)}
+        now_ms = math.floor(trio.current_time() * 1000)
+        refusal = self._rates.check(
+            identity.name, dict(identity.rates), amounts, now_ms, command=command_name(frame.command)
+        )
+        if refusal is not None:
+            raise refusal.error()
 
     async def _answer(self, frame: Frame, peer: str, token: str | None = None) -> Frame | None:
         expects_answer = frame.kind == FrameKind.REQUEST
@@ -445,7 +485,7 @@ class FrameServer:
                 code="bad_frame",
                 field="kind",
             )
-            self._errors += 1
+            self._error_answered("bad_frame")
             return error_response(frame, error)
         handler = self.handlers.get(frame.command)
         tokens = self.limits.tokens
@@ -462,7 +502,7 @@ class FrameServer:
                 )
             reply = await handler(Request(frame, peer, identity))
         except ProtocolError as error:
-            self._errors += 1
+            self._error_answered(error.code)
             # A flood of one refusal (a full disk refuses every SEND) is a line a minute with a count.
             count = self._refusal_log.note(f"{frame.command}:{error.code}", trio.current_time())
             if count is not None:
@@ -472,7 +512,7 @@ class FrameServer:
                 )  # fmt: skip
             return error_response(frame, error) if expects_answer else None
         except Exception as error:  # a bug in a handler must not kill the server
-            self._errors += 1
+            self._error_answered("internal")
             log.exception("%s from %s failed", command_name(frame.command), peer)
             internal = RemoteProtocolError(f"internal error: {type(error).__name__}: {error}", code="internal")
             return error_response(frame, internal) if expects_answer else None
@@ -505,7 +545,7 @@ class _ServedConnection:
         self._timeouts = server.limits.connections
         self._decoder = FrameDecoder(server.limits)
         self._send_lock = trio.Lock()
-        self._in_flight = trio.Semaphore(MAX_IN_FLIGHT)
+        self._in_flight = trio.Semaphore(server.limits.connections.max_in_flight)
         self._handling = 0
         self._last_active = trio.current_time()
         self._frame_started = 0.0
@@ -539,7 +579,7 @@ class _ServedConnection:
             self._decoder.end_of_stream()
         except ProtocolError as error:
             # The stream can no longer be trusted: say why, then close.
-            self._server._errors += 1
+            self._server._error_answered(error.code)
             self._server._dropped += 1
             log.warning("closing connection from %s: %s", self._peer, error)
             with trio.move_on_after(1):
@@ -605,7 +645,7 @@ class _ServedConnection:
                 if error.fatal:
                     raise
                 completed += 1
-                self._server._errors += 1
+                self._server._error_answered(error.code)
                 log.info("bad frame from %s: %s", self._peer, error)
                 await self._send(error_response(error, error))
                 continue
@@ -616,6 +656,7 @@ class _ServedConnection:
             try:
                 self._in_flight.acquire_nowait()  # no scheduling round per frame while slots are free
             except trio.WouldBlock:
+                self._server._in_flight_full += 1
                 await self._in_flight.acquire()  # backpressure: stop reading this peer
             self._handling += 1
             self._nursery.start_soon(self._handle, frame)
@@ -646,7 +687,7 @@ class _ServedConnection:
         try:
             data = encode_frame(frame, self._server.limits)
         except LocalProtocolError as error:  # a handler's answer too big: a bug, not the end of the server
-            self._server._errors += 1
+            self._server._error_answered("internal")
             log.error("the answer to %s from %s cannot be sent: %s", command_name(frame.command), self._peer, error)
             internal = ProtocolError(f"internal error: the answer cannot be sent: {error}", code="internal")
             data = encode_frame(error_response(frame, internal), self._server.limits)
@@ -669,6 +710,14 @@ class _ServedConnection:
             )
             self._nursery.cancel_scope.cancel()
             raise trio.ClosedResourceError("the peer does not read its answers")
+
+
+def batch_messages(frame: Frame) -> int:
+    """The message records in a SEND's or SCHEDULE's body (its subjects were read without error before)."""
+    try:
+        return sum(1 for span in iter_spans(frame.body) if span.kind == RecordKind.MESSAGE)
+    except EnvelopeError as error:
+        raise RemoteProtocolError(f"{command_name(frame.command)}: {error}", code="bad_record", field="body") from None
 
 
 def request_subjects(frame: Frame) -> list[str] | None:

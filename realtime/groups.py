@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict, deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from delaymq.protocol.errors import RemoteProtocolError
@@ -143,8 +144,10 @@ class Groups:
         self.dirty_shares: set[Share] = set()
         self.dirty_consumers: set[ConsumerState] = set()
         self.redelivered = 0  # messages given back to their share, ever
-        self.acks = 0
+        self.acks = 0  # ACK requests
+        self.acked_messages = 0  # pull-log entries an ACK settled (each once)
         self.nacks = 0
+        self.pulled_entries = 0  # pull-log entries recorded (hand-outs), ever
 
     # ---------------------------------------------------------------- members
 
@@ -198,6 +201,7 @@ class Groups:
         consumer.sequences.extend(sequences)
         consumer.redeliveries.extend(redeliveries)
         consumer.length += len(sequences)
+        self.pulled_entries += len(sequences)
         self._handed.append((now + self.ack_timeout_ms, consumer, start, consumer.length))
         self.dirty_consumers.add(consumer)
         self.touch(consumer, now)
@@ -231,7 +235,9 @@ class Groups:
         if consumer is None:  # pragma: no cover - _check_range refuses any range then
             return 0
         self.acks += 1
-        if consumer.progress.undone(start, end):
+        undone = consumer.progress.undone(start, end)
+        if undone:
+            self.acked_messages += sum(gap_end - gap_start for gap_start, gap_end in undone)
             self.settle(consumer, start, end)
         return consumer.progress.acked
 
@@ -333,6 +339,31 @@ class Groups:
         self.dirty_shares.add(share)
         self.dirty_consumers.add(consumer)
         return count
+
+    # ---------------------------------------------------------------- lag
+
+    def lag(self, consume_counts: Mapping[str, int]) -> dict[tuple[str, str], int]:
+        """Messages each (group, subject) has not acked yet, from ``consume_counts`` (entries per subject).
+
+        A share's lag is what it has yet to take (consume-log end minus its position, less the
+        entries consumers were handed past it before a crash), what was given back to it, and
+        what its consumers hold unacked (claimed ones included). A broadcast group's lag is its
+        slowest consumer's. Consumers not in memory hold nothing unacked (``forget_idle``).
+        """
+        held: dict[bytes, int] = {}
+        for consumer in self.consumers.values():
+            unacked = consumer.unacked()
+            if unacked:
+                held[consumer.share.key] = held.get(consumer.share.key, 0) + unacked
+        lag: dict[tuple[str, str], int] = {}
+        for share in self.shares.values():
+            end = consume_counts.get(share.subject, 0)
+            passed = sum(1 for sequence in share.skip if share.position <= sequence < end)
+            ahead = max(0, end - share.position - passed)
+            count = ahead + len(share.redeliver) + held.get(share.key, 0)
+            key = (share.group, share.subject)
+            lag[key] = max(lag.get(key, 0), count)
+        return lag
 
     # ---------------------------------------------------------------- time
 

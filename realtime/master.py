@@ -22,6 +22,8 @@ replication, waits for the in-sync slaves; so does every SEND, and a PULL's hand
 from __future__ import annotations
 
 import logging
+import os
+import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -29,9 +31,11 @@ from pathlib import Path
 import trio
 
 from delaymq.client.routes import RouteClient
+from delaymq.protocol.histogram import LatencyHistogram
 from delaymq.protocol.limits import Limits
 from delaymq.realtime.acks import AckHandler
 from delaymq.realtime.checkpoint import Committer, Snapshot, encode_consumer, encode_share, write_snapshot
+from delaymq.realtime.consumelog import ENTRY_SIZE
 from delaymq.realtime.consumers import Consumers
 from delaymq.realtime.dedup import DedupWindow
 from delaymq.realtime.fences import Fences, load_fences
@@ -40,6 +44,7 @@ from delaymq.realtime.index import Indexer
 from delaymq.realtime.parked import ParkedPulls
 from delaymq.realtime.progress import ConsumerProgress, Progress, ship_consumers, unship
 from delaymq.realtime.pull import PullHandler
+from delaymq.realtime.pulllog import PULL_ENTRY_SIZE
 from delaymq.realtime.recovery import Storage, recover_storage
 from delaymq.realtime.redelivery import RedeliverySweeper
 from delaymq.realtime.retries import Retries
@@ -53,6 +58,9 @@ from delaymq.storage.writer import LogWriter
 from delaymq.wheel.clock import Clock
 
 log = logging.getLogger(__name__)
+
+#: At most this many (group, subject) pairs get a consumer-lag figure: those with the most lag.
+MAX_LAG_SERIES = 100
 
 
 class RealtimeMaster:
@@ -81,6 +89,7 @@ class RealtimeMaster:
         checkpoint_interval_ms: int = 1000,
         source: ReplicationSource | None = None,
         replication_timeout_ms: int = 5_000,
+        pull_log_bytes: int = 0,
     ) -> None:
         self.group = group
         #: Under replication (a managed member): consumer progress is shipped in the log.
@@ -95,6 +104,11 @@ class RealtimeMaster:
         self._pull_dir = pull_dir
         self._consume_dir = consume_dir
         self._dedup_buckets = dedup_buckets
+        #: Pull-log bytes on disk when this master started; the hand-outs since add to it.
+        self._pull_log_bytes_at_start = pull_log_bytes
+        #: How long each checkpoint write took (its consume-log, pull-log and lmdb fsyncs), µs.
+        self.checkpoint_us = LatencyHistogram()
+        self._checkpoint_ns = -1  # set by the worker thread that wrote, recorded on the trio side
         self.parked = ParkedPulls()
         self.sweeper = RedeliverySweeper(groups=groups, clock=clock, parked=self.parked)
         self.consumers = Consumers(
@@ -184,6 +198,7 @@ class RealtimeMaster:
             "pulls_waiting": self.parked.count,
             "messages_delivered": pulled.delivered,
             "acks": groups.acks,
+            "acked_messages": groups.acked_messages,
             "nacks": groups.nacks,
             "redeliveries": groups.redelivered,
             "retries_scheduled": retries.scheduled,
@@ -199,6 +214,19 @@ class RealtimeMaster:
             "fenced": self.fences.refused,
             "fence_raises": self.fences.raised,
         }
+
+    def log_bytes(self) -> dict[str, int]:
+        """Bytes of the consume logs (entries held) and the pull logs, without touching the disk."""
+        consume = sum(consume_log.count for consume_log in self._indexer.logs.values()) * ENTRY_SIZE
+        pull = self._pull_log_bytes_at_start + self._groups.pulled_entries * PULL_ENTRY_SIZE
+        return {"consume": consume, "pull": pull}
+
+    def consumer_lag(self) -> list[tuple[str, str, int]]:
+        """(group, subject, messages not acked) of the ``MAX_LAG_SERIES`` pairs with the most lag."""
+        counts = {subject: consume_log.count for subject, consume_log in self._indexer.logs.items()}
+        lag = self._groups.lag(counts)
+        top = sorted(lag.items(), key=lambda item: (-item[1], item[0]))[:MAX_LAG_SERIES]
+        return [(group, subject, count) for (group, subject), count in top]
 
     async def indexer_run(self, *, clock: Clock, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Retries a stalled index step (``Indexer.run``)."""
@@ -279,6 +307,7 @@ class RealtimeMaster:
         return snapshot
 
     def _write_snapshot(self, snapshot: Snapshot) -> None:
+        started = time.perf_counter_ns()
         write_snapshot(
             snapshot,
             store=self._store,
@@ -288,8 +317,12 @@ class RealtimeMaster:
             dedup_buckets=self._dedup_buckets,
             window_ms=self._dedup.window_ms,
         )
+        self._checkpoint_ns = time.perf_counter_ns() - started
 
     def _snapshot_done(self, snapshot: Snapshot) -> None:
+        if self._checkpoint_ns >= 0:  # the committer writes one snapshot at a time
+            self.checkpoint_us.record(self._checkpoint_ns // 1000)
+            self._checkpoint_ns = -1
         self._dedup.committed(snapshot.dedup_ids, self._clock.now_ms())
         self.consumers.forget_idle()
 
@@ -337,6 +370,7 @@ def open_master(
             checkpoint_interval_ms=settings.checkpoint_interval_ms,
             source=source,
             replication_timeout_ms=settings.replication_timeout_ms,
+            pull_log_bytes=_pull_log_bytes(storage.pull_folder.path),
         )
     except BaseException:
         indexer.close()
@@ -346,6 +380,19 @@ def open_master(
     for consumer, pull_log in in_flight:
         master.consumers.adopt(consumer, pull_log, now)
     return master
+
+
+def _pull_log_bytes(pull_dir: Path) -> int:
+    """Bytes of the pull logs on disk (blocking; once, when a master starts: the hand-outs count on)."""
+    total = 0
+    with os.scandir(pull_dir) as found:
+        for entry in found:
+            if entry.name.endswith(".log"):
+                try:
+                    total += entry.stat().st_size
+                except FileNotFoundError:
+                    pass
+    return total
 
 
 @dataclass(frozen=True, slots=True)

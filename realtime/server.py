@@ -98,6 +98,13 @@ class RealtimeStatistics:
     lateness_accepted: dict[str, Any] = field(default_factory=dict)  # SEND accepted - due, per record
     lateness_handed_out: dict[str, Any] = field(default_factory=dict)  # PULL handed out - due, per record
     message_log_fsyncs: int = 0  # fsyncs of the message log (its writer's)
+    acked_messages: int = 0  # pull-log entries settled by ACKs (each once), not requests
+    # (group, subject, messages not acked yet) of the pairs with the most lag (``MAX_LAG_SERIES``; master)
+    consumer_lag: list[tuple[str, str, int]] = field(default_factory=list)
+    log_bytes: dict[str, int] = field(default_factory=dict)  # "message" on disk; "consume", "pull" (master)
+    # How long fsyncs take, µs (``LatencyHistogram.to_wire``): "message" (the log writer's group
+    # commit), "checkpoint" (a master's checkpoint write: consume and pull logs, lmdb)
+    fsync_us: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 class RealtimeServer:
@@ -190,6 +197,12 @@ class RealtimeServer:
         master = self.master
         counters = master.counters() if master is not None else dict.fromkeys(_COUNTERS, 0)
         writer = self.member.writer
+        message_log = self.member.storage.message_log
+        log_bytes = {"message": sum(size for _base, size in message_log.segments())}
+        fsync_us = {"message": writer.fsync_durations_us()} if writer is not None else {}
+        if master is not None:
+            log_bytes.update(master.log_bytes())
+            fsync_us["checkpoint"] = master.checkpoint_us.to_wire()
         return RealtimeStatistics(
             address=self.address,
             group=self.group,
@@ -201,6 +214,9 @@ class RealtimeServer:
             lateness_accepted=master.send_handler.lateness.to_wire() if master is not None else {},
             lateness_handed_out=master.pull_handler.lateness.to_wire() if master is not None else {},
             message_log_fsyncs=writer.statistics().fsyncs if writer is not None else 0,
+            consumer_lag=master.consumer_lag() if master is not None else [],
+            log_bytes=log_bytes,
+            fsync_us=fsync_us,
             **counters,
         )
 

@@ -289,6 +289,7 @@ class Scheduler(ChangeCommands):
             in_outage=dispatch.in_outage,
             deleted_hours=totals.deleted_hours,
             deleted_segments=totals.deleted_segments,
+            fsync_us={"message": self._writer.fsync_durations_us()} if self._writer is not None else {},
         )
 
     def counters(self) -> SchedulerCounters:

@@ -22,7 +22,7 @@ checkpoint and the message log's end.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from delaymq.protocol.errors import RemoteProtocolError
@@ -85,6 +85,8 @@ class SchedulerStatistics:
     in_outage: bool  # delivery to realtime is failing right now
     deleted_hours: int  # hours removed past their retention
     deleted_segments: int  # message-log segments removed below the checkpoint
+    # How long the message log's fsyncs take, µs (``LatencyHistogram.to_wire``), by log: "message"
+    fsync_us: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,21 +18,27 @@ the failed one never came: a full disk refuses appends while it lasts and the
 writer takes them again once space is freed, with one log line per outage.
 Under ``async`` a failed background fsync makes every later append fail and is
 raised again when the writer closes: never silently dropped.
+
+Each good fsync's duration (``time.perf_counter_ns`` around it, in the thread that
+fsyncs) goes into a ``LatencyHistogram`` of microseconds, recorded back on the trio
+side so a reader of ``fsync_durations_us`` never sees it half updated.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Literal
+from typing import Any, Literal
 
 import trio
 
 from delaymq.protocol.envelope import encode
+from delaymq.protocol.histogram import LatencyHistogram
 from delaymq.storage.errors import AppendFailed, LogClosed, RecordTooLarge, StorageError, describe
 from delaymq.storage.log import SegmentedLog
 from delaymq.storage.threads import RunBlocking, run_in_thread
@@ -102,6 +108,7 @@ class LogWriter:
         self._fsyncs = 0
         self._max_group = 0
         self._pending = 0
+        self._fsync_us = LatencyHistogram()  # durations of good fsyncs, microseconds
         self._refused_in_outage: int | None = None  # appends failed since the last good write (an outage)
 
     @property
@@ -167,6 +174,10 @@ class LogWriter:
             flushed_offset=self._log.flushed_offset,
         )
 
+    def fsync_durations_us(self) -> dict[str, Any]:
+        """How long each good fsync took, in microseconds (``LatencyHistogram.to_wire``)."""
+        return self._fsync_us.to_wire()
+
     # ------------------------------------------------------------ background
 
     async def _commit_loop(self) -> None:
@@ -186,12 +197,14 @@ class LogWriter:
             try:
                 # Not abandoned on cancel: the thread finishes and the group learns
                 # its fate either way.
-                group.base = await self._run_blocking(partial(write, data))
+                group.base, fsync_ns = await self._run_blocking(partial(write, data))
             except Exception as error:
                 group.error = error
                 self._failed_appends += group.count
                 self._note_failure(error, group.count)
             else:
+                if fsync_ns >= 0:
+                    self._fsync_us.record(fsync_ns // 1000)
                 self._appends += group.count
                 self._bytes += group.size
                 self._max_group = max(self._max_group, group.count)
@@ -200,15 +213,19 @@ class LogWriter:
                 self._pending -= group.count
                 group.done.set()
 
-    def _write(self, data: bytes | bytearray | memoryview) -> int:
+    def _write(self, data: bytes | bytearray | memoryview) -> tuple[int, int]:
+        """Write a group (worker thread); returns its offset and -1 (no fsync)."""
         offset = self._log.append(data)
         self._writes += 1
-        return offset
+        return offset, -1
 
-    def _write_and_flush(self, data: bytes | bytearray | memoryview) -> int:
+    def _write_and_flush(self, data: bytes | bytearray | memoryview) -> tuple[int, int]:
+        """Write and fsync a group (worker thread); returns its offset and the fsync's nanoseconds."""
         try:
-            offset = self._write(data)
+            offset, _ = self._write(data)
+            started = time.perf_counter_ns()
             self._log.flush()
+            elapsed = time.perf_counter_ns() - started
         except Exception:
             # A failed write cut itself back. After a failed fsync the log refuses
             # appends: nobody was told of the bytes past the last good flush, so cut
@@ -220,7 +237,7 @@ class LogWriter:
                     pass
             raise
         self._fsyncs += 1
-        return offset
+        return offset, elapsed
 
     def _note_failure(self, error: BaseException, count: int) -> None:
         if self._refused_in_outage is None:
@@ -253,15 +270,23 @@ class LogWriter:
         if self._failure is not None or log.flushed_offset >= log.end_offset:
             return
         try:
-            await self._run_blocking(log.flush)
+            elapsed = await self._run_blocking(partial(_timed_flush, log))
         except Exception as error:
             self._failure = error
         else:
             self._fsyncs += 1
+            self._fsync_us.record(elapsed // 1000)
 
     def _begin_close(self) -> None:
         self._closing.set()
         self._work.set()
+
+
+def _timed_flush(log: SegmentedLog) -> int:
+    """fsync ``log`` (worker thread); returns how many nanoseconds it took."""
+    started = time.perf_counter_ns()
+    log.flush()
+    return time.perf_counter_ns() - started
 
 
 @asynccontextmanager

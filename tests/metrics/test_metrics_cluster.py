@@ -21,6 +21,8 @@ from delaymq.cli.metrics_endpoint import open_metrics_endpoint
 from delaymq.client import open_consumer, open_producer
 from delaymq.client.delivery import ReceivedMessage
 from delaymq.metaserver.server import open_metaserver
+from delaymq.realtime.consumelog import ENTRY_SIZE
+from delaymq.realtime.pulllog import PULL_ENTRY_SIZE
 from delaymq.realtime.server import open_realtime_server
 from delaymq.scheduler.server import open_scheduler
 from delaymq.wheel.clock import SystemClock
@@ -70,6 +72,16 @@ async def scrape_until(address: str, name: str, wanted: float, **labels: str) ->
             await trio.sleep(0.05)
 
 
+async def scrape_until_above(address: str, name: str, floor: float, **labels: str) -> Samples:
+    """Scrape until ``name`` reads more than ``floor``."""
+    with trio.fail_after(20):
+        while True:
+            samples, _ = await scrape(address)
+            if samples.get((name, frozenset(labels.items())), floor) > floor:
+                return samples
+            await trio.sleep(0.05)
+
+
 @asynccontextmanager
 async def metrics_cluster(tmp_path: Path) -> AsyncIterator[tuple[str, str, str, str]]:
     """(metaserver address, metaserver metrics, realtime metrics, scheduler metrics)."""
@@ -103,11 +115,15 @@ async def test_metrics_of_a_cluster_show_the_counts_of_a_known_workload(tmp_path
                     await producer.send_batch(
                         [producer.message("orders", f"later {n}", delay=7_200) for n in range(later)]
                     )
+                received: list[list[ReceivedMessage]] = []
                 for consumer in (retrying, dying):
                     got: list[ReceivedMessage] = []
                     while len(got) < immediate + due:
                         got += await consumer.receive_batch()
                     assert len(got) == immediate + due
+                    received.append(got)
+                handed_out, _ = await scrape(rt_metrics)  # each group holds all 25, none acked yet
+                for got in received:
                     await got[0].nack()  # "g": comes back in an hour, through the scheduler; "dl": dead
                     for message in got[1:]:
                         await message.ack()
@@ -116,6 +132,8 @@ async def test_metrics_of_a_cluster_show_the_counts_of_a_known_workload(tmp_path
                 rt = await scrape_until(rt_metrics, "delaymq_realtime_dead_lettered_total", 1)
             # Closed, each consumer has flushed its acks.
             after, _ = await scrape(rt_metrics)
+            # Under flush="async" the message log is fsynced every 100 ms: wait for the first.
+            rt_fsynced = await scrape_until_above(rt_metrics, "delaymq_fsync_duration_seconds_count", 0, log="message")
             sched = await scrape_until(sched_metrics, "delaymq_scheduler_messages_dispatched_total", due)
             meta_samples, meta_types = await scrape(meta_metrics)
             _, rt_types = await scrape(rt_metrics)
@@ -129,6 +147,26 @@ async def test_metrics_of_a_cluster_show_the_counts_of_a_known_workload(tmp_path
     assert value(rt, "delaymq_realtime_redeliveries_total") == 0  # both nacked messages were placed
     assert value(rt, "delaymq_realtime_retries_given_back_total") == 0
     assert value(after, "delaymq_realtime_acks_total") >= 2  # ACK requests: at least one per group
+    # Acked messages: each group acked all it got but the one it nacked.
+    assert value(after, "delaymq_messages_acked_total") == 2 * (delivered - 1)
+    # Consumer lag: all 25 stored were unacked by each group, then none are.
+    for group in ("g", "dl"):
+        assert value(handed_out, "delaymq_consumer_lag_messages", group=group, subject="orders") == delivered
+        assert value(after, "delaymq_consumer_lag_messages", group=group, subject="orders") == 0
+    assert sum(v for (name, _), v in after.items() if name == "delaymq_consumer_lag_messages") == 0
+    # Log sizes: 25 "orders" entries and the dead letter in consume logs, 2 x 25 hand-outs in pull logs.
+    assert value(after, "delaymq_log_bytes", log="message") >= value(after, "delaymq_realtime_message_log_end_bytes")
+    assert value(after, "delaymq_log_bytes", log="consume") == (delivered + 1) * ENTRY_SIZE
+    assert value(after, "delaymq_log_bytes", log="pull") == 2 * delivered * PULL_ENTRY_SIZE
+    # fsync durations: one per fsync of the message log, one per checkpoint written (an ACK waits for one).
+    fsyncs = value(rt_fsynced, "delaymq_realtime_message_log_fsyncs_total")
+    assert value(rt_fsynced, "delaymq_fsync_duration_seconds_count", log="message") == fsyncs > 0
+    assert value(rt_fsynced, "delaymq_fsync_duration_seconds_bucket", log="message", le="+Inf") == fsyncs
+    checkpoints = value(rt_fsynced, "delaymq_realtime_checkpoints_total")
+    assert value(rt_fsynced, "delaymq_fsync_duration_seconds_count", log="checkpoint") == checkpoints > 0
+    assert value(rt_fsynced, "delaymq_fsync_duration_seconds_sum", log="checkpoint") > 0
+    assert rt_types["delaymq_fsync_duration_seconds"] == "histogram"
+    assert rt_types["delaymq_consumer_lag_messages"] == "gauge"
     assert value(rt, "delaymq_realtime_consumers") == 2 * 2  # each pulls its subject and its group's retries
     # Every message a SEND stored is in the acceptance lateness (the dead letter was appended, not sent).
     assert value(rt, "delaymq_realtime_accept_lateness_seconds_count") == delivered
@@ -158,6 +196,10 @@ async def test_metrics_of_a_cluster_show_the_counts_of_a_known_workload(tmp_path
     assert sum(windows[f"{ahead}h"] for ahead in range(1, 4)) >= later
     assert sum(windows.values()) == later + 1
     assert value(sched, "delaymq_scheduler_dispatch_failures_total") == 0
+    # flush="sync": every SCHEDULE was fsynced before its answer, each fsync timed.
+    sched_fsyncs = value(sched, "delaymq_scheduler_message_log_fsyncs_total")
+    assert value(sched, "delaymq_fsync_duration_seconds_count", log="message") == sched_fsyncs > 0
+    assert value(sched, "delaymq_log_bytes", log="message") == value(sched, "delaymq_scheduler_message_log_bytes") > 0
 
     # The metaserver knows the two servers, both heartbeating.
     assert value(meta_samples, "delaymq_metaserver_servers") == 2
