@@ -382,7 +382,9 @@ class Consumer:
                 self._lost.discard(name)
                 if core.has_pending():
                     self._settle_wanted.set()
-                if messages:
+                if messages and not self._stopped:
+                    # After ``stop`` (its cancel came after this answer had arrived) nobody
+                    # reads them: they stay held and go back to the group as the block ends.
                     self._send.send_nowait(messages)
 
     def _fail(self, error: BaseException) -> None:
