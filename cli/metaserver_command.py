@@ -132,7 +132,7 @@ async def _serve(
             options.show_duration(failover_ms),
         )
         await serve_until_stopped(
-            metrics_listen=metrics_listen, metrics=lambda: _metrics(metaserver), tokens=limits.tokens
+            metrics_listen=metrics_listen, metrics=lambda: _metrics(metaserver), tokens=limits.tokens, tls=limits.tls
         )
 
 

@@ -7,7 +7,9 @@ format; another path is 404, another method 405. Each connection carries one req
 head larger than ``MAX_HEAD_BYTES`` or slower than ``HEAD_TIMEOUT_S`` is dropped, and
 past ``MAX_SCRAPES`` connections at once the newest is closed unanswered, so a
 misbehaving scraper costs a few descriptors, never the server. A scrape that fails is
-answered 500 and logged; it never stops the server.
+answered 500 and logged; it never stops the server. Given the server's ``TlsSettings``
+(``--tls-cert``...), the endpoint speaks HTTPS with the same certificate (and asks for a
+client certificate as the server's own listener does).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import trio
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from delaymq.cli.metrics import Exposition
+from delaymq.protocol.tls import TlsSettings
 from delaymq.protocol.transport import format_address, split_listen
 
 log = logging.getLogger("delaymq.metrics")
@@ -75,7 +78,7 @@ async def answer(request: RequestLine, exposition: Exposition) -> bytes:
     return response("200 OK", body, content_type=CONTENT_TYPE_LATEST, head_only=request.method == "HEAD")
 
 
-async def _read_head(stream: trio.SocketStream) -> bytes | None:
+async def _read_head(stream: trio.abc.Stream) -> bytes | None:
     data = b""
     while b"\r\n\r\n" not in data:
         if len(data) > MAX_HEAD_BYTES:
@@ -90,8 +93,10 @@ async def _read_head(stream: trio.SocketStream) -> bytes | None:
 class MetricsEndpoint:
     """Serves one server's ``Exposition`` over HTTP."""
 
-    def __init__(self, exposition: Exposition) -> None:
+    def __init__(self, exposition: Exposition, *, tls: TlsSettings | None = None) -> None:
         self.exposition = exposition
+        self._context = tls.server_context() if tls is not None else None
+        self.scheme = "http" if self._context is None else "https"
         self.address = ""
         self.scrapes = 0
         self._slots = trio.Semaphore(MAX_SCRAPES)
@@ -105,13 +110,18 @@ class MetricsEndpoint:
         task_status.started(self.address)
         await trio.serve_listeners(self._connection, listeners)
 
-    async def _connection(self, stream: trio.SocketStream) -> None:
-        async with stream:
+    async def _connection(self, tcp: trio.SocketStream) -> None:
+        stream: trio.abc.Stream = tcp
+        if self._context is not None:
+            stream = trio.SSLStream(tcp, self._context, server_side=True)
+        async with tcp:
             if self._slots.value == 0:
                 return  # too many scrapes at once: close this one unanswered
             async with self._slots:
                 try:
                     with trio.move_on_after(HEAD_TIMEOUT_S):
+                        if isinstance(stream, trio.SSLStream):
+                            await stream.do_handshake()
                         head = await _read_head(stream)
                         if head is None:
                             return
@@ -124,16 +134,18 @@ class MetricsEndpoint:
                         self.scrapes += 1
                         await stream.send_all(reply)
                 except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                    return  # the scraper went away
+                    return  # the scraper went away (or failed the TLS handshake)
 
 
 @asynccontextmanager
-async def open_metrics_endpoint(exposition: Exposition, listen: str) -> AsyncIterator[MetricsEndpoint]:
-    """Serve ``exposition`` on ``listen`` for the duration of the block."""
-    endpoint = MetricsEndpoint(exposition)
+async def open_metrics_endpoint(
+    exposition: Exposition, listen: str, *, tls: TlsSettings | None = None
+) -> AsyncIterator[MetricsEndpoint]:
+    """Serve ``exposition`` on ``listen`` for the duration of the block (HTTPS when ``tls`` has a certificate)."""
+    endpoint = MetricsEndpoint(exposition, tls=tls)
     async with trio.open_nursery() as nursery:
         await nursery.start(endpoint.serve, listen)
-        log.info("metrics on http://%s/metrics", endpoint.address)
+        log.info("metrics on %s://%s/metrics", endpoint.scheme, endpoint.address)
         yield endpoint
         nursery.cancel_scope.cancel()
 

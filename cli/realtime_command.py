@@ -94,7 +94,7 @@ async def _serve(args: argparse.Namespace, meta: list[str], settings: dict[str, 
             args.min_insync,
         )
         await serve_until_stopped(
-            metrics_listen=args.metrics_listen, metrics=lambda: _metrics(server), tokens=limits.tokens
+            metrics_listen=args.metrics_listen, metrics=lambda: _metrics(server), tokens=limits.tokens, tls=limits.tls
         )
 
 

@@ -94,7 +94,10 @@ async def _serve(args: argparse.Namespace, meta: list[str], limits: Limits, rete
             args.min_insync,
         )
         await serve_until_stopped(
-            metrics_listen=args.metrics_listen, metrics=lambda: _metrics(scheduler), tokens=limits.tokens
+            metrics_listen=args.metrics_listen,
+            metrics=lambda: _metrics(scheduler),
+            tokens=limits.tokens,
+            tls=limits.tls,
         )
 
 

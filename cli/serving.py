@@ -19,6 +19,7 @@ from delaymq.client.registration import RegistrationRefused
 from delaymq.metaserver.registry import RegistryError
 from delaymq.protocol.auth import TokenFile
 from delaymq.protocol.errors import sole
+from delaymq.protocol.tls import TlsSettings
 from delaymq.storage.errors import StorageError
 
 if TYPE_CHECKING:
@@ -52,10 +53,14 @@ async def wait_for_stop_signal(*, tokens: TokenFile | None = None) -> None:
 
 
 async def serve_until_stopped(
-    *, metrics_listen: str | None, metrics: Callable[[], MetricsSource], tokens: TokenFile | None = None
+    *,
+    metrics_listen: str | None,
+    metrics: Callable[[], MetricsSource],
+    tokens: TokenFile | None = None,
+    tls: TlsSettings | None = None,
 ) -> None:
-    """Wait for a stop signal; meanwhile serve Prometheus metrics (``metrics()``) on ``metrics_listen`` if given,
-    and reload ``tokens`` on SIGHUP.
+    """Wait for a stop signal; meanwhile serve Prometheus metrics (``metrics()``) on ``metrics_listen`` if given
+    (over HTTPS with the server's ``tls`` certificate), and reload ``tokens`` on SIGHUP.
 
     The metrics modules (prometheus_client, and every server's statistics types) are
     imported only then: a server started without metrics starts that much sooner."""
@@ -65,7 +70,7 @@ async def serve_until_stopped(
     from delaymq.cli.metrics import Exposition
     from delaymq.cli.metrics_endpoint import open_metrics_endpoint
 
-    async with open_metrics_endpoint(Exposition(metrics()), metrics_listen):
+    async with open_metrics_endpoint(Exposition(metrics()), metrics_listen, tls=tls):
         await wait_for_stop_signal(tokens=tokens)
 
 
