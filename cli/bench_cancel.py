@@ -28,7 +28,7 @@ from pathlib import Path
 
 import trio
 
-from delaymq.cli.bench_restart import Servers, running_servers, wait_delivering, wait_serving
+from delaymq.cli.bench_restart import Servers, build_backlog, running_servers, wait_delivering, wait_serving
 from delaymq.client import open_producer
 from delaymq.client.producer import Producer
 from delaymq.client.routes import NoRouteError
@@ -54,38 +54,9 @@ def business_key(n: int) -> str:
 def build_keyed_backlog(data: Path, count: int, *, now_ms: int) -> float:
     """A scheduler data folder holding ``count`` keyed messages, every one filed (and indexed);
     returns the seconds it took."""
-    from delaymq.protocol.records import encode_message
-    from delaymq.scheduler.replay import replay_until_caught_up
-    from delaymq.scheduler.schedulelog import ScheduleStore
-    from delaymq.storage.log import SegmentedLog
-    from delaymq.storage.state import StateStore
-
-    started = time.perf_counter()
-    rng = random.Random(14)
-    data.mkdir(parents=True, exist_ok=True)
-    with SegmentedLog.open(data / "messages") as log:
-        for first in range(0, count, _BUILD_BATCH):
-            log.append(
-                b"".join(
-                    encode_message(
-                        message_id(n),
-                        "backlog",
-                        properties={"key": business_key(n)},
-                        body=BODY,
-                        deliver_at=now_ms + 600_000 + int(rng.random() * SPREAD_MS),
-                        created_at=now_ms,
-                    )
-                    for n in range(first, min(count, first + _BUILD_BATCH))
-                )
-            )
-        log.flush()
-        state = StateStore.open(data / "state", extra_format={"scheduler_state": 1})
-        try:
-            with ScheduleStore.open(data / "schedule", state) as store:
-                replay_until_caught_up(log, store, max_bytes=64 << 20)
-        finally:
-            state.close()
-    return time.perf_counter() - started
+    return build_backlog(
+        data, count, now_ms=now_ms, first_due_ms=600_000, message_id=message_id, key=business_key, seed=14
+    )
 
 
 def lmdb_rows(state: Path, label: str) -> list[Row]:

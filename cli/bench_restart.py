@@ -22,7 +22,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,9 +44,21 @@ STREAM_MS = 20_000
 _BUILD_BATCH = 10_000
 
 
-def build_backlog(data: Path, count: int, *, now_ms: int, spread_ms: int = SPREAD_MS) -> float:
-    """A scheduler data folder holding ``count`` messages due over ``spread_ms`` from a minute
-    after ``now_ms``, every one filed; returns the seconds it took."""
+def build_backlog(
+    data: Path,
+    count: int,
+    *,
+    now_ms: int,
+    spread_ms: int = SPREAD_MS,
+    first_due_ms: int = 60_000,
+    message_id: Callable[[int], str] | None = None,
+    key: Callable[[int], str] | None = None,
+    seed: int = 13,
+) -> float:
+    """A scheduler data folder holding ``count`` messages due over ``spread_ms`` from
+    ``first_due_ms`` after ``now_ms``, every one filed (and indexed); message ``n`` has id
+    ``message_id(n)`` (default: a new one) and, given ``key``, the business key ``key(n)``.
+    Returns the seconds it took."""
     from delaymq.protocol.records import encode_message, new_message_id
     from delaymq.scheduler.replay import replay_until_caught_up
     from delaymq.scheduler.schedulelog import ScheduleStore
@@ -54,20 +66,21 @@ def build_backlog(data: Path, count: int, *, now_ms: int, spread_ms: int = SPREA
     from delaymq.storage.state import StateStore
 
     started = time.perf_counter()
-    rng = random.Random(13)
+    rng = random.Random(seed)
     data.mkdir(parents=True, exist_ok=True)
     with SegmentedLog.open(data / "messages") as log:
         for first in range(0, count, _BUILD_BATCH):
             log.append(
                 b"".join(
                     encode_message(
-                        new_message_id(now_ms),
+                        message_id(n) if message_id is not None else new_message_id(now_ms),
                         "backlog",
+                        properties={"key": key(n)} if key is not None else None,
                         body=BODY,
-                        deliver_at=now_ms + 60_000 + int(rng.random() * spread_ms),
+                        deliver_at=now_ms + first_due_ms + int(rng.random() * spread_ms),
                         created_at=now_ms,
                     )
-                    for _ in range(min(_BUILD_BATCH, count - first))
+                    for n in range(first, min(count, first + _BUILD_BATCH))
                 )
             )
         log.flush()

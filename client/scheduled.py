@@ -27,7 +27,7 @@ guess. A read-only (R) scheduler group is not routed to producers, so it is not 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
@@ -164,22 +164,26 @@ def select(
     return Selection(subject=check_name(subject, "subject", limits.max_subject), key=check_key(key))
 
 
-def parse_states(command: Command, metadata: Mapping[str, Any], group: str) -> list[MessageState]:
-    """A group's answer, checked: one ``MessageState`` per id (``group`` filled in when the answer has none)."""
-    allowed = STATES[command]
+def _result_maps(metadata: Mapping[str, Any], what: str, source: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(``results[i]``, map) of an answer's ``results`` list; ``RemoteProtocolError`` if it is no list of maps."""
     results = metadata.get("results")
-    name = command_name(command)
     if not isinstance(results, list):
         raise RemoteProtocolError(
-            f"{name} answer from group {group} has no list 'results' (got {results!r:.200})",
-            code="bad_metadata",
-            field="results",
+            f"{what} from {source} has no list 'results' (got {results!r:.200})", code="bad_metadata", field="results"
         )
-    out = []
     for index, item in enumerate(results):
         where = f"results[{index}]"
         if not isinstance(item, dict):
-            raise RemoteProtocolError(f"{name} answer {where} is not a map", code="bad_metadata", field=where)
+            raise RemoteProtocolError(f"{what} {where} from {source} is not a map", code="bad_metadata", field=where)
+        yield where, item
+
+
+def parse_states(command: Command, metadata: Mapping[str, Any], group: str) -> list[MessageState]:
+    """A group's answer, checked: one ``MessageState`` per id (``group`` filled in when the answer has none)."""
+    allowed = STATES[command]
+    name = command_name(command)
+    out = []
+    for where, item in _result_maps(metadata, f"{name} answer", f"group {group}"):
         message_id, state = item.get("id"), item.get("state")
         if not isinstance(message_id, str) or not message_id or state not in allowed:
             raise RemoteProtocolError(
@@ -227,21 +231,9 @@ def merge_states(selection: Selection, answers: Sequence[Sequence[MessageState]]
 
 def parse_locations(metadata: Mapping[str, Any], group: str) -> list[Location]:
     """A realtime group's QUERY answer, checked: a ``Location`` per id it stored."""
-    results = metadata.get("results")
-    if not isinstance(results, list):
-        raise RemoteProtocolError(
-            f"QUERY answer from realtime group {group} has no list 'results' (got {results!r:.200})",
-            code="bad_metadata",
-            field="results",
-        )
     out = []
-    for index, item in enumerate(results):
-        where = f"results[{index}]"
-        if (
-            not isinstance(item, dict)
-            or not isinstance(item.get("id"), str)
-            or not isinstance(item.get("stored"), bool)
-        ):
+    for where, item in _result_maps(metadata, "QUERY answer", f"realtime group {group}"):
+        if not isinstance(item.get("id"), str) or not isinstance(item.get("stored"), bool):
             raise RemoteProtocolError(
                 f"QUERY answer {where} from realtime group {group} needs a str 'id' and a bool 'stored'; "
                 f"got {item!r:.200}",
