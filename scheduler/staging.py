@@ -221,12 +221,9 @@ class StagedStep:
         self._read_slots(self._slots_to_read(buf, stop))
         view = memoryview(buf)
         unpack = RECORD_TIMES.unpack_from
-        pack_body = ENTRY_BODY.pack
-        pack_crc = ENTRY_CRC.pack
-        crc32 = zlib.crc32
+        append_entry = self._append_entry
         staged = self._staged
         heads = self._heads
-        get_head = heads.get
         limit = self._max_step_hours
         file_id = self.changes.filed
         filed = already = skipped = 0
@@ -261,34 +258,7 @@ class StagedStep:
                     already += 1
                     pos = end
                     continue
-                n = w.entries
-                if n >= MAX_ENTRIES:
-                    raise ScheduleError(
-                        f"hour {hour_name(hour)}: an hour holds at most {MAX_ENTRIES} entries (MAX_ENTRIES)"
-                    )
-                ms = at - hour * HOUR_MS
-                key = w.key_base | ms // 1000
-                head = get_head(key, 0)  # _read_slots put every stored non-empty slot there
-                heads[key] = (n + 1) << 32 | ((head & 0xFFFF_FFFF) + 1)
-                w.entries = n + 1
-                length = end - pos
-                body = pack_body(w.log_end, length, ms, (head >> 32) - 1, src)
-                index = w.index
-                index += body
-                index += pack_crc(crc32(body))
-                w.log_end += length
-                if w.run_end == pos and w.run_view is view:
-                    w.run_end = end
-                else:
-                    if w.run_view is not None:
-                        w.parts.append(w.run_view[w.run_start : w.run_end])
-                    w.run_view = view
-                    w.run_start = pos
-                    w.run_end = end
-                w.ms.append(ms)
-                w.last_source = src
-                if w.first_source < 0:
-                    w.first_source = src
+                n = append_entry(w, view, pos, end, at, src)
                 index_key, hashed = record_index_key(buf, pos)
                 file_id(index_key, hashed, at, n, src)
                 filed += 1
@@ -333,18 +303,28 @@ class StagedStep:
         if src <= w.last_source:
             self._step_already += 1
             return
+        n = self._append_entry(w, view, pos, end, at, src)
+        self.changes.filed(index_key.encode(), hashed, at, n, src)
+        self._step_filed += 1
+
+    def _append_entry(self, w: StagedHour, view: memoryview, pos: int, end: int, at: int, src: int) -> int:
+        """Append the record at ``view[pos:end]`` to hour ``w`` as its next entry, linked into its
+        second's chain; returns the entry number. The one place an entry is made (messages and
+        moved records alike)."""
         n = w.entries
         if n >= MAX_ENTRIES:
-            raise ScheduleError(f"hour {hour_name(hour)}: an hour holds at most {MAX_ENTRIES} entries (MAX_ENTRIES)")
-        ms = at - hour * HOUR_MS
+            raise ScheduleError(f"hour {hour_name(w.hour)}: an hour holds at most {MAX_ENTRIES} entries (MAX_ENTRIES)")
+        ms = at - w.hour * HOUR_MS
         key = w.key_base | ms // 1000
-        head = self._heads.get(key, 0)
-        self._heads[key] = (n + 1) << 32 | ((head & 0xFFFF_FFFF) + 1)
+        heads = self._heads
+        head = heads.get(key, 0)  # _read_slots put every stored non-empty slot there
+        heads[key] = (n + 1) << 32 | ((head & 0xFFFF_FFFF) + 1)
         w.entries = n + 1
         length = end - pos
         body = ENTRY_BODY.pack(w.log_end, length, ms, (head >> 32) - 1, src)
-        w.index += body
-        w.index += ENTRY_CRC.pack(zlib.crc32(body))
+        index = w.index
+        index += body
+        index += ENTRY_CRC.pack(zlib.crc32(body))
         w.log_end += length
         if w.run_end == pos and w.run_view is view:
             w.run_end = end
@@ -358,8 +338,7 @@ class StagedStep:
         w.last_source = src
         if w.first_source < 0:
             w.first_source = src
-        self.changes.filed(index_key.encode(), hashed, at, n, src)
-        self._step_filed += 1
+        return n
 
     def _stage_hour(self, hour: int, at: int, src: int) -> StagedHour:
         if not 0 <= hour <= (MAX_DELIVER_AT // HOUR_MS):
