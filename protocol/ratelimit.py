@@ -61,6 +61,10 @@ class TokenBucket:
     def take(self, amount: float, now_ms: int) -> None:
         self._level = self.level(now_ms) - amount
 
+    def give_back(self, amount: float, now_ms: int) -> None:
+        """Return what a refused request took (never past one second's worth)."""
+        self._level = min(self.capacity, self.level(now_ms) + amount)
+
 
 @dataclass(frozen=True, slots=True)
 class RateRefusal:
@@ -126,6 +130,14 @@ class RateLimiter:
         for bucket, amount in buckets:
             bucket.take(amount, now_ms)
         return None
+
+    def give_back(self, name: str, amounts: dict[str, int], now_ms: int) -> None:
+        """Return ``amounts`` that ``check`` took for a request the server then refused:
+        a refused request costs the token nothing."""
+        for field, amount in amounts.items():
+            bucket = self._buckets.get((name, field))
+            if bucket is not None:
+                bucket.give_back(amount, now_ms)
 
     def forget(self, names: set[str]) -> None:
         """Drop the buckets of tokens no longer in the table (after a reload)."""

@@ -452,20 +452,22 @@ class FrameServer:
             return error_response(frame, refusal.error()), None
         return response_to(frame, {"name": identity.name}), token
 
-    def _authorize(self, tokens: TokenFile, frame: Frame, token: str | None) -> str:
-        """The name of the identity the request acts as; ``RemoteProtocolError`` when the token may not send it,
-        ``ProtocolError`` (``rate_limited``, or ``limit`` for a batch over a second's worth) past its rates."""
+    def _authorize(self, tokens: TokenFile, frame: Frame, token: str | None) -> tuple[str, dict[str, int] | None]:
+        """The name of the identity the request acts as, and what it took from its rates (None: nothing);
+        ``RemoteProtocolError`` when the token may not send it, ``ProtocolError`` (``rate_limited``, or
+        ``limit`` for a batch over a second's worth) past its rates."""
         subjects = request_subjects(frame) if frame.command in SUBJECT_COMMANDS else ()
         table = tokens.table
         checked = table.check(token, frame.command, subjects)
         if isinstance(checked, AuthRefusal):
             raise checked.error()
+        taken = None
         if checked.rates and frame.command in RATED_COMMANDS:
-            self._check_rates(table, checked, frame)
-        return checked.name
+            taken = self._check_rates(table, checked, frame)
+        return checked.name, taken
 
-    def _check_rates(self, table: TokenTable, identity: Identity, frame: Frame) -> None:
-        """Take the batch's messages and bytes from the token's buckets, or refuse it (nothing taken)."""
+    def _check_rates(self, table: TokenTable, identity: Identity, frame: Frame) -> dict[str, int]:
+        """Take the batch's messages and bytes from the token's buckets (returned), or refuse it (nothing taken)."""
         if table is not self._rated_table:  # reloaded: a token removed takes its buckets with it
             self._rates.forget(table.names())
             self._rated_table = table
@@ -476,6 +478,7 @@ class FrameServer:
         )
         if refusal is not None:
             raise refusal.error()
+        return amounts
 
     async def _answer(self, frame: Frame, peer: str, token: str | None = None) -> Frame | None:
         expects_answer = frame.kind == FrameKind.REQUEST
@@ -490,9 +493,10 @@ class FrameServer:
         handler = self.handlers.get(frame.command)
         tokens = self.limits.tokens
         identity: str | None = None
+        taken: dict[str, int] | None = None
         try:
             if tokens is not None:  # before anything else: a refused request changes nothing
-                identity = self._authorize(tokens, frame, token)
+                identity, taken = self._authorize(tokens, frame, token)
             if handler is None:
                 known = ", ".join(command_name(code) for code in sorted(self.handlers))
                 raise RemoteProtocolError(
@@ -502,6 +506,8 @@ class FrameServer:
                 )
             reply = await handler(Request(frame, peer, identity))
         except ProtocolError as error:
+            if taken is not None and identity is not None:  # refused after its rate was taken: not charged
+                self._rates.give_back(identity, taken, math.floor(trio.current_time() * 1000))
             self._error_answered(error.code)
             # A flood of one refusal (a full disk refuses every SEND) is a line a minute with a count.
             count = self._refusal_log.note(f"{frame.command}:{error.code}", trio.current_time())

@@ -22,7 +22,7 @@ from delaymq.client.routes import RouteTable
 from delaymq.metaserver.server import open_metaserver
 from delaymq.protocol.auth import TokenFile, TokenFileError, parse_tokens
 from delaymq.protocol.commands import Command
-from delaymq.protocol.errors import PeerError
+from delaymq.protocol.errors import PeerError, RemoteProtocolError
 from delaymq.protocol.limits import ConnectionLimits, Limits
 from delaymq.protocol.ratelimit import RATE_LIMITED, RateLimiter
 from delaymq.protocol.records import Message, encode_batch, new_message_id
@@ -53,12 +53,16 @@ def batch(count: int = 1, *, body: bytes = b"paid") -> bytes:
 
 
 class Store:
-    """A SEND handler that stores what reaches it (nothing refused before it is counted)."""
+    """A SEND handler that stores what reaches it (nothing refused before it is counted);
+    ``refusing``: it refuses instead, as a server that is not master would."""
 
     def __init__(self) -> None:
         self.messages = 0
+        self.refusing = False
 
     async def send(self, req: Request) -> dict:
+        if self.refusing:
+            raise RemoteProtocolError("SEND: not the master of this group", code="not_master")
         self.messages += batch_messages(req.frame)
         return {"stored": batch_messages(req.frame)}
 
@@ -157,6 +161,18 @@ async def test_a_token_over_its_messages_per_s_is_refused_retryably_and_stores_n
         await trio.sleep(0.5)  # half a second: half a second's worth, in batches of 10
         results = await send_all(connection, [batch(10) for _ in range(8)])
         assert store.messages == 250 and sum(error is not None for error in results) == 3
+
+
+async def test_a_batch_the_server_refuses_after_the_rate_check_costs_the_token_nothing(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    async with served(tmp_path, tokens_text(messages_per_s=100)) as (server, store, connection):
+        store.refusing = True  # say, the group's master moved: the client sends it again elsewhere
+        results = await send_all(connection, [batch(50), batch(50)])
+        assert [error.code if error else None for error in results] == ["not_master", "not_master"]
+        store.refusing = False
+        results = await send_all(connection, [batch(50), batch(50)])  # the same instant: a full second's worth
+        assert results == [None, None] and store.messages == 100
 
 
 async def test_a_token_over_its_bytes_per_s_is_refused_naming_the_limit(
