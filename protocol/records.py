@@ -774,6 +774,11 @@ def record_subject(record: bytes | bytearray | memoryview) -> bytes:
     return bytes(record[start : start + subject_len])
 
 
+def redeliver_at(record: bytes | bytearray | memoryview, deliver_at: int) -> bytes:
+    """The record again for ``deliver_at`` (same id, body and ``attempts``), fresh CRC: a moved message."""
+    return rewrite_delivery(record, deliver_at=deliver_at, attempts=_ATTEMPTS.unpack_from(record, _ATTEMPTS_OFFSET)[0])
+
+
 def raise_attempts(record: bytes | bytearray | memoryview, by: int) -> bytes:
     """The record handed out again: ``attempts`` raised by ``by`` (capped at ``MAX_ATTEMPTS``), fresh CRC."""
     deliver_at = _DELIVER_AT.unpack_from(record, _DELIVER_AT_OFFSET)[0]
@@ -841,6 +846,7 @@ __all__ = [
     "encode_batch",
     "encode_message",
     "new_message_id",
+    "redeliver_at",
     "rewrite_delivery",
     "scan_batch",
     "tag_bit",

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from delaymq.protocol.cancel import Selector, parse_selector
+from delaymq.protocol.envelope import HEADER_SIZE
 from delaymq.protocol.limits import Limits
-from delaymq.protocol.records import rewrite_delivery
+from delaymq.protocol.records import redeliver_at
 from delaymq.protocol.transport import Request
 from delaymq.replication.roles import NotMaster
 from delaymq.scheduler.cancels import Hold, RecentDispatches, TailEntry, handed_out, look_up
@@ -188,7 +189,7 @@ class ChangeCommands:
             holds.append(session.holds.hold(value.hour, value.entry))
         if move:
             assert selector.deliver_at is not None
-            moved = [_moved(records[k][2], selector.deliver_at) for k in changing]
+            moved = [redeliver_at(records[k][2], selector.deliver_at) for k in changing]
             data = move_record(moved)
         else:
             data = cancel_record(changing, taken_at=self._clock.now_ms())
@@ -212,7 +213,7 @@ class ChangeCommands:
         session.holds.settle(holds, offset)
         end = offset + len(data)
         entries = []
-        position = offset + 12  # the envelope header of the MOVE record
+        position = offset + HEADER_SIZE  # the envelope header of the MOVE record
         for k in changing:
             value = states[k][1]
             assert isinstance(value, IdEntry)
@@ -286,12 +287,6 @@ def _read_records(store: ScheduleStore, places: list[Any]) -> list[bytes]:
 
 def _place(value: object) -> tuple[int, int] | tuple[None, None]:
     return (value.hour, value.entry) if isinstance(value, IdEntry) else (None, None)
-
-
-def _moved(record: bytes, deliver_at: int) -> bytes:
-    """The record again for ``deliver_at``: same id, body and attempts."""
-    attempts = int.from_bytes(record[28:30], "big")
-    return rewrite_delivery(record, deliver_at=deliver_at, attempts=attempts)
 
 
 __all__ = ["ChangeCommands"]
