@@ -119,7 +119,8 @@ def fsync_histogram(fsync_us: Mapping[str, Mapping[str, Any]]) -> Metric:
     family = HistogramMetricFamily(
         "delaymq_fsync_duration_seconds",
         'How long fsyncs take, by log: "message" (the message log\'s group commit), '
-        '"checkpoint" (a realtime checkpoint: consume and pull logs, lmdb)',
+        '"checkpoint" (a realtime checkpoint: consume and pull logs, lmdb), '
+        '"schedule" (a scheduler\'s filing into schedule logs), "dispatch" (a scheduler\'s dispatch-log flush)',
         labels=["log"],
     )
     for log, wire in sorted(fsync_us.items()):
@@ -392,7 +393,7 @@ def scheduler_families(
     yield lateness_histogram(
         prefix + "fire_lateness_seconds", "Fired minus deliver_at, per message", stats.lateness_fired
     )
-    yield log_bytes({"message": stats.message_log_bytes})
+    yield log_bytes({"message": stats.message_log_bytes, **stats.log_bytes})
     yield fsync_histogram(stats.fsync_us)
     if stats.pending >= 0:  # a master's (a slave's wheel is idle)
         yield gauge(prefix + "pending_messages", "Messages filed, not yet recorded as delivered", stats.pending)

@@ -15,7 +15,9 @@ whose payload is not a list of u32 is corruption and is refused.
 In memory the log is a bitmap of the delivered entries and their count, so
 ``is_complete`` is a comparison and ``delivered`` builds a set only when asked. A store
 keeps the logs it uses open in a ``DispatchLogCache`` (bounded, least recently used
-closed first).
+closed first), which also keeps the bytes all the folder's dispatch logs hold (``bytes``:
+a ``stat`` of each when the store opens, then counted as they are written and deleted)
+and times their fsyncs (``fsync_durations``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from delaymq.protocol.envelope import HEADER_SIZE, RecordKind, encode, iter_spans, valid_prefix
+from delaymq.scheduler.fsyncdurations import FsyncDurations, fsync_clock
 from delaymq.scheduler.hours import DISPATCH_SUFFIX, CorruptSchedule, ScheduleError, hour_name
 from delaymq.storage.files import pwrite_all
 from delaymq.storage.folder import DataFolder
@@ -47,7 +50,17 @@ _logger = logging.getLogger(__name__)
 class DispatchLog:
     """One hour's dispatch log file, its bitmap in memory. Use ``DispatchLog.open``."""
 
-    def __init__(self, path: Path, fd: int, size: int, bitmap: bytearray, count: int) -> None:
+    def __init__(
+        self,
+        path: Path,
+        fd: int,
+        size: int,
+        bitmap: bytearray,
+        count: int,
+        *,
+        cut_bytes: int = 0,
+        fsync_durations: FsyncDurations | None = None,
+    ) -> None:
         self._path = path
         self._fd = fd
         self._size = size
@@ -55,10 +68,14 @@ class DispatchLog:
         self._count = count
         self._dirty = False
         self._lock = threading.Lock()
+        #: Bytes of a torn tail ``open`` cut off (0 for a log that ended whole).
+        self.cut_bytes = cut_bytes
+        self._fsync_durations = fsync_durations if fsync_durations is not None else FsyncDurations()
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str]) -> DispatchLog:
-        """Open (creating if missing) and load the log, cutting a torn tail."""
+    def open(cls, path: str | os.PathLike[str], *, fsync_durations: FsyncDurations | None = None) -> DispatchLog:
+        """Open (creating if missing) and load the log, cutting a torn tail. The fsyncs of
+        ``flush`` and ``close`` are timed into ``fsync_durations``."""
         path = Path(path)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
@@ -81,7 +98,7 @@ class DispatchLog:
         except BaseException:
             os.close(fd)
             raise
-        return cls(path, fd, valid, bitmap, count)
+        return cls(path, fd, valid, bitmap, count, cut_bytes=len(data) - valid, fsync_durations=fsync_durations)
 
     @property
     def path(self) -> Path:
@@ -139,7 +156,9 @@ class DispatchLog:
         """fsync what was appended."""
         with self._lock:
             if self._dirty and self._fd >= 0:
+                started = fsync_clock()
                 os.fdatasync(self._fd)
+                self._fsync_durations.since(started)
                 self._dirty = False
 
     def close(self) -> None:
@@ -149,7 +168,9 @@ class DispatchLog:
                 return
             try:
                 if self._dirty:
+                    started = fsync_clock()
                     os.fdatasync(self._fd)
+                    self._fsync_durations.since(started)
             finally:
                 os.close(self._fd)
                 self._fd = -1
@@ -170,22 +191,34 @@ class DispatchLogCache:
     so the open files stay bounded however many hours are pending.
 
     Thread use: every call holds ``lock`` (an ``RLock``); the store holds it too around
-    a deletion, so no log of the hour is opened again midway.
+    a deletion, so no log of the hour is opened again midway. ``bytes`` is read without it.
     """
 
-    def __init__(self, folder: DataFolder, *, max_open: int, fsync: bool) -> None:
+    def __init__(self, folder: DataFolder, *, max_open: int, fsync: bool, hours: Iterable[int] = ()) -> None:
+        """``hours``: those whose dispatch log the folder holds (``stat`` once each, for ``bytes``)."""
         self._folder = folder
         self._max_open = max_open
         self._fsync = fsync  # fsync the folder after creating a log
         self._logs: OrderedDict[int, DispatchLog] = OrderedDict()
         self.lock = threading.RLock()
+        self.fsync_durations = FsyncDurations()  # each fsync of a flush (or of a close after appends)
+        self._bytes = sum(self._file_size(hour) for hour in hours)
+
+    @property
+    def bytes(self) -> int:
+        """Bytes the folder's dispatch logs hold on disk (what is appended is counted at once)."""
+        return self._bytes
 
     def append(self, hour: int, entry_nos: Iterable[int]) -> int:
         """``DispatchLog.append`` to ``hour``'s log, created if missing."""
         with self.lock:
             log = self._open(hour, create=True)
             assert log is not None
-            return log.append(entry_nos)
+            before = log.size
+            try:
+                return log.append(entry_nos)
+            finally:
+                self._bytes += log.size - before
 
     def flush(self) -> None:
         """fsync every log appended to since the last flush."""
@@ -206,11 +239,13 @@ class DispatchLogCache:
             return 0 if log is None else log.count
 
     def forget(self, hour: int) -> None:
-        """Close ``hour``'s log if it is open (its file is about to be deleted)."""
+        """Close ``hour``'s log if it is open and stop counting its bytes (its file is about
+        to be deleted)."""
         with self.lock:
             log = self._logs.pop(hour, None)
             if log is not None:
                 log.close()
+            self._bytes -= log.size if log is not None else self._file_size(hour)
 
     def close(self) -> None:
         """Flush and close every open log."""
@@ -228,7 +263,8 @@ class DispatchLogCache:
         exists = path.exists()
         if not exists and not create:
             return None
-        log = DispatchLog.open(path)
+        log = DispatchLog.open(path, fsync_durations=self.fsync_durations)
+        self._bytes -= log.cut_bytes  # counted as the file was; a torn tail is gone now
         if not exists and self._fsync:
             self._folder.fsync()
         self._logs[hour] = log
@@ -236,6 +272,12 @@ class DispatchLogCache:
             _old, evicted = self._logs.popitem(last=False)
             evicted.close()
         return log
+
+    def _file_size(self, hour: int) -> int:
+        try:
+            return os.stat(self._folder.path / (hour_name(hour) + DISPATCH_SUFFIX)).st_size
+        except FileNotFoundError:
+            return 0
 
 
 def read_delivered(path: str | os.PathLike[str]) -> set[int]:

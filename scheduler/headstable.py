@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from delaymq.scheduler.delayindex import HEAD, Heads, Slots
+from delaymq.scheduler.fsyncdurations import FsyncDurations, fsync_clock
 from delaymq.scheduler.hours import HEADS_SUFFIX, SECONDS_PER_HOUR, CorruptSchedule, hour_name
 from delaymq.storage.files import pwrite_all
 
@@ -72,6 +73,7 @@ class HeadsTables:
         self._unsynced: set[int] = set()  # hours written or created since the last sync
         self.fsyncs = 0
         self.syncfs_calls = 0
+        self.fsync_durations = FsyncDurations()  # each fsync and syncfs of filing (ScheduleFiles' too)
 
     def path(self, hour: int) -> str:
         return self._prefix + hour_name(hour) + HEADS_SUFFIX
@@ -222,7 +224,9 @@ class HeadsTables:
         """Make every table written or created since the last sync durable: fdatasync
         each, or one ``syncfs`` for many."""
         if self._fsync and self._syncfs is not None and len(self._unsynced) >= _SYNCFS_FROM:
+            started = fsync_clock()
             self._syncfs()
+            self.fsync_durations.since(started)
             self.syncfs_calls += 1
         elif self._fsync:
             for hour in sorted(self._unsynced):
@@ -231,7 +235,9 @@ class HeadsTables:
                 except FileNotFoundError:  # deleted since
                     continue
                 try:
+                    started = fsync_clock()
                     os.fdatasync(fd)
+                    self.fsync_durations.since(started)
                 finally:
                     os.close(fd)
                 self.fsyncs += 1

@@ -20,6 +20,7 @@ import os
 from collections.abc import Callable, Iterable
 
 from delaymq.scheduler.delayindex import ENTRY_SIZE
+from delaymq.scheduler.fsyncdurations import fsync_clock
 from delaymq.scheduler.headstable import HeadsTables
 from delaymq.scheduler.hours import INDEX_SUFFIX, LOG_SUFFIX, hour_name
 from delaymq.scheduler.staging import StagedHour
@@ -33,7 +34,8 @@ class ScheduleFiles:
     """The schedule logs and delay indexes of one schedule folder, as replay writes them.
 
     Used by the thread holding the store's write lock. ``fsyncs`` and ``syncfs_calls``
-    count what it made durable, for the store's statistics.
+    count what it made durable, for the store's statistics; each is timed into the
+    tables' ``fsync_durations`` (one histogram for filing).
     """
 
     def __init__(self, folder: DataFolder, tables: HeadsTables, *, fsync: bool) -> None:
@@ -68,19 +70,25 @@ class ScheduleFiles:
                 try:
                     pwrite_all(fd, data, position, path=path)
                     if per_file:
+                        started = fsync_clock()
                         os.fdatasync(fd)
+                        tables.fsync_durations.since(started)
                         self.fsyncs += 1
                 finally:
                     os.close(fd)
         if whole_fs:
             assert syncfs is not None
+            started = fsync_clock()
             syncfs(self._folder)
+            tables.fsync_durations.since(started)
             self.syncfs_calls += 1
             tables.synced()
         else:
             tables.sync()  # fdatasync each (nothing with fsync off)
             if per_file and created:
+                started = fsync_clock()
                 self._folder.fsync()
+                tables.fsync_durations.since(started)
                 self.fsyncs += 1
 
     def cut_back(self, staged: Iterable[StagedHour]) -> OSError | None:

@@ -36,6 +36,12 @@ the heads is kept between steps, and nothing of them is mapped.
 - reading, ``open_hour``: ``hourlog.HourLog``, used by the dispatcher from another
   thread while replay files; it sees committed entries only;
 - ``record_dispatched`` and the other dispatch-log calls: ``dispatchlog.DispatchLogCache``.
+
+What the folder holds on disk (``log_bytes``) is counted, never walked: an hour's
+schedule log, index and heads table hold exactly what its committed summary says once
+recovery has run (``summary_bytes``), so the count moves with each commit and deletion;
+the dispatch logs' count is the cache's. Each fsync of filing and of dispatch-log
+flushes is timed (``fsync_durations_us``).
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from delaymq.scheduler.delayindex import (
     CHECKPOINT_KEY,
@@ -115,6 +122,12 @@ _FORMAT: FormatParams = {
 _logger = logging.getLogger(__name__)
 
 
+def summary_bytes(summary: HourSummary) -> int:
+    """The bytes of an hour's schedule log, delay index and heads table as its committed
+    summary gives them (what they hold on disk once recovery has run)."""
+    return summary.log_end + summary.entries * ENTRY_SIZE + TABLE_BYTES
+
+
 @dataclass(frozen=True, slots=True)
 class ScheduleStoreStatistics:
     """A snapshot of the store's counters."""
@@ -170,11 +183,16 @@ class ScheduleStore:
         self._step = StagedStep(summaries, self._checked_hours, tables, state, max_step_hours=max_step_hours)
         self._files = ScheduleFiles(folder, tables, fsync=fsync)
         self._write_lock = threading.RLock()
-        self._dispatch = DispatchLogCache(folder, max_open=max_open_dispatch_logs, fsync=fsync)
         #: The hours that have a dispatch log (found at open, or appended to since): the
         #: others have delivered nothing, which ``pending`` then knows without a ``stat``
         #: (a restart asks it of every hour of the backlog).
         self._dispatch_hours = recovered.dispatch_hours
+        self._dispatch = DispatchLogCache(
+            folder, max_open=max_open_dispatch_logs, fsync=fsync, hours=self._dispatch_hours
+        )
+        #: Bytes of the hours' schedule logs, indexes and heads tables (``summary_bytes``),
+        #: moved under the write lock by each commit and deletion.
+        self._schedule_bytes = sum(map(summary_bytes, summaries.values()))
         #: Entries per hour that filed CANCEL and MOVE records took out (lmdb
         #: ``scheduler.cancelled``): done, as delivered ones are. Read once here.
         self._cancelled = cancelled_counts(state)
@@ -273,6 +291,20 @@ class ScheduleStore:
             redone_slots=self._recovered.redone_slots,
         )
 
+    def log_bytes(self) -> dict[str, int]:
+        """Bytes on disk: ``"schedule"`` (every hour's schedule log, delay index and heads
+        table), ``"dispatch"`` (the dispatch logs). Kept as counts: no ``stat`` per call."""
+        return {"schedule": self._schedule_bytes, "dispatch": self._dispatch.bytes}
+
+    def fsync_durations_us(self) -> dict[str, dict[str, Any]]:
+        """How long fsyncs took, µs (``LatencyHistogram.to_wire``): ``"schedule"``, each of
+        filing's (``fsyncs`` + ``syncfs`` of ``statistics``), and ``"dispatch"``, each of a
+        dispatch-log flush."""
+        return {
+            "schedule": self._tables.fsync_durations.to_wire(),
+            "dispatch": self._dispatch.fsync_durations.to_wire(),
+        }
+
     def path_of(self, hour: int, suffix: str) -> Path:
         """The file of ``hour`` with ``suffix`` (``LOG_SUFFIX``, ``INDEX_SUFFIX``, ``DISPATCH_SUFFIX``,
         ``HEADS_SUFFIX``)."""
@@ -356,9 +388,13 @@ class ScheduleStore:
                 self._cancelled[hour] = self._cancelled.get(hour, 0) + len(entries)
             step = self._step.outcome(written, self._checkpoint, checkpoint)
             nbytes = 0
+            grown = 0
             for w in written:
                 nbytes += w.log_end - w.committed_log_end
                 self._checked_hours.add(w.hour)
+                before = previous[w.hour]
+                grown += summary_bytes(summaries[w.hour]) - (summary_bytes(before) if before is not None else 0)
+            self._schedule_bytes += grown
             self._checkpoint = checkpoint
             self._steps += 1
             self._filed += step.filed
@@ -550,6 +586,8 @@ class ScheduleStore:
                     last = summary.last_source.to_bytes(8, "big", signed=True)
                     batch.put(DELETED_DB, hour_key(hour), last)
             self._summaries.pop(hour, None)
+            if summary is not None:
+                self._schedule_bytes -= summary_bytes(summary)
             self._cancelled.pop(hour, None)
             self._checked_hours.discard(hour)
             self._dispatch.forget(hour)

@@ -289,7 +289,11 @@ class Scheduler(ChangeCommands):
             in_outage=dispatch.in_outage,
             deleted_hours=totals.deleted_hours,
             deleted_segments=totals.deleted_segments,
-            fsync_us={"message": self._writer.fsync_durations_us()} if self._writer is not None else {},
+            fsync_us={
+                **({"message": self._writer.fsync_durations_us()} if self._writer is not None else {}),
+                **self.store.fsync_durations_us(),
+            },
+            log_bytes=self.store.log_bytes(),
         )
 
     def counters(self) -> SchedulerCounters:

@@ -85,8 +85,13 @@ class SchedulerStatistics:
     in_outage: bool  # delivery to realtime is failing right now
     deleted_hours: int  # hours removed past their retention
     deleted_segments: int  # message-log segments removed below the checkpoint
-    # How long the message log's fsyncs take, µs (``LatencyHistogram.to_wire``), by log: "message"
+    # How long fsyncs take, µs (``LatencyHistogram.to_wire``), by log: "message" (the message
+    # log's group commit), "schedule" (each of filing's: ``filing_fsyncs``), "dispatch" (each
+    # dispatch-log flush)
     fsync_us: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Bytes on disk besides the message log's: "schedule" (the hours' schedule logs, delay
+    # indexes and heads tables), "dispatch" (dispatch logs); counted, not walked per snapshot
+    log_bytes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,7 @@ import json
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from pathlib import Path
 from types import SimpleNamespace
@@ -71,3 +71,45 @@ def realtime_server(data_dir: Path, *, log_file: Path | None = None, **options: 
 def server_processes() -> SimpleNamespace:
     """Servers in child processes: ``realtime(data_dir, **options)``, ``python(script, *args)``."""
     return SimpleNamespace(realtime=realtime_server, python=python_server)
+
+
+class ScheduleFolder:
+    """A scheduler's message log, lmdb state and schedule store in ``root``, reopened at will:
+    ``add`` appends records and files them, as the master's replay does."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.schedule = root / "schedule"
+        self.open()
+
+    def open(self) -> None:
+        from delaymq.scheduler.schedulelog import ScheduleStore
+        from delaymq.storage.log import SegmentedLog
+        from delaymq.storage.state import StateStore
+
+        self.log = SegmentedLog.open(self.root / "messages")
+        self.state = StateStore.open(self.root / "state")
+        self.store = ScheduleStore.open(self.schedule, self.state)
+
+    def add(self, *records: bytes) -> None:
+        from delaymq.scheduler.replay import replay_until_caught_up
+
+        self.log.append(b"".join(records))
+        self.log.flush()
+        replay_until_caught_up(self.log, self.store)
+
+    def reopen(self) -> None:
+        self.close()
+        self.open()
+
+    def close(self) -> None:
+        self.store.close()
+        self.state.close()
+        self.log.close()
+
+
+@pytest.fixture
+def schedule_folder(tmp_path: Path) -> Iterator[ScheduleFolder]:
+    opened = ScheduleFolder(tmp_path)
+    yield opened
+    opened.close()

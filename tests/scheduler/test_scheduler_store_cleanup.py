@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
-from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,9 +12,7 @@ from delaymq.protocol.records import encode_message
 from delaymq.scheduler.delayindex import ENTRY_SIZE
 from delaymq.scheduler.hours import DEFAULT_RETENTION_MS, HOUR_MS, HourNotComplete, hour_name
 from delaymq.scheduler.replay import replay_until_caught_up
-from delaymq.scheduler.schedulelog import DISPATCH_SUFFIX, INDEX_SUFFIX, LOG_SUFFIX, ScheduleStore
-from delaymq.storage.log import SegmentedLog
-from delaymq.storage.state import StateStore
+from delaymq.scheduler.schedulelog import DISPATCH_SUFFIX, INDEX_SUFFIX, LOG_SUFFIX
 
 BASE = 1_750_000_000_000 - 1_750_000_000_000 % HOUR_MS
 HOUR = BASE // HOUR_MS
@@ -25,41 +22,12 @@ def message(i: int, deliver_at: int) -> bytes:
     return encode_message(f"m{i}", "s", deliver_at=deliver_at, created_at=BASE)
 
 
-class Folder:
-    """A scheduler's message log, state and schedule store, reopened at will."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.open()
-
-    def open(self) -> None:
-        self.log = SegmentedLog.open(self.root / "messages")
-        self.state = StateStore.open(self.root / "state")
-        self.store = ScheduleStore.open(self.root / "schedule", self.state)
-
-    def add(self, *records: bytes) -> None:
-        self.log.append(b"".join(records))
-        self.log.flush()
-        replay_until_caught_up(self.log, self.store)
-
-    def reopen(self) -> None:
-        self.close()
-        self.open()
-
-    def close(self) -> None:
-        self.store.close()
-        self.state.close()
-        self.log.close()
-
-
 @pytest.fixture
-def folder(tmp_path: Path) -> Iterator[Folder]:
-    f = Folder(tmp_path)
-    yield f
-    f.close()
+def folder(schedule_folder: Any) -> Any:
+    return schedule_folder  # tests/conftest.py: ScheduleFolder
 
 
-def test_hours_eligible_after_retention(folder: Folder) -> None:
+def test_hours_eligible_after_retention(folder: Any) -> None:
     folder.add(*(message(h, BASE + h * HOUR_MS + 10) for h in range(4)))
     store = folder.store
     for h in (0, 1, 3):
@@ -72,7 +40,7 @@ def test_hours_eligible_after_retention(folder: Folder) -> None:
     assert store.hours_to_delete(end_of(1), retention_ms=0) == [HOUR, HOUR + 1]
 
 
-def test_delete_hour_refuses_undelivered_entries_unless_forced(folder: Folder) -> None:
+def test_delete_hour_refuses_undelivered_entries_unless_forced(folder: Any) -> None:
     folder.add(message(0, BASE + 1), message(1, BASE + 2), message(2, BASE + HOUR_MS))
     store = folder.store
     store.record_dispatched(HOUR, [0])
@@ -88,7 +56,7 @@ def test_delete_hour_refuses_undelivered_entries_unless_forced(folder: Folder) -
     assert folder.store.hours_with_messages() == []
 
 
-def test_a_late_record_for_a_deleted_hour_starts_it_afresh(folder: Folder) -> None:
+def test_a_late_record_for_a_deleted_hour_starts_it_afresh(folder: Any) -> None:
     folder.add(message(0, BASE + 1))
     folder.store.record_dispatched(HOUR, [0])
     folder.store.delete_hour(HOUR)
@@ -100,7 +68,7 @@ def test_a_late_record_for_a_deleted_hour_starts_it_afresh(folder: Folder) -> No
         assert reader.read_records([0]) == [message(1, BASE + 5)]
 
 
-def test_replay_going_back_after_a_repair_does_not_revive_deleted_hours(folder: Folder) -> None:
+def test_replay_going_back_after_a_repair_does_not_revive_deleted_hours(folder: Any) -> None:
     folder.add(*(message(i, BASE + (i % 2) * HOUR_MS + i) for i in range(100)))
     store = folder.store
     store.record_dispatched(HOUR, range(50))
@@ -115,7 +83,7 @@ def test_replay_going_back_after_a_repair_does_not_revive_deleted_hours(folder: 
     assert folder.store.entries(HOUR + 1) == 50
 
 
-def test_a_deletion_cut_short_leaves_a_complete_hour_to_delete_again(folder: Folder) -> None:
+def test_a_deletion_cut_short_leaves_a_complete_hour_to_delete_again(folder: Any) -> None:
     folder.add(message(0, BASE + 1), message(1, BASE + 2))
     folder.store.record_dispatched(HOUR, [0, 1])
     schedule = folder.root / "schedule"
