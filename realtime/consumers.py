@@ -5,8 +5,9 @@ holds hand-outs; otherwise its state waits in lmdb and is loaded on its next
 request (a PULL creates it if lmdb has none). Loads run in a worker thread
 (``run_blocking``), one per consumer at a time: a second request for the same consumer waits for the
 first load instead of starting another. Each consumer's pull log file records
-the consume-log sequences it was handed; the pull logs written since the last
-checkpoint are fsynced by the next one.
+the consume-log sequences it was handed (one ``pwrite`` on a descriptor kept open,
+within ``OPEN_PULL_LOGS``); the pull logs written since the last checkpoint are
+fsynced by the next one.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from delaymq.realtime.checkpoint import consumer_from_record, load_consumer, sha
 from delaymq.realtime.delivery import Picked
 from delaymq.realtime.groups import ConsumerState, Groups, Share
 from delaymq.realtime.index import Indexer
-from delaymq.realtime.pulllog import PullLog, consumer_stem, encode_pull_entries
+from delaymq.realtime.pulllog import OPEN_PULL_LOGS, OpenPullLogs, PullLog, consumer_stem, encode_pull_entries
 from delaymq.realtime.redelivery import RedeliverySweeper
 from delaymq.realtime.requests import PullRequest
 from delaymq.storage.errors import storage_refusal
@@ -50,6 +51,7 @@ class Consumers:
         clock: Clock,
         sweeper: RedeliverySweeper,
         run_blocking: RunBlocking,
+        open_pull_logs: int = OPEN_PULL_LOGS,
     ) -> None:
         self._groups = groups
         self._run_blocking = run_blocking
@@ -59,6 +61,8 @@ class Consumers:
         self._clock = clock
         self._sweeper = sweeper
         self._pull_logs: dict[bytes, PullLog] = {}
+        #: The pull logs holding a descriptor (at most ``open_pull_logs``).
+        self.open_files = OpenPullLogs(open_pull_logs)
         self._written: set[PullLog] = set()  # pull logs written since the last checkpoint
         self._loading: dict[bytes, trio.Event] = {}
 
@@ -99,7 +103,7 @@ class Consumers:
     async def _load(
         self, key: bytes, subject: str, group: str, name: str, create: PullRequest | None
     ) -> ConsumerState | None:
-        pull_log = PullLog(self._pull_dir, key.hex())
+        pull_log = PullLog(self._pull_dir, key.hex(), files=self.open_files)
 
         def load() -> tuple[dict[str, Any] | None, tuple[list[int], list[int]]]:
             record = load_consumer(self._store, key)
@@ -138,6 +142,7 @@ class Consumers:
 
     def adopt(self, consumer: ConsumerState, pull_log: PullLog, now: int) -> None:
         """Keep a consumer (loaded, new, or recovered at start-up with hand-outs) in memory."""
+        pull_log.files = self.open_files
         self._pull_logs[consumer.key] = pull_log
         self._groups.add_consumer(consumer, now)
 
@@ -182,7 +187,13 @@ class Consumers:
     def forget_idle(self) -> None:
         """Drop the consumers that are gone, hold nothing and are committed (reloaded if they come back)."""
         for key in self._groups.forget_idle():
-            self._pull_logs.pop(key, None)
+            pull_log = self._pull_logs.pop(key, None)
+            if pull_log is not None:
+                self.open_files.forget(pull_log)
+
+    def close(self) -> None:
+        """Close the pull logs' descriptors (the master stops)."""
+        self.open_files.close()
 
 
 __all__ = ["Consumers", "consumer_key"]

@@ -91,17 +91,12 @@ class DedupWindow:
     def __len__(self) -> int:
         return len(self._pending) + len(self._recent)
 
-    def _known_at(self, message_id: str) -> int | None:
-        stored_at = self._pending.get(message_id)
-        if stored_at is None:
-            stored_at = self._recent.get(message_id)
-        return stored_at
-
     def to_look_up(self, ids: Sequence[str], now: int) -> list[str]:
         """The ids memory cannot settle at ``now``: look them up with ``lookup_stored``."""
         if now - self.window_ms >= self.covers_from:
             return []
-        return [message_id for message_id in ids if self._known_at(message_id) is None]
+        pending, recent = self._pending, self._recent
+        return [message_id for message_id in ids if message_id not in pending and message_id not in recent]
 
     def admit(self, ids: Sequence[str], now: int, stored: Iterable[str] = ()) -> list[bool]:
         """Which records are new (True) or duplicates (False); new ids become pending.
@@ -112,9 +107,11 @@ class DedupWindow:
         stored = set(stored)
         oldest = now - self.window_ms
         fresh: list[bool] = []
-        pending = self._pending
+        pending, recent = self._pending, self._recent
         for message_id in ids:
-            stored_at = self._known_at(message_id)
+            stored_at = pending.get(message_id)  # known at (inline: once per record)
+            if stored_at is None:
+                stored_at = recent.get(message_id)
             if (stored_at is not None and stored_at > oldest) or message_id in stored:
                 fresh.append(False)
             else:
@@ -213,15 +210,29 @@ def lookup_stored(store: StateStore, ids: Iterable[str], since: int) -> set[str]
 
 
 def write_ids(batch: WriteBatch, entries: Iterable[tuple[str, int]]) -> set[int]:
-    """Add ids to a checkpoint's write batch; returns the buckets written."""
-    keys = [(message_id.encode(), stored_at) for message_id, stored_at in entries]
+    """Add ids to a checkpoint's write batch; returns the buckets written.
+
+    Ids of one batch share their stored-at time: its value and bucket are packed once per run."""
     pack_i64, pack_u64 = _I64.pack, _U64.pack
-    batch.put_many(IDS_DB, [(key, pack_i64(stored_at)) for key, stored_at in keys])
-    by_bucket = [(max(stored_at // BUCKET_MS, 0), key) for key, stored_at in keys]
-    batch.put_many(TIME_DB, [(pack_u64(bucket) + key, b"") for bucket, key in by_bucket])
-    buckets = {bucket for bucket, _key in by_bucket}
+    id_rows: list[tuple[bytes, bytes]] = []
+    time_rows: list[tuple[bytes, bytes]] = []
+    buckets: set[int] = set()
+    last: int | None = None
+    value = prefix = b""
+    for message_id, stored_at in entries:
+        key = message_id.encode()
+        if stored_at != last:
+            last = stored_at
+            value = pack_i64(stored_at)
+            bucket = max(stored_at // BUCKET_MS, 0)
+            buckets.add(bucket)
+            prefix = pack_u64(bucket)
+        id_rows.append((key, value))
+        time_rows.append((prefix + key, b""))
+    batch.put_many(IDS_DB, id_rows)
+    batch.put_many(TIME_DB, time_rows)
     for bucket in buckets:
-        batch.put(BUCKETS_DB, _U64.pack(bucket), b"")
+        batch.put(BUCKETS_DB, pack_u64(bucket), b"")
     return buckets
 
 

@@ -3,7 +3,8 @@
 ``pick`` chooses entries (given-back ones first, then new ones past the share's
 position, filtered by tag bitmask, within the message and byte limits) from the
 consume-log entries held in memory, and moves the share; entries not held are
-read in a worker thread first (``EntriesNotHeld``).
+read in a worker thread first (``EntriesNotHeld``, ``read_window``; so are those of
+a NACK, ``claimed_entries``).
 ``read_records`` then reads the records from the message log in a worker thread,
 adjacent ones in one read, and raises the attempts of redelivered ones;
 ``read_intact`` leaves out records that do not check (a damaged message log).
@@ -14,13 +15,15 @@ thread, no file read.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 
 from delaymq.protocol.records import raise_attempts
-from delaymq.realtime.consumelog import ConsumeLog, iter_entries
+from delaymq.realtime.consumelog import ENTRY_SIZE, TAIL_ENTRIES, ConsumeLog, decode_entry, iter_entries
 from delaymq.realtime.groups import Groups, Share
 from delaymq.storage.errors import BadOffset, CorruptLog
 from delaymq.storage.log import SegmentedLog
+from delaymq.storage.threads import RunBlocking
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +123,50 @@ def pick(
     return picked, (not picked and position < count)
 
 
+async def read_window(
+    consume_log: ConsumeLog, start: int, *, run_blocking: RunBlocking, hold: Callable[[ConsumeLog], None]
+) -> bytes:
+    """Read consume-log entries from ``start`` in a worker thread, hold them as the log's
+    window (for ``read_held``; ``hold`` bounds the logs holding entries) and return them.
+
+    The thread reads the file by offsets only (``ConsumeLog.read``), below the entries
+    written; the window is replaced in the event loop, and not at all if the log forgot
+    what it held meanwhile (``generation``)."""
+    generation = consume_log.generation
+    data = await run_blocking(partial(consume_log.read, start, TAIL_ENTRIES))
+    consume_log.hold_window(start, data, generation)
+    hold(consume_log)
+    return data
+
+
+async def claimed_entries(
+    consume_log: ConsumeLog,
+    entries: Iterable[tuple[int, int]],
+    *,
+    run_blocking: RunBlocking,
+    hold: Callable[[ConsumeLog], None],
+) -> list[Picked]:
+    """``entries`` ((sequence, redeliveries) handed out before, e.g. a NACK's claim) as ``Picked``:
+    from memory where held, else from the file in a worker thread (``read_window``), never on
+    the event loop. Raises ``IndexError`` for an entry the log no longer has."""
+    picked: list[Picked] = []
+    window_start, window = 0, b""
+    for sequence, redeliveries in entries:
+        entry = consume_log.held_entry(sequence)
+        if entry is None:
+            index = sequence - window_start
+            if not 0 <= index < len(window) // ENTRY_SIZE:
+                window_start, index = sequence, 0
+                window = await read_window(consume_log, sequence, run_blocking=run_blocking, hold=hold)
+                if not window:
+                    raise IndexError(f"consume log of {consume_log.subject!r} has no entry {sequence}")
+            entry = decode_entry(window, index * ENTRY_SIZE)
+            if entry is None:
+                raise CorruptLog(f"consume log {consume_log.path}: entry {sequence} does not check")
+        picked.append((sequence, redeliveries, entry.offset, entry.size))
+    return picked
+
+
 def read_records(log: SegmentedLog, picked: list[Picked]) -> bytes:
     """The records of ``picked``, in order (blocking: a worker thread)."""
     parts: list[bytes] = []
@@ -203,4 +250,13 @@ def _read_span(log: SegmentedLog, offset: int, length: int) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-__all__ = ["EntriesNotHeld", "Picked", "pick", "read_intact", "read_recent_records", "read_records"]
+__all__ = [
+    "EntriesNotHeld",
+    "Picked",
+    "claimed_entries",
+    "pick",
+    "read_intact",
+    "read_recent_records",
+    "read_records",
+    "read_window",
+]

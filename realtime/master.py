@@ -233,8 +233,9 @@ class RealtimeMaster:
         await self._indexer.run(clock=clock, task_status=task_status)
 
     def close(self) -> None:
-        """Close the consume logs (blocking, quick: file descriptors)."""
+        """Close the consume logs and pull logs (blocking, quick: file descriptors)."""
         self._indexer.close()
+        self.consumers.close()
 
     # --------------------------------------------------------------- replication
 

@@ -24,9 +24,9 @@ from delaymq.protocol.histogram import LatencyHistogram
 from delaymq.protocol.limits import Limits
 from delaymq.protocol.records import RECORD_TIMES, tags_mask
 from delaymq.protocol.transport import Request
-from delaymq.realtime.consumelog import TAIL_ENTRIES, ConsumeLog
+from delaymq.realtime.consumelog import ConsumeLog
 from delaymq.realtime.consumers import Consumers
-from delaymq.realtime.delivery import EntriesNotHeld, Picked, pick, read_intact, read_recent_records
+from delaymq.realtime.delivery import EntriesNotHeld, Picked, pick, read_intact, read_recent_records, read_window
 from delaymq.realtime.groups import Groups
 from delaymq.realtime.index import Indexer
 from delaymq.realtime.parked import ParkedPulls
@@ -150,10 +150,7 @@ class PullHandler:
 
     async def _read_entries(self, consume_log: ConsumeLog, start: int) -> None:
         """Read consume-log entries from ``start`` in a worker thread and hold them for ``pick``."""
-        generation = consume_log.generation
-        data = await self._run_blocking(partial(consume_log.read, start, TAIL_ENTRIES))
-        consume_log.hold_window(start, data, generation)
-        self._indexer.hold(consume_log)
+        await read_window(consume_log, start, run_blocking=self._run_blocking, hold=self._indexer.hold)
 
 
 def _lateness(body: bytes, kept: list[Picked], now: int) -> list[int]:

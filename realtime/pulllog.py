@@ -20,6 +20,11 @@ keeps them (``read_tail``) instead of handing those messages out again as new.
 
 The consumer's progress in it is a ``delaymq.protocol.ranges.AckRanges``: the
 acked position plus the acked (or given back) ranges above it.
+
+A pull log of a consumer in memory keeps its descriptor open between writes (a
+PULL is one ``pwrite``; the checkpoint fsyncs that descriptor): ``OpenPullLogs``
+opens them lazily and closes the least recently used past ``OPEN_PULL_LOGS``, so
+many consumers never exhaust the descriptors of the process.
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ import hashlib
 import json
 import os
 import struct
+import threading
 import zlib
+from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -41,6 +48,10 @@ PULL_ENTRY_SIZE = PULL_ENTRY.size  # 16
 PULL_VERSION = 1
 PULL_FORMAT = {"format": "pull-log", "version": PULL_VERSION, "entry_size": PULL_ENTRY_SIZE}
 _BODY = struct.Struct(">QHH")
+
+#: Pull logs of one server holding an open descriptor at most (the least recently written
+#: are closed past it; a checkpoint in flight may keep one more open a little longer).
+OPEN_PULL_LOGS = 256
 
 
 def encode_pull_entries(sequences: Iterable[int], redeliveries: Iterable[int]) -> bytes:
@@ -80,12 +91,21 @@ def consumer_stem(subject: str, group: str, consumer: str) -> str:
 
 
 class PullLog:
-    """One consumer's pull-log file. Holds no descriptor: consumers come and go."""
+    """One consumer's pull-log file.
 
-    def __init__(self, directory: Path, stem: str) -> None:
+    With ``files`` (a consumer in memory) its descriptor stays open between writes, within
+    the bound of ``files``; without (recovery, a slave applying progress) each write opens
+    and closes the file. Only the event loop opens and closes the descriptor; ``flush``
+    (a worker thread) uses it under ``_lock``, so it is never closed under an fsync.
+    """
+
+    def __init__(self, directory: Path, stem: str, *, files: OpenPullLogs | None = None) -> None:
         self.path = directory / f"{stem}.log"
         self._names = directory / f"{stem}.json"
         self.created = False
+        self.files = files
+        self._fd = -1
+        self._lock = threading.Lock()
 
     def create(self, subject: str, group: str, consumer: str, *, broadcast: bool = False) -> None:
         """Write the names file if this is a new pull log (fsynced by the checkpoint)."""
@@ -128,6 +148,10 @@ class PullLog:
 
     def write(self, position: int, data: bytes) -> None:
         """Write entries at pull-log sequence ``position`` (page cache; fsync in ``flush``)."""
+        files = self.files
+        if files is not None:
+            pwrite_all(files.fd(self), data, position * PULL_ENTRY_SIZE, path=self.path)
+            return
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             pwrite_all(fd, data, position * PULL_ENTRY_SIZE, path=self.path)
@@ -150,6 +174,12 @@ class PullLog:
     def truncate(self, length: int) -> bool:
         """Cut entries past ``length`` (a consumer loaded after start-up, whose tail recovery did
         not keep; a slave's entries the master never had); True if there were any."""
+        fd = self._fd
+        if fd >= 0:  # held open (the event loop): the next write goes on at ``length``
+            if os.fstat(fd).st_size > length * PULL_ENTRY_SIZE:
+                os.ftruncate(fd, length * PULL_ENTRY_SIZE)
+                return True
+            return False
         try:
             size = os.stat(self.path).st_size
         except FileNotFoundError:
@@ -160,18 +190,111 @@ class PullLog:
         return False
 
     def flush(self) -> bool:
-        """fsync (blocking); True if the folder needs an fsync too."""
-        for path in (self.path, self._names) if self.created else (self.path,):
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            except FileNotFoundError:
-                continue
-            try:
+        """fsync (blocking: a worker thread); True if the folder needs an fsync too.
+
+        The open descriptor when there is one (no open by path); ``_lock`` keeps the
+        event loop from closing it meanwhile (it defers the close instead)."""
+        with self._lock:
+            fd = self._fd
+            if fd >= 0:
                 os.fsync(fd)
-            finally:
-                os.close(fd)
+            else:
+                _fsync_path(self.path)
+        if self.created:
+            _fsync_path(self._names)
         created, self.created = self.created, False
         return created
+
+    def _open(self) -> int:
+        """The descriptor, opened if need be (the event loop; through ``OpenPullLogs``)."""
+        if self._fd < 0:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        return self._fd
+
+    def _close(self, *, wait: bool = False) -> bool:
+        """Close the descriptor (the event loop); False if a ``flush`` holds it now and not ``wait``."""
+        if self._fd < 0:
+            return True
+        if not self._lock.acquire(blocking=wait):
+            return False
+        try:
+            fd, self._fd = self._fd, -1
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # the descriptor is released all the same; the data is in the page cache
+        finally:
+            self._lock.release()
+        return True
+
+
+class OpenPullLogs:
+    """The pull logs holding a descriptor, least recently written first: at most ``limit``.
+
+    Like the indexer's held consume logs (``delaymq.realtime.index.HELD_LOGS``): every
+    write marks its log as the most recent, and the least recent past the bound closes.
+    One that a checkpoint is fsyncing at that moment is closed on a later write instead.
+    Event loop only.
+    """
+
+    def __init__(self, limit: int = OPEN_PULL_LOGS) -> None:
+        if limit < 1:
+            raise ValueError(f"open pull logs: limit must be at least 1, not {limit}")
+        self.limit = limit
+        self._held: OrderedDict[PullLog, None] = OrderedDict()
+        self._closing: dict[PullLog, None] = {}  # evicted under a flush: closed on a later write
+
+    def __len__(self) -> int:
+        """Descriptors open (the held ones and those waiting to close)."""
+        return len(self._held) + len(self._closing)
+
+    def fd(self, pull_log: PullLog) -> int:
+        """``pull_log``'s descriptor, opened if need be; it becomes the most recently used."""
+        held = self._held
+        if pull_log in held:
+            held.move_to_end(pull_log)
+        else:
+            pull_log._open()  # still open if its close was deferred
+            self._closing.pop(pull_log, None)
+            held[pull_log] = None
+            while len(held) > self.limit:
+                oldest, _ = held.popitem(last=False)
+                if not oldest._close():
+                    self._closing[oldest] = None
+        if self._closing:
+            self._retry_closing()
+        return pull_log._fd
+
+    def forget(self, pull_log: PullLog) -> None:
+        """Close ``pull_log``'s descriptor (its consumer leaves memory)."""
+        self._held.pop(pull_log, None)
+        if pull_log._close():
+            self._closing.pop(pull_log, None)
+        else:
+            self._closing[pull_log] = None
+
+    def close(self) -> None:
+        """Close every descriptor (the master stops: waits for an fsync in flight)."""
+        for pull_log in [*self._held, *self._closing]:
+            pull_log._close(wait=True)
+        self._held.clear()
+        self._closing.clear()
+
+    def _retry_closing(self) -> None:
+        for pull_log in [p for p in self._closing if p._close()]:
+            del self._closing[pull_log]
+
+
+def _fsync_path(path: Path) -> None:
+    """fsync a file by name (blocking); nothing if it is not there."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def list_pull_logs(directory: Path) -> list[str]:
@@ -180,8 +303,10 @@ def list_pull_logs(directory: Path) -> list[str]:
 
 
 __all__ = [
+    "OPEN_PULL_LOGS",
     "PULL_ENTRY_SIZE",
     "PULL_FORMAT",
+    "OpenPullLogs",
     "PullLog",
     "consumer_stem",
     "decode_pull_entries",

@@ -25,7 +25,7 @@ from delaymq.protocol.records import MAX_ATTEMPTS, decode_batch, encode_message,
 from delaymq.protocol.routes import RouteKind
 from delaymq.protocol.subjects import dead_subject, retry_subject
 from delaymq.protocol.transport import TransportError
-from delaymq.realtime.delivery import Picked, read_records
+from delaymq.realtime.delivery import claimed_entries, read_records
 from delaymq.realtime.groups import Claim, Groups, Share
 from delaymq.realtime.index import REPLAY_LIMITS, Indexer
 from delaymq.realtime.requests import AckRequest
@@ -121,13 +121,14 @@ class Retries:
         return shares
 
     async def _read_claimed(self, claim: Claim) -> bytes:
-        """The claimed records as their consumer got them (``attempts`` with redeliveries)."""
+        """The claimed records as their consumer got them (``attempts`` with redeliveries).
+
+        Entries no longer in memory are read in a worker thread, as for a PULL that lags."""
         consume_log = self._indexer.consume_log(claim.consumer.subject)
         assert consume_log is not None  # the consumer was handed entries of it
-        picked: list[Picked] = []
-        for sequence, redeliveries in claim.entries:
-            entry = consume_log.entry(sequence)
-            picked.append((sequence, redeliveries, entry.offset, entry.size))
+        picked = await claimed_entries(
+            consume_log, claim.entries, run_blocking=self._run_blocking, hold=self._indexer.hold
+        )
         return await self._run_blocking(partial(read_records, self._log, picked))
 
     async def _schedule(self, body: bytes, count: int, subject: str) -> bool:
