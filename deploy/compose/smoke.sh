@@ -2,9 +2,11 @@
 # Smoke test of the compose cluster: build the image from a fresh wheel, start the cluster,
 # schedule and send messages, receive every one of them, and read the servers' metrics.
 #
-#   deploy/compose/smoke.sh          (KEEP=1 leaves the cluster running afterwards)
+#   deploy/compose/smoke.sh          (KEEP=1 leaves the cluster, project delaymq-smoke, running)
+#   BASE_IMAGE=delaymq-base:bookworm deploy/compose/smoke.sh    (the image's base: see Dockerfile)
 #
-# Needs docker with the compose plugin and python3 with pip on the host.
+# Needs docker with the compose plugin (`docker compose`; else `docker-compose` v1.29 is
+# used) and python3 with pip on the host.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -15,7 +17,20 @@ cd "$here"
 rm -rf dist
 "$python" -m pip wheel --quiet --no-deps --wheel-dir dist "$repo"
 
-compose() { docker compose --project-directory "$here" "$@"; }
+# compose.yaml reads BASE_IMAGE (its default: python:3.11-slim) as the Dockerfile's build arg.
+export BASE_IMAGE="${BASE_IMAGE:-python:3.11-slim}"
+if docker compose version >/dev/null 2>&1; then
+    compose_command=(docker compose)
+elif command -v docker-compose >/dev/null; then
+    compose_command=(docker-compose)
+else
+    echo "smoke: needs docker compose (the plugin) or docker-compose" >&2
+    exit 1
+fi
+# A project of its own (its containers and volumes are delaymq-smoke_*): the `down --volumes`
+# at the end removes nothing of a cluster started here as project delaymq.
+project="${SMOKE_PROJECT:-delaymq-smoke}"
+compose() { "${compose_command[@]}" --project-directory "$here" --project-name "$project" "$@"; }
 client() { compose run --rm --no-deps -T client "$@"; }
 
 finish() {
@@ -32,7 +47,12 @@ finish() {
 trap finish EXIT
 
 compose build
-compose up -d
+if ! compose up -d; then
+    # An engine whose own open-file limit is below the compose file's 65536 cannot start the
+    # servers ("error setting rlimit type 7"): DELAYMQ_NOFILE=<that limit> smoke.sh.
+    echo "smoke: the cluster did not start (on \"error setting rlimit type 7\": set DELAYMQ_NOFILE)" >&2
+    exit 1
+fi
 meta=metaserver:20880
 subject="smoke.orders.$(date +%s)"
 
@@ -53,20 +73,24 @@ retry() {
 delayed="$(retry client send --meta "$meta" --count 20 --delay 5s "$subject" later)"
 immediate="$(retry client send --meta "$meta" --count 5 "$subject" now)"
 expected="$(printf '%s\n%s\n' "$delayed" "$immediate" | sort)"
-echo "smoke: sent $(wc -l <<<"$expected") messages (20 due in 5 s) to $subject"
+# 25, unless a send failed part way and was retried: the ids it printed were stored too.
+sent="$(wc -l <<<"$expected")"
+echo "smoke: sent $sent messages (20 due in 5 s) to $subject"
 
-received="$(client consume --meta "$meta" --group smoke --from earliest --max 25 --timeout 60s --json "$subject" \
+received="$(client consume --meta "$meta" --group smoke --from earliest --max "$sent" --timeout 60s --json "$subject" \
     | "$python" -c 'import json, sys; print("\n".join(sorted(json.loads(line)["id"] for line in sys.stdin)))')"
 if [[ "$received" != "$expected" ]]; then
     echo "smoke: received ids differ from the ids sent" >&2
     diff <(echo "$expected") <(echo "$received") >&2 || true
     exit 1
 fi
-echo "smoke: received all 25, each once"
+echo "smoke: received all $sent, each once"
 
-# The metrics: every endpoint answers; the scheduler master dispatched the 20, the
-# realtime groups stored the 25 (each group holds its share of the subjects).
+# The metrics: every endpoint answers; the metaserver holds the four data servers (it does
+# not count itself) up, scheduler-1 with one master and one slave; the scheduler master
+# dispatched the 20, the realtime groups stored the 25 (each group its share of the subjects).
 "$python" - <<'PY'
+import re
 import sys
 import urllib.request
 
@@ -80,13 +104,33 @@ def scrape(port):
             samples[name] = float(value)
     return samples
 
+def labelled(samples, family):
+    """{(group, kind): [values]} of a metaserver family labelled per server."""
+    found = {}
+    for name, value in samples.items():
+        if name.startswith(family + "{"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', name))
+            found.setdefault((labels["group"], labels["kind"]), []).append(value)
+    return found
+
 endpoints = {"metaserver": 9180, "realtime-1": 9181, "realtime-2": 9182, "scheduler-a": 9183, "scheduler-b": 9184}
 scraped = {name: scrape(port) for name, port in endpoints.items()}
+meta = scraped["metaserver"]
 stored = sum(s.get("delaymq_realtime_messages_stored_total", 0) for s in scraped.values())
 dispatched = max(s.get("delaymq_scheduler_messages_dispatched_total", 0) for s in scraped.values())
-servers = scraped["metaserver"].get("delaymq_metaserver_servers", 0)
+servers = meta.get("delaymq_metaserver_servers", 0)
+up = labelled(meta, "delaymq_metaserver_server_up")
+masters = labelled(meta, "delaymq_metaserver_server_is_master")
 print(f"smoke: metrics: {servers:.0f} servers registered, {stored:.0f} messages stored, {dispatched:.0f} dispatched")
-if servers < 5 or stored < 25 or dispatched < 20:
+print("smoke: metrics: " + ", ".join(
+    f"{group} {sum(up[group, kind]):.0f} up, {sum(masters.get((group, kind), [])):.0f} master"
+    for group, kind in sorted(up)))
+expected_up = {("realtime-1", "realtime"): 1, ("realtime-2", "realtime"): 1, ("scheduler-1", "scheduler"): 2}
+if {key: sum(values) for key, values in up.items()} != expected_up:
+    sys.exit("smoke: the metaserver does not hold every server up")
+if any(sum(masters.get(key, [])) != 1 for key in expected_up):
+    sys.exit("smoke: a group has not exactly one master")
+if servers != 4 or stored < 25 or dispatched < 20:
     sys.exit("smoke: the metrics do not show the workload")
 PY
 echo "smoke: OK"
