@@ -39,6 +39,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_server_options(parser, group="scheduler-1")
     add_duration(parser, "--horizon", "732d", "how far ahead a message may be scheduled; later ones are refused")
     add_duration(parser, "--retention", "72h", "how long a fully delivered hour's files are kept")
+    add_duration(
+        parser,
+        "--send-interval",
+        "0ms",  # scheduler.dispatcher.DEFAULT_SEND_INTERVAL_MS (not imported: the command starts sooner)
+        "a subject's SENDs to realtime start at least this far apart: what falls due in between goes in one "
+        "batch (fewer requests and fsyncs; a message waits up to this long more)",
+    )
     add_replication_options(parser, writes="each SCHEDULE")
     parser.set_defaults(func=run)
 
@@ -49,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         horizon_ms = options.duration_ms(args.horizon)
         retention_ms = options.duration_ms(args.retention)
+        send_interval_ms = options.duration_ms(args.send_interval)
         token, tokens = server_auth(args, listen=args.listen)
         limits = Limits(
             horizon_ms=horizon_ms,
@@ -63,10 +71,12 @@ def run(args: argparse.Namespace) -> int:
         return fail(f"--horizon: {error}")
     meta = args.meta or [DEFAULT_META]
     what = f"scheduler {args.group} on {args.listen} with data {args.data}"
-    return run_server(_serve, args, meta, limits, retention_ms, what=what)
+    return run_server(_serve, args, meta, limits, retention_ms, send_interval_ms, what=what)
 
 
-async def _serve(args: argparse.Namespace, meta: list[str], limits: Limits, retention_ms: int) -> None:
+async def _serve(
+    args: argparse.Namespace, meta: list[str], limits: Limits, retention_ms: int, send_interval_ms: int
+) -> None:
     # Imported here, not by ``delaymq`` itself: every command (each server of a cluster too) starts sooner.
     from delaymq.scheduler.server import open_scheduler
 
@@ -79,6 +89,7 @@ async def _serve(args: argparse.Namespace, meta: list[str], limits: Limits, rete
         flush=args.flush,
         limits=limits,
         retention_ms=retention_ms,
+        send_interval_ms=send_interval_ms,
         replication=args.replication,
         min_insync=args.min_insync,
     ) as scheduler:

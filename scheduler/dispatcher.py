@@ -23,7 +23,9 @@ every disk read or write runs through ``run_blocking`` (a worker thread):
   a growing backoff with jitter (capped; an interval of the monotonic clock), logged once per
   outage: nothing is dropped and order within a subject holds. A batch is never sent
   before the wall clock reads its messages' ``deliver_at``, even if the clock stepped
-  back after they fired;
+  back after they fired. With ``send_interval_ms`` a lane starts its SENDs at least
+  that far apart (and stays that long after its last one), firing what fell due in
+  between into one batch: fewer SENDs for up to that much more lateness;
 - the **confirmer** records what realtime accepted in the hours' dispatch logs (one
   thread call and one fsync per round; while more is on the way, rounds start at least
   ``confirm_interval_ms`` apart, so one round covers the SENDs accepted meanwhile) and
@@ -74,6 +76,10 @@ DEFAULT_CONFIRM_INTERVAL_MS = 10
 #: While a SEND is on the way the firer wakes this long after the next due moment (the
 #: returning lane fires first, as a rule).
 DEFAULT_FIRE_SLACK_MS = 2
+#: A lane starts its SENDs at least this far apart (monotonic ms): what falls due in
+#: between goes in one batch, so SENDs (and realtime's fsyncs and the consumers' PULLs
+#: they cause) follow this rate rather than the SEND round trip. 0: no wait.
+DEFAULT_SEND_INTERVAL_MS = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +134,7 @@ class Dispatcher:
         max_backoff_ms: int = DEFAULT_MAX_BACKOFF_MS,
         confirm_interval_ms: int = DEFAULT_CONFIRM_INTERVAL_MS,
         fire_slack_ms: int = DEFAULT_FIRE_SLACK_MS,
+        send_interval_ms: int = DEFAULT_SEND_INTERVAL_MS,
         random: RandomSource | None = None,
         on_recorded: Callable[[dict[int, list[int]]], None] | None = None,
     ) -> None:
@@ -139,7 +146,11 @@ class Dispatcher:
         ):
             if value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
-        for name, value in (("confirm_interval_ms", confirm_interval_ms), ("fire_slack_ms", fire_slack_ms)):
+        for name, value in (
+            ("confirm_interval_ms", confirm_interval_ms),
+            ("fire_slack_ms", fire_slack_ms),
+            ("send_interval_ms", send_interval_ms),
+        ):
             if value < 0:
                 raise ValueError(f"{name} must be at least 0, got {value}")
         if max_backoff_ms < backoff_ms:
@@ -155,6 +166,8 @@ class Dispatcher:
         self._sends = trio.CapacityLimiter(max_sends)
         self._confirm_interval_ms = confirm_interval_ms
         self._fire_slack_ms = fire_slack_ms
+        self._send_interval_ms = send_interval_ms
+        self._busy_lanes = 0  # lanes in a SEND or waiting out their send interval
         self._firing = trio.Lock()  # held from popping due entries until they are in their lanes
         self._slacking = False  # the firer sleeps past the next due moment: a SEND is on the way
         # "equal" jitter: a lane's retry waits at least half its ceiling (never a tight
@@ -406,7 +419,7 @@ class Dispatcher:
             if wake is not None and wake <= now:
                 self.load_alarm.poke()  # a due second is not walked yet
                 wake = None
-            elif wake is not None and self._sends.borrowed_tokens and self._fire_slack_ms:
+            elif wake is not None and (self._sends.borrowed_tokens or self._busy_lanes) and self._fire_slack_ms:
                 # The returning lane fires it first, as a rule; a lane that stops sending pokes.
                 self._slacking = True
                 try:
@@ -442,7 +455,10 @@ class Dispatcher:
     async def _hand_out_hours(self, due: Due) -> None:
         for hour, items in due:
             if self.skip is not None:  # cancelled entries stay out of the lanes (delaymq.scheduler.cancels)
-                items = self.skip(hour, items)
+                kept = self.skip(hour, items)
+                if len(kept) != len(items):
+                    self._forget_records(hour, items, kept)
+                items = kept
                 if not items:
                     continue
             cache = self._cache.setdefault(hour, {})
@@ -481,14 +497,47 @@ class Dispatcher:
             for lane in touched:
                 self._nursery.start_soon(self._run_lane, lane)
 
+    def _forget_records(self, hour: int, items: list[tuple[int, int]], kept: list[tuple[int, int]]) -> None:
+        """Drop the read-ahead records of due entries held back from the lanes (cancelled,
+        or parked while their cancel is written: one fired after all is read again)."""
+        keep = {entry for _at, entry in kept}
+        dropped = [entry for _at, entry in items if entry not in keep]
+        reading = self._reading.get(hour)
+        if reading:
+            reading.difference_update(dropped)
+        cache = self._cache.get(hour)
+        if not cache:
+            return
+        size = count = 0
+        for entry in dropped:
+            record = cache.pop(entry, None)
+            if record is not None:
+                size += len(record)
+                count += 1
+        self._cached_records -= count
+        self._cached_bytes -= size
+
     # ------------------------------------------------------------------ lanes
 
     async def _run_lane(self, lane: _Lane) -> None:
         """Send the lane's records in order until it is empty; retry failures, never drop."""
         items = lane.items
         backoff = BackoffRun(self._backoff, random=self._random)
+        interval = self._send_interval_ms
+        started = None  # monotonic ms the lane's last SEND started
         try:
-            while items:
+            while True:
+                if interval and started is not None:
+                    rest = started + interval - self._clock.monotonic_ms()
+                    if rest > 0:  # gather what falls due meanwhile into one batch (the lane stays
+                        self._busy_lanes += 1  # while it waits, so a subject's SENDs keep the interval)
+                        try:
+                            await self._clock.sleep_ms(rest)
+                        finally:
+                            self._busy_lanes -= 1
+                        await self._fire_now()
+                if not items:
+                    break
                 batch: list[tuple[int, int, int, bytes]] = []
                 size = 0
                 latest = 0
@@ -507,6 +556,7 @@ class Dispatcher:
                     continue
                 count = len(batch)
                 body = b"".join(item[3] for item in batch)
+                started = self._clock.monotonic_ms()
                 try:
                     async with self._sends:
                         results = await self._deliver(lane.name, body)
@@ -524,20 +574,26 @@ class Dispatcher:
                 backoff.reset()
                 self._accepted(batch)
                 self._send_succeeded(lane)
-                if not self._paused:
-                    try:  # fire what fell due meanwhile, so it goes in the next batch
-                        self._firing.acquire_nowait()
-                    except trio.WouldBlock:
-                        continue  # the firer is at it
-                    try:
-                        await self._fire(self._clock.now_ms())
-                    finally:
-                        self._firing.release()
+                await self._fire_now()  # what fell due meanwhile goes in the next batch
         finally:
             if self._lanes.get(lane.subject) is lane:
                 del self._lanes[lane.subject]
             if self._slacking:
                 self.fire_alarm.poke()  # no SEND of this lane returns soon
+
+    async def _fire_now(self) -> bool:
+        """Fire what is due now unless paused or the firer is at it (then False: it is)."""
+        if self._paused:
+            return True
+        try:
+            self._firing.acquire_nowait()
+        except trio.WouldBlock:
+            return False
+        try:
+            await self._fire(self._clock.now_ms())
+        finally:
+            self._firing.release()
+        return True
 
     def _accepted(self, batch: list[tuple[int, int, int, bytes]]) -> None:
         now = self._clock.now_ms()

@@ -60,7 +60,7 @@ from delaymq.replication.wire import FetchRequest
 from delaymq.scheduler.cancels import RecentDispatches, TailEntry, look_up
 from delaymq.scheduler.changes import ChangeCommands
 from delaymq.scheduler.cutback import cut_schedule_folder
-from delaymq.scheduler.dispatcher import DEFAULT_DISPATCH_BATCH, Deliver, Dispatcher
+from delaymq.scheduler.dispatcher import DEFAULT_DISPATCH_BATCH, DEFAULT_SEND_INTERVAL_MS, Deliver, Dispatcher
 from delaymq.scheduler.hours import DEFAULT_RETENTION_MS, MAX_DELIVER_AT, ScheduleError, hour_name
 from delaymq.scheduler.idindex import (
     SCHEDULED,
@@ -812,6 +812,7 @@ async def open_scheduler(
     retention_ms: int = DEFAULT_RETENTION_MS,
     cleanup_interval_ms: int = DEFAULT_CLEANUP_INTERVAL_MS,
     dispatch_batch: int = DEFAULT_DISPATCH_BATCH,
+    send_interval_ms: int = DEFAULT_SEND_INTERVAL_MS,
     max_loaded: int = DEFAULT_MAX_LOADED,
     replay_bytes: int = DEFAULT_STEP_BYTES,
     send_timeout: float = 10.0,
@@ -833,6 +834,8 @@ async def open_scheduler(
     ``replay_bytes`` is how much of the message log one replay step files at most (the
     step's memory; one commit and fsync round per step). ``segment_size``: the message
     log's segments; a folder written with another size takes this one (``_adopt_segment_size``).
+    ``send_interval_ms``: a subject's SENDs to realtime start at least this far apart
+    (what falls due meanwhile goes in one batch; ``Dispatcher``).
     """
     check_max_record(limits.max_record)
     if retention_ms < 0:
@@ -841,6 +844,8 @@ async def open_scheduler(
         raise ValueError(f"cleanup_interval_ms must be positive, got {cleanup_interval_ms}")
     if send_timeout <= 0:
         raise ValueError(f"send_timeout must be positive, got {send_timeout}")
+    if send_interval_ms < 0:
+        raise ValueError(f"send_interval_ms must be >= 0, got {send_interval_ms}")
     if replay_bytes < 1:
         raise ValueError(f"replay_bytes must be at least 1, got {replay_bytes}")
     if replication not in ("sync", "async"):
@@ -912,6 +917,7 @@ async def open_scheduler(
                     clock=clock,
                     run_blocking=run_blocking,
                     dispatch_batch=dispatch_batch,
+                    send_interval_ms=send_interval_ms,
                     on_recorded=recorded,
                 )
 

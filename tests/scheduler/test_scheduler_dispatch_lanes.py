@@ -170,3 +170,39 @@ async def test_an_overdue_backlog_goes_oldest_first_within_the_memory_budget(
     assert len(set(got)) == len(records)
     assert most_loaded <= 50 + 2  # the budget, overshot by at most one second's entries
     assert stats.lateness_max_ms >= 5 * HOUR_MS - 1  # they were overdue, and went out at once
+
+
+@pytest.mark.parametrize("interval_ms", [0, 10])
+async def test_a_send_interval_gathers_what_falls_due_into_fewer_sends_never_early(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock, interval_ms: int
+) -> None:
+    """One message due each millisecond for 200 ms, a SEND taking 1 ms: without an interval
+    a SEND per message or two; with 10 ms, a SEND per 10 ms, each message at most the
+    interval (and the firer's slack) late, in order, none early."""
+    records = [message(f"m{i:03}", "orders", EPOCH_MS + 1_000 + i) for i in range(200)]
+    got: list[tuple[str, int]] = []
+    sends: list[int] = []
+    all_in = trio.Event()
+    clock_box: list[TrioClock] = []
+
+    async def deliver(subject: str, body: bytes) -> list[str]:
+        sends.append(clock_box[0].now_ms())
+        await trio.sleep(0.001)  # the round trip
+        batch = scan_batch(body)
+        got.extend((name, clock_box[0].now_ms()) for name in batch.ids)
+        if len(got) == len(records):
+            all_in.set()
+        return ["stored"] * len(batch)
+
+    async with running(tmp_path, records, deliver, send_interval_ms=interval_ms) as (dispatcher, clock):
+        clock_box.append(clock)
+        await all_in.wait()
+    assert [name for name, _ in got] == [f"m{i:03}" for i in range(200)]  # in order, once each
+    lateness = [at - (EPOCH_MS + 1_000 + int(name[1:])) for name, at in got]
+    assert min(lateness) >= 0  # never early
+    if interval_ms:
+        assert all(b - a >= interval_ms for a, b in zip(sends, sends[1:])), sends
+        assert len(sends) <= 200 // interval_ms + 2
+        assert max(lateness) <= interval_ms + 1 + 2  # the interval, the round trip, the firer's slack
+    else:
+        assert len(sends) >= 200 // 2  # the round trip sets the pace

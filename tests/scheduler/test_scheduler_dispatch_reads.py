@@ -134,3 +134,27 @@ async def test_records_the_firer_must_read_go_through_one_reader_kept_open(
     assert sorted(run.delivered) == sorted(["first"] + [f"r{n}-{i}" for n in range(5) for i in range(3)])
     assert stats.fire_reads >= 6  # the firer read them itself, round after round ...
     assert len(opened) == 2  # ... through one reader of its own, beside the loader's
+
+
+async def test_records_read_ahead_for_entries_held_back_are_let_go(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A cancelled message's record, read ahead, leaves the cache when its moment passes:
+    the read-ahead budget is not spent on messages that will never be sent."""
+    records = [message(f"m{i}", EPOCH_MS + 3_000 + i) for i in range(10)]
+    async with running(tmp_path, records) as run:
+        held_back: list[int] = []
+
+        def skip(hour: int, items: list[tuple[int, int]]) -> list[tuple[int, int]]:
+            cancelled = [item for item in items if item[0] % 2]  # m1, m3, ... (due at odd ms)
+            held_back.extend(entry for _at, entry in cancelled)
+            run.dispatcher.wheels.confirm(hour, cancelled)  # done, as a cancel does
+            return [item for item in items if item not in cancelled]
+
+        run.dispatcher.skip = skip
+        await run.wait_until(lambda: len(run.delivered) == 5)
+        await run.clock.sleep_until_ms(EPOCH_MS + 3_100)  # past the last one's moment
+        stats = run.dispatcher.statistics()
+    assert len(held_back) == 5 and sorted(run.delivered) == [f"m{i}" for i in range(0, 10, 2)]
+    assert stats.fire_reads == 0  # they were read ahead ...
+    assert stats.cached_records == 0 and stats.cached_bytes == 0  # ... and none is left behind
