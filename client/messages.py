@@ -29,7 +29,7 @@ from delaymq.protocol.cancel import check_key as check_key_field
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import LocalProtocolError, RemoteProtocolError
 from delaymq.protocol.limits import DEFAULT_LIMITS, FRAME_RESERVE, Limits, MiB
-from delaymq.protocol.records import Message, encode_message, new_message_id
+from delaymq.protocol.records import Message, new_message_id
 from delaymq.protocol.routes import RouteKind
 
 DEFAULT_BATCH_BYTES = 4 * MiB
@@ -297,17 +297,7 @@ def plan_frames(
                 )
             check_horizon(message.deliver_at, now_ms, limits)
             check_key_property(message.properties)
-            record = encode_message(
-                message.id,
-                message.subject,
-                tags=message.tags,
-                properties=message.properties or None,
-                body=message.body,
-                deliver_at=message.deliver_at,
-                created_at=message.created_at,
-                attempts=message.attempts,
-                limits=limits,
-            )
+            record = message.encode(limits)  # made once when producer.message checked it
         except LocalProtocolError as error:
             error.index = index
             error.message = f"messages[{index}]: {error.message}"

@@ -187,6 +187,10 @@ class Message:
     deliver_at: int = 0
     created_at: int = 0
     attempts: int = 0
+    #: The record ``encode`` made, and the limits it was checked against: a message checked
+    #: when it is built (``producer.message``) is not encoded again when it is sent. Kept only
+    #: without properties, the one field a caller could change in place.
+    _record: tuple[Limits, bytes] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if type(self.tags) is not tuple:
@@ -196,7 +200,10 @@ class Message:
 
     def encode(self, limits: Limits = DEFAULT_LIMITS) -> bytes:
         """This message as one record; ``LocalProtocolError`` names a broken limit."""
-        return encode_message(
+        cached = getattr(self, "_record", None)  # unset in a decoded message (``_to_message``)
+        if cached is not None and cached[0] is limits and not self.properties:
+            return cached[1]
+        record = encode_message(
             self.id,
             self.subject,
             tags=self.tags,
@@ -207,6 +214,9 @@ class Message:
             attempts=self.attempts,
             limits=limits,
         )
+        if not self.properties:
+            object.__setattr__(self, "_record", (limits, record))
+        return record
 
 
 # --------------------------------------------------------------------- encode

@@ -326,3 +326,28 @@ async def test_no_metaserver_is_a_plain_no_route_error_not_an_exception_group() 
     with pytest.raises(CallFailed):  # the producer waits for a route until its send_timeout
         async with open_producer("127.0.0.1:1", send_timeout=0.5) as producer:
             await producer.send("orders", b"x")
+
+
+def test_a_message_checked_when_built_is_encoded_once_and_sent_as_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``producer.message`` checks a message by encoding it; sending reuses that record
+    (the client's CPU per message), except where properties could have changed since."""
+    import delaymq.protocol.records as records
+
+    calls: list[str] = []
+    original = records.encode_message
+
+    def counting(id: str, *args: Any, **kwargs: Any) -> bytes:
+        calls.append(id)
+        return original(id, *args, **kwargs)
+
+    monkeypatch.setattr(records, "encode_message", counting)
+    now = 1_750_000_000_000
+    plain = build_message("orders", b"body", delay=60, now_ms=now)
+    keyed = build_message("orders", b"body", delay=60, key="order-1", now_ms=now)
+    keyed.properties["note"] = "added after the check"  # a caller may still change properties
+    assert calls == [plain.id, keyed.id]
+    plan = plan_frames([plain, keyed], now_ms=now)
+    assert calls == [plain.id, keyed.id, keyed.id]  # the plain one is not encoded again
+    sent = decode_batch(plan.frames[0].body)
+    assert [m.id for m in sent] == [plain.id, keyed.id]
+    assert sent[0] == plain and sent[1].properties == {"key": "order-1", "note": "added after the check"}
