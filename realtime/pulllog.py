@@ -149,7 +149,7 @@ class PullLog:
     def write(self, position: int, data: bytes) -> None:
         """Write entries at pull-log sequence ``position`` (page cache; fsync in ``flush``)."""
         files = self.files
-        if files is not None:
+        if files is not None and not files.closed:
             pwrite_all(files.fd(self), data, position * PULL_ENTRY_SIZE, path=self.path)
             return
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -243,6 +243,7 @@ class OpenPullLogs:
         self.limit = limit
         self._held: OrderedDict[PullLog, None] = OrderedDict()
         self._closing: dict[PullLog, None] = {}  # evicted under a flush: closed on a later write
+        self.closed = False  # the master stopped: a PULL still finishing writes without holding one
 
     def __len__(self) -> int:
         """Descriptors open (the held ones and those waiting to close)."""
@@ -275,6 +276,7 @@ class OpenPullLogs:
 
     def close(self) -> None:
         """Close every descriptor (the master stops: waits for an fsync in flight)."""
+        self.closed = True
         for pull_log in [*self._held, *self._closing]:
             pull_log._close(wait=True)
         self._held.clear()

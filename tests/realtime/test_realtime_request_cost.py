@@ -142,6 +142,10 @@ def test_an_evicted_pull_log_opens_again_and_appends_where_it_left_off(tmp_path:
     assert logs[0].path.stat().st_size == 3 * PULL_ENTRY_SIZE
     files.close()
     assert len(files) == 0 and open_pull_log_fds(tmp_path) == 0
+    # A PULL that finishes after the master stopped still writes, and holds nothing open.
+    logs[2].write(1, encode_pull_entries([21], [0]))
+    assert logs[2].read(0, 2) == ([20, 21], [0, 0])
+    assert len(files) == 0 and open_pull_log_fds(tmp_path) == 0
 
 
 def test_the_checkpoint_fsyncs_the_open_descriptor_without_opening_the_file(
