@@ -148,11 +148,17 @@ def _cpu_of(pids: Mapping[str, int]) -> dict[str, float]:
 
 @contextmanager
 def local_cluster(
-    data: Path, *, flush: str, env: Mapping[str, str] | None = None, stderr: IO[Any] | None = None
+    data: Path,
+    *,
+    flush: str,
+    env: Mapping[str, str] | None = None,
+    stderr: IO[Any] | None = None,
+    send_interval_ms: int = 0,
 ) -> Iterator[ClusterProcess]:
     """``delaymq cluster`` in a child process on a free port; stopped at the end.
 
-    ``env`` replaces the child's environment, ``stderr`` (a file) takes its log.
+    ``env`` replaces the child's environment, ``stderr`` (a file) takes its log;
+    ``send_interval_ms`` is the scheduler's ``--send-interval``.
     """
     process = subprocess.Popen(
         [
@@ -169,6 +175,8 @@ def local_cluster(
             "127.0.0.1:0",
             "--flush",
             flush,
+            "--send-interval",
+            f"{send_interval_ms}ms",
         ],
         stdout=subprocess.PIPE,
         stderr=stderr,
@@ -498,21 +506,28 @@ def bench_delay(
     backlog: int = 1_000_000,
     delay_range: tuple[float, float] = (2.0, 20.0),
     flushes: tuple[str, ...] = ("sync", "async"),
+    send_interval_ms: int = 5,
     redis: bool = True,
     install_redis: bool = True,
 ) -> list[Row]:
     """DESIGN.md section 7: messages due at now + uniform(2 s, 20 s) under each flush policy,
-    where their lateness and the servers' CPU go, the same workload on a Redis sorted set
-    (``redis``; ``install_redis``: apt-get install redis-server when missing, as root),
-    and then a 30-day backlog (none when ``backlog`` is 0)."""
+    where their lateness and the servers' CPU go; the first policy once more with the
+    scheduler's ``--send-interval`` at ``send_interval_ms`` (none when 0: fewer SENDs for
+    more lateness); the same workload on a Redis sorted set (``redis``; ``install_redis``:
+    apt-get install redis-server when missing, as root), and then a 30-day backlog (none
+    when ``backlog`` is 0)."""
     rows: list[Row] = []
     runs: dict[str, DelayRun] = {}
-    for flush in flushes:
-        with local_cluster(scratch / f"delay-{flush}", flush=flush) as cluster:
-            run = runs[flush] = trio.run(partial(_delay_run, cluster, count, delay_range))
-            rows += delivery_rows(flush, "lateness", run.accepted, run.lateness_ms, run.lost, run.duplicated, cluster)
-            rows += stage_rows(flush, run)
-            rows += cost_rows(flush, run, count)
+    cases = [(flush, flush, 0) for flush in flushes]
+    if send_interval_ms and flushes:
+        cases.append((f"{flushes[0]} send-interval {send_interval_ms}ms", flushes[0], send_interval_ms))
+    for case, flush, interval in cases:
+        folder = scratch / f"delay-{flush}-{interval}"
+        with local_cluster(folder, flush=flush, send_interval_ms=interval) as cluster:
+            run = runs[case] = trio.run(partial(_delay_run, cluster, count, delay_range))
+            rows += delivery_rows(case, "lateness", run.accepted, run.lateness_ms, run.lost, run.duplicated, cluster)
+            rows += stage_rows(case, run)
+            rows += cost_rows(case, run, count)
     if redis:
         redis_run, why = bench_redis_delay(
             scratch / "redis", count=count, delay_range=delay_range, install=install_redis
@@ -521,8 +536,8 @@ def bench_delay(
             print(f"delaymq bench delay: the Redis comparison is skipped: {why}", flush=True)
         else:
             rows += redis_rows(redis_run, count)
-            for flush, run in runs.items():
-                rows += ratio_rows(flush, run, redis_run)
+            for case, run in runs.items():
+                rows += ratio_rows(case, run, redis_run)
     if backlog:
         rows += backlog_rows(scratch, backlog)
     return rows

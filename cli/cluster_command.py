@@ -89,6 +89,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default="sync",
         help="flush policy of the servers' logs (default: %(default)s)",
     )
+    options.add_duration(
+        parser,
+        "--send-interval",
+        "0ms",
+        "the scheduler's --send-interval: a subject's SENDs to realtime at least this far apart",
+    )
     parser.add_argument(
         "--replicas",
         type=_replicas,
@@ -252,11 +258,13 @@ async def _start_servers(
             listen=meta_listen,
         )
 
+    send_interval = ("--send-interval", f"{options.duration_ms(args.send_interval)}ms")
+
     def member(kind: str, folder: str) -> Callable[[str], list[str]]:
-        options = ("--meta", meta, "--data", str(data / folder), "--group", f"{kind}-1", "--flush", args.flush, *tls)
-        return lambda listen: server_command(
-            child_level, kind, "--listen", listen, *options, "--min-insync", min_insync
-        )
+        given = ("--meta", meta, "--data", str(data / folder), "--group", f"{kind}-1", "--flush", args.flush, *tls)
+        if kind == "scheduler":
+            given += send_interval
+        return lambda listen: server_command(child_level, kind, "--listen", listen, *given, "--min-insync", min_insync)
 
     masters: dict[str, str] = {}
 

@@ -167,7 +167,8 @@ class Dispatcher:
         self._confirm_interval_ms = confirm_interval_ms
         self._fire_slack_ms = fire_slack_ms
         self._send_interval_ms = send_interval_ms
-        self._busy_lanes = 0  # lanes in a SEND or waiting out their send interval
+        #: Lanes in a SEND or waiting out their send interval -> when they fire next (wall ms).
+        self._lane_wakes: dict[_Lane, int] = {}
         self._firing = trio.Lock()  # held from popping due entries until they are in their lanes
         self._slacking = False  # the firer sleeps past the next due moment: a SEND is on the way
         # "equal" jitter: a lane's retry waits at least half its ceiling (never a tight
@@ -405,6 +406,15 @@ class Dispatcher:
                 await self.fire_alarm.wait(None)
                 continue
             now = self._clock.now_ms()
+            if self._lane_wakes:
+                soonest = min(self._lane_wakes.values())
+                if soonest > now:  # a lane waiting out its send interval fires all that is due then
+                    self._slacking = True
+                    try:
+                        await self.fire_alarm.wait(soonest + self._fire_slack_ms)
+                    finally:
+                        self._slacking = False
+                    continue
             try:
                 self._firing.acquire_nowait()  # no checkpoints when it is free (nearly always)
             except trio.WouldBlock:
@@ -419,7 +429,7 @@ class Dispatcher:
             if wake is not None and wake <= now:
                 self.load_alarm.poke()  # a due second is not walked yet
                 wake = None
-            elif wake is not None and (self._sends.borrowed_tokens or self._busy_lanes) and self._fire_slack_ms:
+            elif wake is not None and self._sends.borrowed_tokens and self._fire_slack_ms:
                 # The returning lane fires it first, as a rule; a lane that stops sending pokes.
                 self._slacking = True
                 try:
@@ -530,12 +540,9 @@ class Dispatcher:
                 if interval and started is not None:
                     rest = started + interval - self._clock.monotonic_ms()
                     if rest > 0:  # gather what falls due meanwhile into one batch (the lane stays
-                        self._busy_lanes += 1  # while it waits, so a subject's SENDs keep the interval)
-                        try:
-                            await self._clock.sleep_ms(rest)
-                        finally:
-                            self._busy_lanes -= 1
-                        await self._fire_now()
+                        await self._clock.sleep_ms(rest)  # while it waits: its subject keeps the interval)
+                    self._lane_wakes.pop(lane, None)
+                    await self._fire_now()
                 if not items:
                     break
                 batch: list[tuple[int, int, int, bytes]] = []
@@ -557,12 +564,15 @@ class Dispatcher:
                 count = len(batch)
                 body = b"".join(item[3] for item in batch)
                 started = self._clock.monotonic_ms()
+                if interval:  # the lane fires all that is due when its interval ends: the firer need not
+                    self._lane_wakes[lane] = self._clock.now_ms() + interval
                 try:
                     async with self._sends:
                         results = await self._deliver(lane.name, body)
                     if len(results) != count:
                         raise ValueError(f"realtime answered {len(results)} results for {count} records")
                 except Exception as error:  # anything: the batch stays and is sent again
+                    self._lane_wakes.pop(lane, None)
                     if self._slacking:
                         self.fire_alarm.poke()  # no SEND of this lane returns soon
                     self._send_failed(lane, error)
@@ -574,8 +584,10 @@ class Dispatcher:
                 backoff.reset()
                 self._accepted(batch)
                 self._send_succeeded(lane)
-                await self._fire_now()  # what fell due meanwhile goes in the next batch
+                if not interval:  # (with one, the lane fires when its wait ends)
+                    await self._fire_now()  # what fell due meanwhile goes in the next batch
         finally:
+            self._lane_wakes.pop(lane, None)
             if self._lanes.get(lane.subject) is lane:
                 del self._lanes[lane.subject]
             if self._slacking:

@@ -27,7 +27,14 @@ def test_bench_delay_prints_each_stage_the_cpu_of_each_server_and_the_redis_rati
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     rows = bench_delay(
-        tmp_path, count=COUNT, backlog=0, delay_range=(0.2, 1.0), flushes=("sync",), redis=True, install_redis=False
+        tmp_path,
+        count=COUNT,
+        backlog=0,
+        delay_range=(0.2, 1.0),
+        flushes=("sync",),
+        send_interval_ms=0,
+        redis=True,
+        install_redis=False,
     )
     print_rows("delay", rows)
     out = capsys.readouterr().out

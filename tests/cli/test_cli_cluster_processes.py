@@ -150,7 +150,7 @@ def processes_using(folder: Path) -> list[str]:
 
 def test_each_server_runs_in_a_process_of_its_own_and_none_outlives_a_sigkilled_cluster(tmp_path: Path) -> None:
     data = tmp_path / "cluster"
-    with cluster(data, "--replicas", "1") as running:
+    with cluster(data, "--replicas", "1", "--send-interval", "7ms") as running:
         servers = running.servers()
         assert len(servers) == 5
         pids = server_processes(running.process.pid, servers)
@@ -165,6 +165,10 @@ def test_each_server_runs_in_a_process_of_its_own_and_none_outlives_a_sigkilled_
                 kind = name.split("-")[0].encode()
                 assert command[command.index(b"delaymq.cli") + 3] == kind  # delaymq --log-level L KIND ...
                 assert str(data / name).encode() in command  # --data DATA/NAME
+                if kind == b"scheduler":  # the cluster's --send-interval goes to its schedulers
+                    assert command[command.index(b"--send-interval") + 1] == b"7ms"
+                else:
+                    assert b"--send-interval" not in command
         # Each answers STATUS (the metaserver the routes, each member its own).
         answer: dict[str, Any] = json.loads(delaymq("status", "--json", "--meta", running.meta).stdout)
         asked = {**answer["realtime"], **answer["schedulers"]}
