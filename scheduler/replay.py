@@ -31,6 +31,9 @@ DEFAULT_STEP_BYTES = 8 << 20
 #: ``unfiled`` counts the records of this many bytes at most, and estimates the rest.
 UNFILED_COUNT_BYTES = 4 << 20
 _CHUNK_BYTES = 1 << 20
+#: What the scheduler's message log keeps of its newest appends in memory
+#: (``SegmentedLog.keep_recent``): replay, a few milliseconds behind, files them from there.
+REPLAY_RECENT_BYTES = 16 << 20
 
 
 def replay_step(
@@ -64,7 +67,9 @@ def replay_step(
     position = start
     try:
         while position < end and position - start < max_bytes:
-            buf, _next = log.read_raw(position, min(_CHUNK_BYTES, max(max_bytes - (position - start), 1)))
+            budget = min(_CHUNK_BYTES, max(max_bytes - (position - start), 1))
+            # What this process appended lately is in memory, written by it: no read, no CRC again.
+            buf = log.read_recent_whole(position, end, budget) or log.read_raw(position, budget)[0]
             if not buf:
                 break
             stop = min(len(buf), end - position)
@@ -175,6 +180,7 @@ def _idle(offset: int) -> ReplayStep:
 
 __all__ = [
     "DEFAULT_STEP_BYTES",
+    "REPLAY_RECENT_BYTES",
     "UNFILED_COUNT_BYTES",
     "ReplayStep",
     "Unfiled",

@@ -67,7 +67,7 @@ from delaymq.scheduler.idindex import (
     drop_from,
     record_key,
 )
-from delaymq.scheduler.replay import DEFAULT_STEP_BYTES, Unfiled, unfiled
+from delaymq.scheduler.replay import DEFAULT_STEP_BYTES, REPLAY_RECENT_BYTES, Unfiled, unfiled
 from delaymq.scheduler.replica import DispatchRecords
 from delaymq.scheduler.roles import MasterSession, Member, SlaveSession
 from delaymq.scheduler.schedulelog import ScheduleStore
@@ -1012,6 +1012,7 @@ def _open_storage(root: Path, segment_size: int) -> tuple[MessageLog, StateStore
     try:
         _adopt_segment_size(root / "messages", segment_size)
         opened.append(MessageLog.open(root / "messages", segment_size=segment_size))
+        opened[0].keep_recent(REPLAY_RECENT_BYTES)  # replay files what was just appended from memory
         opened.append(StateStore.open(root / "state", extra_format={"scheduler_state": 1}))
         opened.append(ScheduleStore.open(root / "schedule", opened[1]))
     except BaseException:

@@ -570,6 +570,14 @@ class SegmentedLog:
         recent = self._recent
         return recent.read(offset, length) if recent is not None else None
 
+    def read_recent_whole(self, offset: int, end: int, max_bytes: int) -> bytes | None:
+        """Whole records from ``offset`` (a record boundary) up to a batch end within
+        ``min(end, offset + max_bytes)`` (at least one batch, never past ``end``), if this
+        process appended them lately and keeps them (``keep_recent``); else None. As
+        ``read_recent``: no system call, no CRC checked again (``RecentBytes.read_whole``)."""
+        recent = self._recent
+        return recent.read_whole(offset, end, max_bytes) if recent is not None else None
+
     def read(self, offset: int) -> Record:
         """The record starting at ``offset``."""
         segment, limit = self._locate(offset)

@@ -76,6 +76,33 @@ class RecentBytes:
                 needed -= len(chunk)
             return b"".join(parts)
 
+    def read_whole(self, offset: int, end: int, max_bytes: int) -> bytes | None:
+        """Bytes from ``offset`` (a record boundary) to the end of a batch (so whole records):
+        the last batch end at or below ``min(end, offset + max_bytes)``, or the first one past
+        ``offset`` if that is further (a reader always moves on); never past ``end``. None
+        unless all of them are held (or there is no batch end in ``(offset, end]``)."""
+        with self._lock:
+            bases, chunks, first = self._bases, self._chunks, self._first
+            if len(bases) <= first or offset < bases[first]:
+                return None
+            index = bisect_right(bases, offset, first) - 1
+            stop_index = index
+            stop = bases[index] + len(chunks[index])  # the first batch end past offset
+            if stop > end or stop <= offset:
+                return None
+            budget = min(end, offset + max_bytes)
+            while stop_index + 1 < len(chunks):
+                after = bases[stop_index + 1] + len(chunks[stop_index + 1])
+                if after > budget:
+                    break
+                stop_index += 1
+                stop = after
+            start = offset - bases[index]
+            if stop_index == index:
+                chunk = chunks[index]
+                return chunk[start:] if start else chunk
+            return b"".join([chunks[index][start:], *chunks[index + 1 : stop_index + 1]])
+
     def clear(self) -> None:
         """Forget everything (the log cut its tail, or closed)."""
         with self._lock:

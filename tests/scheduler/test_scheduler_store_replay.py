@@ -295,3 +295,36 @@ def test_files_are_named_by_utc_hour(tmp_path: Path, scheduler_folder: Any) -> N
         replay_until_caught_up(log, store)
         names = sorted(os.listdir(tmp_path / "schedule"))
         assert names == ["2025010105.heads", "2025010105.index", "2025010105.log", "FORMAT"]
+
+
+def test_replay_files_what_was_just_appended_from_memory_as_it_would_from_the_disk(
+    tmp_path: Path, scheduler_folder: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scheduler's log keeps its newest appends in memory (``keep_recent``): replay files
+    them from there, with no read, and exactly as from the disk; never past what is flushed."""
+    deliver = [BASE + h * HOUR_MS + (i * 7_919) % HOUR_MS for h in range(3) for i in range(200)]
+    records = [message(i, at) for i, at in enumerate(deliver)]
+    results = []
+    for name, held in (("disk", False), ("memory", True)):
+        with scheduler_folder(tmp_path / name) as (log, store):
+            if held:
+                log.keep_recent(1 << 20)
+            reads: list[int] = []
+            original = SegmentedLog.read_raw
+
+            def counted(self: SegmentedLog, *args: Any, reads: list[int] = reads, original: Any = original) -> Any:
+                reads.append(1)
+                return original(self, *args)
+
+            monkeypatch.setattr(SegmentedLog, "read_raw", counted)
+            append(log, records[:500])
+            log.append(b"".join(records[500:]))  # written, not yet fsynced: not filed yet
+            step = replay_until_caught_up(log, store, max_bytes=len(records[0]) * 150)
+            assert step.filed == 500 and store.checkpoint == log.flushed_offset < log.end_offset
+            log.flush()
+            assert replay_until_caught_up(log, store).filed == 100
+            results.append((filed(store), store.checkpoint, bool(reads)))
+            monkeypatch.undo()
+    (from_disk, disk_checkpoint, disk_read), (from_memory, memory_checkpoint, memory_read) = results
+    assert from_memory == from_disk and memory_checkpoint == disk_checkpoint
+    assert disk_read and not memory_read  # held in memory: no read of the log at all

@@ -64,3 +64,33 @@ def test_recent_bytes_start_afresh_after_a_gap() -> None:
     assert recent.read(0, 3) is None
     assert recent.read(10, 3) == b"xyz"
     assert len(recent) == 3
+
+
+def test_whole_batches_are_read_up_to_a_batch_end_within_the_budget_and_never_past_the_end() -> None:
+    recent = RecentBytes(1 << 20)
+    batches = [record(i) * (i % 3 + 1) for i in range(6)]
+    bases = []
+    base = 1_000
+    for batch in batches:
+        recent.add(base, batch)
+        bases.append(base)
+        base += len(batch)
+    ends = [b + len(batch) for b, batch in zip(bases, batches, strict=True)]
+    joined = b"".join(batches)
+
+    def span(start: int, stop: int) -> bytes:
+        return joined[start - bases[0] : stop - bases[0]]
+
+    # Up to the last batch end within the budget, from a batch start or a record inside one.
+    assert recent.read_whole(bases[1], ends[-1], ends[3] - bases[1]) == span(bases[1], ends[3])
+    assert recent.read_whole(bases[1], ends[-1], ends[3] - bases[1] - 1) == span(bases[1], ends[2])
+    inside = bases[2] + len(record(0))
+    assert recent.read_whole(inside, ends[-1], 1 << 20) == span(inside, ends[-1])
+    # One batch at least, even past the budget: a reader always moves on.
+    assert recent.read_whole(bases[2], ends[-1], 1) == batches[2]
+    # Never past ``end`` (what is flushed): a batch that runs past it is not given.
+    assert recent.read_whole(bases[0], ends[2], 1 << 20) == span(bases[0], ends[2])
+    assert recent.read_whole(bases[3], ends[3] - 1, 1 << 20) is None
+    # Not held: before the first batch, or past the last.
+    assert recent.read_whole(bases[0] - 60, ends[-1], 1 << 20) is None
+    assert recent.read_whole(ends[-1], ends[-1] + 100, 1 << 20) is None
