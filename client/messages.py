@@ -29,7 +29,7 @@ from delaymq.protocol.cancel import check_key as check_key_field
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import LocalProtocolError, RemoteProtocolError
 from delaymq.protocol.limits import DEFAULT_LIMITS, FRAME_RESERVE, Limits, MiB
-from delaymq.protocol.records import Message, new_message_id
+from delaymq.protocol.records import Message, make_message, new_message_id
 from delaymq.protocol.routes import RouteKind
 
 DEFAULT_BATCH_BYTES = 4 * MiB
@@ -75,6 +75,8 @@ def seconds_to_ms(value: Any, *, name: str = "delay", field: str = "delay") -> i
 
     ``name`` is how a refusal names the value (``retry_delays[2]``), ``field`` the option it is in.
     """
+    if type(value) is float and math.isfinite(value):  # the common case first
+        return math.ceil(value * 1000)
     if isinstance(value, timedelta):
         return -(-value // _MS)
     if isinstance(value, int | float) and not isinstance(value, bool):
@@ -167,8 +169,10 @@ def build_message(
     """
     if isinstance(body, str):
         body = body.encode()
-    if isinstance(tags, str):
-        raise LocalProtocolError("tags is a str, not a sequence of str", code="bad_value", field="tags")
+    if type(tags) is not tuple:
+        if isinstance(tags, str):
+            raise LocalProtocolError("tags is a str, not a sequence of str", code="bad_value", field="tags")
+        tags = tuple(tags)
     if id == "":  # "no id" is None; an empty one is a mistake (a blank field, a missing lookup), not a wish
         raise LocalProtocolError(
             f"id is empty; give 1 to {limits.max_id} UTF-8 bytes, or leave id out (None) to have one made",
@@ -180,7 +184,10 @@ def build_message(
     if deliver_at is None:
         deliver_at = now_ms
     # A non-mapping is left for encode() to refuse, naming the field.
-    props = dict(properties) if isinstance(properties, Mapping) else (properties or {})
+    if properties is None:
+        props: Any = {}
+    else:
+        props = dict(properties) if isinstance(properties, Mapping) else (properties or {})
     if key is not None and isinstance(props, dict):  # (a non-mapping is refused by encode())
         if KEY_PROPERTY in props and props[KEY_PROPERTY] != key:
             raise LocalProtocolError(
@@ -189,19 +196,16 @@ def build_message(
                 field="key",
             )
         props[KEY_PROPERTY] = check_key(key)
-    else:
+    elif props:
         check_key_property(props)
-    if isinstance(id, str):
+    if id is None:
+        id = new_message_id(now_ms)
+    elif type(id) is not str and isinstance(id, str):
         id = str(id)  # a ``SentId`` sent again goes as the plain str it is
-    message = Message(
-        new_message_id(now_ms) if id is None else id,
-        subject,
-        tags=tuple(tags),
-        properties=props,
-        body=body,
-        deliver_at=deliver_at,
-        created_at=now_ms,
-    )
+    if type(props) is dict and type(body) is bytes:
+        message = make_message(id, subject, tags, props, body, deliver_at, now_ms)
+    else:  # odd types: the dataclass's own checks, and encode() names the field
+        message = Message(id, subject, tags=tags, properties=props, body=body, deliver_at=deliver_at, created_at=now_ms)
     check_horizon(deliver_at, now_ms, limits)
     if check:
         message.encode(limits)  # every field and limit checked now, not at send time
@@ -236,7 +240,7 @@ class SentId(str):
 
     def __new__(cls, id: str, group: str | None = None) -> SentId:
         sent = super().__new__(cls, id)
-        object.__setattr__(sent, "group", group)
+        sent.__dict__["group"] = group  # (__setattr__ refuses)
         return sent
 
     def __setattr__(self, name: str, value: Any) -> None:

