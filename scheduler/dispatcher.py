@@ -409,11 +409,7 @@ class Dispatcher:
             if self._lane_wakes:
                 soonest = min(self._lane_wakes.values())
                 if soonest > now:  # a lane waiting out its send interval fires all that is due then
-                    self._slacking = True
-                    try:
-                        await self.fire_alarm.wait(soonest + self._fire_slack_ms)
-                    finally:
-                        self._slacking = False
+                    await self._slack_until(soonest + self._fire_slack_ms)
                     continue
             try:
                 self._firing.acquire_nowait()  # no checkpoints when it is free (nearly always)
@@ -431,13 +427,17 @@ class Dispatcher:
                 wake = None
             elif wake is not None and self._sends.borrowed_tokens and self._fire_slack_ms:
                 # The returning lane fires it first, as a rule; a lane that stops sending pokes.
-                self._slacking = True
-                try:
-                    await self.fire_alarm.wait(wake + self._fire_slack_ms)
-                finally:
-                    self._slacking = False
+                await self._slack_until(wake + self._fire_slack_ms)
                 continue
             await self.fire_alarm.wait(wake)
+
+    async def _slack_until(self, at: int) -> None:
+        """Sleep until ``at`` while a lane fires for the firer (one that stops pokes it)."""
+        self._slacking = True
+        try:
+            await self.fire_alarm.wait(at)
+        finally:
+            self._slacking = False
 
     async def hand_out(self, due: Due) -> None:
         """Fire these after all (a cancel held them back and its write failed)."""
