@@ -66,10 +66,11 @@ class Tail:
 
     def add(self, entries: list[tuple[str, TailEntry]], end: int) -> None:
         """Records up to message-log offset ``end`` set these keys (appended, in log order)."""
+        self.ids.update(entries)
+        keys = self.keys
         for key, entry in entries:
-            self.ids[key] = entry
             if entry.key_hash is not None:
-                self.keys.setdefault(entry.key_hash, set()).add(key)
+                keys.setdefault(entry.key_hash, set()).add(key)
         self._unfiled.append((end, entries))
 
     def unfiled(self, key: str, checkpoint: int) -> TailEntry | None:
@@ -102,10 +103,12 @@ class Tail:
 
     def _expire(self) -> None:
         oldest = min(self._lookups) if self._lookups else self._epoch + 1
-        while self._retired and self._retired[0][0] < oldest:
-            for key, entry in self._retired.popleft()[1]:
-                if self.ids.get(key) is entry:
-                    del self.ids[key]
+        retired, ids = self._retired, self.ids
+        ids_get = ids.get
+        while retired and retired[0][0] < oldest:
+            for key, entry in retired.popleft()[1]:
+                if ids_get(key) is entry:
+                    del ids[key]
                     if entry.key_hash is not None:
                         same = self.keys.get(entry.key_hash)
                         if same is not None:
@@ -239,6 +242,8 @@ def look_up(store: ScheduleStore, keys: list[str]) -> list[tuple[IdEntry | None,
     a cancelled one says so in its value). Blocking (lmdb and dispatch logs); the master calls it in a thread first
     and then once more on the event loop, where it decides, finding the pages in memory."""
     values = lookup(store.state, keys)
+    if not any(values):  # none in the index (new ids): nothing to look up in dispatch logs
+        return [(None, False)] * len(values)
     by_hour: dict[int, list[int]] = {}
     for value in values:
         if value is not None and value.state == SCHEDULED:

@@ -60,8 +60,14 @@ SCHEDULED = 0
 CANCELLED = 1
 
 _VALUE = struct.Struct(">qIqB")
+#: A ``scheduler.ids`` value without a key hash: deliver_at, entry, source, state.
+ID_VALUE = _VALUE
 _FIELDS = struct.Struct(">HHHBBHI")  # attempts .. props_len, at byte 28 of a message record
-_ID_AT = 46
+#: attempts, id_len and props_len of a message record, at byte ``KEY_FIELDS_AT``: whether
+#: its index key is just its id (at byte ``ID_AT``), what replay's hot loop reads.
+KEY_FIELDS = struct.Struct(">HH6xI")
+KEY_FIELDS_AT = 28
+_ID_AT = ID_AT = 46
 _TIMES = struct.Struct(">qq")
 _PLACE = struct.Struct(">II")  # a scheduler.cancelled key: hour, entry
 _SOURCE = struct.Struct(">q")
@@ -292,9 +298,11 @@ class IdChanges:
 
 def lookup(state: StateStore, keys: list[str]) -> list[IdEntry | None]:
     """The values of ``keys`` (None: not in the index), one read transaction."""
-    return [
-        None if data is None else IdEntry.unpack(data) for data in state.get_many(IDS_DB, [k.encode() for k in keys])
-    ]
+    found = state.get_many(IDS_DB, list(map(str.encode, keys)))
+    if not any(found):  # none indexed (every value is at least 21 bytes)
+        return found  # type: ignore[return-value]
+    unpack = IdEntry.unpack
+    return [None if data is None else unpack(data) for data in found]
 
 
 def ids_for_key(state: StateStore, subject: str, key: str) -> list[str]:
@@ -380,7 +388,11 @@ __all__ = [
     "CANCELLED_DB",
     "CANCEL_KIND",
     "IDS_DB",
+    "ID_AT",
+    "ID_VALUE",
     "KEYS_DB",
+    "KEY_FIELDS",
+    "KEY_FIELDS_AT",
     "MOVE_KIND",
     "SCHEDULED",
     "IdChanges",

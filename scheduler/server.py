@@ -38,6 +38,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import asdict, replace
 from functools import partial
+from itertools import accumulate, repeat
+from operator import sub
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +65,8 @@ from delaymq.scheduler.cutback import cut_schedule_folder
 from delaymq.scheduler.dispatcher import DEFAULT_DISPATCH_BATCH, DEFAULT_SEND_INTERVAL_MS, Deliver, Dispatcher
 from delaymq.scheduler.hours import DEFAULT_RETENTION_MS, MAX_DELIVER_AT, ScheduleError, hour_name
 from delaymq.scheduler.idindex import (
+    KEY_FIELDS,
+    KEY_FIELDS_AT,
     SCHEDULED,
     drop_from,
     record_key,
@@ -457,10 +461,21 @@ class Scheduler(ChangeCommands):
         fresh = await self._fresh(session, keys)
         if self.session is not session or not session.accepting:
             raise NotMaster(f"SCHEDULE: scheduler {self.address or '-'} stopped being master; ask the metaserver")
-        results = ["scheduled" if new else "duplicate" for new in fresh]
-        self.duplicates += len(fresh) - sum(fresh)
+        count = len(fresh)
+        duplicates = count - sum(fresh)
+        self.duplicates += duplicates
         starts, ends, attempts = batch.starts, batch.ends, batch.attempts
-        kept = [i for i, new in enumerate(fresh) if new]
+        kept: Sequence[int]
+        if not duplicates:  # the common case: every record kept, nothing to pick per record
+            results = ["scheduled"] * count
+            kept = range(count)
+            kept_keys, kept_hashes, kept_ats = keys, hashes, deliver_ats
+        else:
+            results = ["scheduled" if new else "duplicate" for new in fresh]
+            kept = [i for i, new in enumerate(fresh) if new]
+            kept_keys = [keys[i] for i in kept]
+            kept_hashes = [hashes[i] for i in kept]
+            kept_ats = [deliver_ats[i] for i in kept]
         if not kept:  # a "duplicate" is an answer too: its first copy is replicated
             await session.source.confirm_replicated(
                 self._log.end_offset, timeout_ms=self._replication_timeout_ms, what=f"SCHEDULE at {self.address or '-'}"
@@ -468,7 +483,8 @@ class Scheduler(ChangeCommands):
             self._requests += 1
             return {"results": results, "group": self.group}
         data: bytes = batch.buf
-        if len(kept) < len(fresh) or min(deliver_ats) < now:
+        overdue = min(deliver_ats) < now
+        if duplicates or overdue:
             # "Deliver now": filed at the time of receipt, never into a finished hour.
             parts = []
             for i in kept:
@@ -481,8 +497,7 @@ class Scheduler(ChangeCommands):
         assert self._writer is not None
         appending = session.appending
         done = trio.Event()
-        for i in kept:
-            appending[keys[i]] = done
+        appending.update(dict.fromkeys(kept_keys, done))
         try:
             # Shielded: once handed to the writer the batch may reach the log, and then the
             # tail must say so (a retry of it is a duplicate).
@@ -491,17 +506,17 @@ class Scheduler(ChangeCommands):
         except StorageError as error:  # the disk failed (full?): retried here later, or another group takes it
             raise storage_refusal("SCHEDULE: the message log could not store the batch", error) from error
         finally:
-            for i in kept:
-                if appending.get(keys[i]) is done:
-                    del appending[keys[i]]
+            appending_get = appending.get
+            for k in kept_keys:
+                if appending_get(k) is done:
+                    del appending[k]
             done.set()
         end = offset + len(data)
-        entries = []
-        position = offset
-        for i in kept:
-            size = ends[i] - starts[i]
-            entries.append((keys[i], TailEntry(max(deliver_ats[i], now), position, end, SCHEDULED, hashes[i])))
-            position += size
+        # Each record's (index key, TailEntry): filed at max(deliver_at, now), at its offset in the log.
+        sizes = map(sub, ends, starts) if not duplicates else [ends[i] - starts[i] for i in kept]
+        positions = accumulate(sizes, initial=offset)
+        ats = [at if at > now else now for at in kept_ats] if overdue else kept_ats
+        entries = list(zip(kept_keys, map(TailEntry, ats, positions, repeat(end), repeat(SCHEDULED), kept_hashes)))
         await self._logged(session, entries, end, "SCHEDULE")
         self._requests += 1
         self._scheduled += len(kept)
@@ -529,21 +544,24 @@ class Scheduler(ChangeCommands):
         tail, appending = session.tail, session.appending
         store = self.store
         while True:
-            busy = next((appending[k] for k in keys if k in appending), None) if appending else None
-            if busy is not None:
-                await busy.wait()
+            if appending and not appending.keys().isdisjoint(keys):
+                await next(appending[k] for k in keys if k in appending).wait()
                 continue
             epoch = tail.begin_lookup()
             try:
                 found = await self._run_blocking(partial(look_up, store, keys))
             finally:
                 tail.end_lookup(epoch)
-            if not appending or not any(k in appending for k in keys):
+            if not appending or appending.keys().isdisjoint(keys):
                 break
+        ids = tail.ids
+        if ids.keys().isdisjoint(keys) and len(set(keys)) == len(keys):
+            # The common case: no key in the tail, none twice: the index alone decides.
+            return [value is None or value.state != SCHEDULED or logged for value, logged in found]
         fresh = []
         seen: set[str] = set()
         for k, (value, logged) in zip(keys, found):
-            entry = tail.ids.get(k)
+            entry = ids.get(k)
             if k in seen:
                 new = False
             elif entry is not None:
@@ -773,19 +791,24 @@ class Scheduler(ChangeCommands):
 
 
 def _index_keys(batch: Any) -> tuple[list[str], list[bytes | None]]:
-    """Each record's index key and key hash; a ``key`` property that is no business key is refused."""
-    keys: list[str] = []
-    hashes: list[bytes | None] = []
+    """Each record's index key and key hash; a ``key`` property that is no business key is refused.
+    A record with neither attempts nor properties (most) has its id as index key and no hash."""
+    keys: list[str] = list(batch.ids)
+    hashes: list[bytes | None] = [None] * len(keys)
     buf = batch.buf
+    unpack_key_fields = KEY_FIELDS.unpack_from
     for index, start in enumerate(batch.starts):
+        attempts, _id_len, props_len = unpack_key_fields(buf, start + KEY_FIELDS_AT)
+        if not attempts and not props_len:
+            continue
         try:
             k, hashed, _key = record_key(buf, start, strict=True)
         except ValueError as error:
             raise RemoteProtocolError(
                 f"record {index}: property key: {error}", code="bad_value", field="key", limit=MAX_KEY, index=index
             ) from None
-        keys.append(k)
-        hashes.append(hashed)
+        keys[index] = k
+        hashes[index] = hashed
     return keys, hashes
 
 

@@ -43,7 +43,12 @@ from delaymq.scheduler.hours import (
 )
 from delaymq.scheduler.idindex import (
     CANCEL_KIND,
+    ID_AT,
+    ID_VALUE,
+    KEY_FIELDS,
+    KEY_FIELDS_AT,
     MOVE_KIND,
+    SCHEDULED,
     IdChanges,
     cancel_keys,
     move_spans,
@@ -55,6 +60,9 @@ from delaymq.storage.state import StateStore
 #: A step reading more slots of one hour than this reads its whole table at once.
 _WHOLE_TABLE_FROM = 64
 _MESSAGE = int(RecordKind.MESSAGE)
+_pack_body = ENTRY_BODY.pack
+_pack_crc = ENTRY_CRC.pack
+_crc32 = zlib.crc32
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +115,7 @@ class StagedHour:
 
     __slots__ = (
         "hour",
+        "base_ms",
         "key_base",
         "committed_entries",
         "committed_log_end",
@@ -124,6 +133,7 @@ class StagedHour:
 
     def __init__(self, hour: int, summary: HourSummary) -> None:
         self.hour = hour
+        self.base_ms = hour * HOUR_MS  # epoch ms of the hour's start
         self.key_base = hour << 12  # heads-cache key of second s: key_base | s
         self.committed_entries = self.entries = summary.entries
         self.committed_log_end = self.log_end = summary.log_end
@@ -221,6 +231,12 @@ class StagedStep:
         self._read_slots(self._slots_to_read(buf, stop))
         view = memoryview(buf)
         unpack = RECORD_TIMES.unpack_from
+        unpack_key_fields = KEY_FIELDS.unpack_from
+        # A plain message (no retry, no properties): its index key is its id's bytes, its
+        # value packed here (``IdChanges.filed`` without a key hash); anything else asks idindex.
+        plain = type(buf) is bytes
+        pack_value = ID_VALUE.pack
+        values = self.changes.values
         append_entry = self._append_entry
         staged = self._staged
         heads = self._heads
@@ -259,8 +275,13 @@ class StagedStep:
                     pos = end
                     continue
                 n = append_entry(w, view, pos, end, at, src)
-                index_key, hashed = record_index_key(buf, pos)
-                file_id(index_key, hashed, at, n, src)
+                attempts, id_len, props_len = unpack_key_fields(buf, pos + KEY_FIELDS_AT)
+                if plain and not attempts and not props_len:
+                    p = pos + ID_AT
+                    values[buf[p : p + id_len]] = pack_value(at, n, src, SCHEDULED)
+                else:
+                    index_key, hashed = record_index_key(buf, pos)
+                    file_id(index_key, hashed, at, n, src)
                 filed += 1
                 pos = end
         finally:
@@ -314,18 +335,19 @@ class StagedStep:
         n = w.entries
         if n >= MAX_ENTRIES:
             raise ScheduleError(f"hour {hour_name(w.hour)}: an hour holds at most {MAX_ENTRIES} entries (MAX_ENTRIES)")
-        ms = at - w.hour * HOUR_MS
+        ms = at - w.base_ms
         key = w.key_base | ms // 1000
         heads = self._heads
         head = heads.get(key, 0)  # _read_slots put every stored non-empty slot there
         heads[key] = (n + 1) << 32 | ((head & 0xFFFF_FFFF) + 1)
         w.entries = n + 1
         length = end - pos
-        body = ENTRY_BODY.pack(w.log_end, length, ms, (head >> 32) - 1, src)
+        log_end = w.log_end
+        body = _pack_body(log_end, length, ms, (head >> 32) - 1, src)
         index = w.index
         index += body
-        index += ENTRY_CRC.pack(zlib.crc32(body))
-        w.log_end += length
+        index += _pack_crc(_crc32(body))
+        w.log_end = log_end + length
         if w.run_end == pos and w.run_view is view:
             w.run_end = end
         else:
@@ -370,15 +392,9 @@ class StagedStep:
             end = pos + HEADER_SIZE + size
             if end > stop:
                 break  # _stage refuses it
-            if kind == _MESSAGE:
+            if kind == _MESSAGE:  # the common case, without a list of one
                 if at <= 0:
                     at = created if created > 0 else 0
-                moved = [at]
-            elif kind == MOVE_KIND:
-                moved = [_delivery(buf, start) for start, _end in move_spans(buf, pos, end)]
-            else:
-                moved = []
-            for at in moved:
                 hour = at // HOUR_MS
                 if hour not in hours:
                     if len(hours) >= limit:
@@ -387,6 +403,17 @@ class StagedStep:
                 key = hour << 12 | (at - hour * HOUR_MS) // 1000
                 if key not in heads:
                     wanted.add(key)
+            elif kind == MOVE_KIND:
+                for start, _end in move_spans(buf, pos, end):
+                    at = _delivery(buf, start)
+                    hour = at // HOUR_MS
+                    if hour not in hours:
+                        if len(hours) >= limit:
+                            return wanted
+                        hours.add(hour)
+                    key = hour << 12 | (at - hour * HOUR_MS) // 1000
+                    if key not in heads:
+                        wanted.add(key)
             pos = end
         return wanted
 

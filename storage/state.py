@@ -171,7 +171,7 @@ class StateStore:
         """The values of ``keys`` (None where absent), read in one transaction."""
         handle = self._handle(db)
         with self._gate.transaction(), self._env.begin(db=handle, buffers=False) as txn:
-            return [txn.get(bytes(key)) for key in keys]
+            return list(map(txn.get, keys))  # lmdb takes any bytes-like key as it is
 
     def items(self, db: str, prefix: Bytes = b"") -> list[tuple[bytes, bytes]]:
         """Every ``(key, value)`` of ``db`` whose key starts with ``prefix``, in key order."""
