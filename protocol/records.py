@@ -200,7 +200,7 @@ class Message:
 
     def encode(self, limits: Limits = DEFAULT_LIMITS) -> bytes:
         """This message as one record; ``LocalProtocolError`` names a broken limit."""
-        cached = getattr(self, "_record", None)  # unset in a decoded message (``_to_message``)
+        cached = self._record
         if cached is not None and cached[0] is limits and not self.properties:
             return cached[1]
         record = encode_message(
@@ -689,6 +689,7 @@ _new_object = object.__new__
     _set_deliver_at,
     _set_created_at,
     _set_attempts,
+    _set_record,
 ) = (
     Message.__dict__[name].__set__
     for name in (
@@ -700,6 +701,7 @@ _new_object = object.__new__
         "deliver_at",
         "created_at",
         "attempts",
+        "_record",
     )
 )
 
@@ -725,6 +727,7 @@ def make_message(
     _set_deliver_at(message, deliver_at)
     _set_created_at(message, created_at)
     _set_attempts(message, attempts)
+    _set_record(message, None)  # every slot set: copy and pickle read them all
     return message
 
 

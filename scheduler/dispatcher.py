@@ -542,7 +542,10 @@ class Dispatcher:
                     if rest > 0:  # gather what falls due meanwhile into one batch (the lane stays
                         await self._clock.sleep_ms(rest)  # while it waits: its subject keeps the interval)
                     self._lane_wakes.pop(lane, None)
-                    await self._fire_now()
+                    if not await self._fire_now():  # held by a cancel's hand-out, which fires nothing due:
+                        async with self._firing:  # the firer sleeps on this lane's word, so fire here
+                            if not self._paused:
+                                await self._fire(self._clock.now_ms())
                 if not items:
                     break
                 batch: list[tuple[int, int, int, bytes]] = []

@@ -339,7 +339,7 @@ class SegmentedLog:
             offset = segment.end
             self._write(segment, data, offset)
             segment.size += size
-            if self._recent is not None:
+            if self._recent is not None and at is None:  # not a replica's copy: read back with CRCs
                 self._recent.add(offset, data)
             self._end = offset + size  # publish only once the bytes are written
             return offset
@@ -555,7 +555,10 @@ class SegmentedLog:
     # ------------------------------------------------------------------ reading
 
     def keep_recent(self, limit: int) -> None:
-        """From now on keep about the last ``limit`` bytes appended in memory, for ``read_recent``."""
+        """From now on keep about the last ``limit`` bytes appended in memory, for ``read_recent``.
+
+        Only batches this process made and checked: a replica's copy of its master's bytes
+        (``append(at=...)``) is not kept, so reading it goes through ``read_raw`` and its CRCs."""
         if self._recent is None:
             self._recent = RecentBytes(limit)
         else:

@@ -351,3 +351,16 @@ def test_a_message_checked_when_built_is_encoded_once_and_sent_as_built(monkeypa
     sent = decode_batch(plan.frames[0].body)
     assert [m.id for m in sent] == [plain.id, keyed.id]
     assert sent[0] == plain and sent[1].properties == {"key": "order-1", "note": "added after the check"}
+
+
+def test_messages_built_sent_or_received_can_be_copied_and_pickled() -> None:
+    import copy
+    import pickle
+
+    now = 1_750_000_000_000
+    built = build_message("orders", b"body", delay=60, now_ms=now)
+    keyed = build_message("orders", b"body", delay=60, key="order-1", now_ms=now)
+    [received] = decode_batch(built.encode())
+    for message in (built, keyed, received):
+        assert copy.copy(message) == message == pickle.loads(pickle.dumps(message))
+        assert copy.deepcopy(message).encode() == message.encode()

@@ -94,3 +94,17 @@ def test_whole_batches_are_read_up_to_a_batch_end_within_the_budget_and_never_pa
     # Not held: before the first batch, or past the last.
     assert recent.read_whole(bases[0] - 60, ends[-1], 1 << 20) is None
     assert recent.read_whole(ends[-1], ends[-1] + 100, 1 << 20) is None
+
+
+def test_a_replicas_copy_of_its_masters_bytes_is_not_read_from_memory(tmp_path: Path) -> None:
+    """Bytes a replica copies (``append(at=...)``) were checked by nobody here: they are read
+    back from the disk, CRCs checked, never from memory."""
+    with SegmentedLog.open(tmp_path) as log:
+        log.keep_recent(1 << 20)
+        own = log.append(record(1))
+        copied = log.append(record(2), at=log.end_offset)
+        log.flush()
+        assert log.read_recent(own, len(record(1))) == record(1)
+        assert log.read_recent(copied, len(record(2))) is None
+        assert log.read_recent_whole(copied, log.end_offset, 1 << 20) is None
+        assert log.read_raw(copied)[0] == record(2)
