@@ -35,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+import threading
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -96,6 +97,9 @@ class ConsumeLog:
         self.subject = subject
         self.path = path
         self._fd = fd
+        #: Held by a worker thread's read or fsync and by ``close``: the event loop never closes
+        #: the descriptor under them (its number could be reused by another open meanwhile).
+        self._in_use = threading.Lock()
         self.count = count  # entries held, pending ones included
         self._written = count  # entries in the file and confirmed
         self._on_disk = on_disk  # entries in the file, confirmed or not (recovery)
@@ -209,7 +213,8 @@ class ConsumeLog:
 
     def flush(self) -> bool:
         """fsync (blocking: run in a worker thread); True if the folder needs one too."""
-        os.fsync(self._fd)
+        with self._in_use:
+            os.fsync(self._fd)
         if not self.created:
             return False
         _fsync_path(self.path.with_suffix(".name"))
@@ -223,7 +228,8 @@ class ConsumeLog:
         stop = min(self._written, start + count)
         if stop <= start:
             return b""
-        return os.pread(self._fd, (stop - start) * ENTRY_SIZE, start * ENTRY_SIZE)
+        with self._in_use:  # (a worker thread: the log may be closing)
+            return os.pread(self._fd, (stop - start) * ENTRY_SIZE, start * ENTRY_SIZE)
 
     def read_held(self, start: int, count: int) -> bytes | bytearray | None:
         """``read`` from memory (the tail, or the window) without a system call: up to ``count``
@@ -288,7 +294,10 @@ class ConsumeLog:
         return entry
 
     def close(self) -> None:
-        fd, self._fd = self._fd, -1
+        """Close the file, after a worker thread's read or fsync in progress (a master stepping
+        down with requests in flight): one waits here, briefly, rather than use a closed number."""
+        with self._in_use:
+            fd, self._fd = self._fd, -1
         if fd >= 0:
             os.close(fd)
 

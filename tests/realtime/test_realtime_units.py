@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import struct
 import zlib
 from pathlib import Path
@@ -368,3 +369,41 @@ def test_ack_and_heartbeat_requests() -> None:
     with pytest.raises(RemoteProtocolError) as error:
         parse_heartbeat({"group": "g", "consumer": "c"}, LIMITS)
     assert error.value.field == "subjects"
+
+
+def test_a_consume_log_closes_only_after_a_worker_threads_read_in_progress(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A master stepping down closes its consume logs while a NACK's or a lagging PULL's read
+    may still run in a worker thread: the close waits for it, so the read never uses a closed
+    descriptor number (which another open could have been given meanwhile)."""
+    import threading
+
+    import delaymq.realtime.consumelog as consumelog
+
+    log = ConsumeLog.open(tmp_path, "orders")
+    for n in range(5):
+        log.add(n * 100, 100, n, 7)
+    log.write_pending()
+    inside, release = threading.Event(), threading.Event()
+    real_pread = os.pread
+
+    def slow_pread(fd: int, length: int, offset: int) -> bytes:
+        inside.set()
+        assert release.wait(30)
+        return real_pread(fd, length, offset)
+
+    monkeypatch.setattr(consumelog.os, "pread", slow_pread)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(log.read(1, 2)))
+    reader.start()
+    assert inside.wait(30)
+    closer = threading.Thread(target=log.close)
+    closer.start()
+    closer.join(0.2)  # a bounded look: the close must still be waiting
+    assert closer.is_alive()
+    release.set()
+    reader.join(30)
+    closer.join(30)
+    assert got == [encode_entry(100, 100, 1, 7) + encode_entry(200, 100, 2, 7)]
+    assert not closer.is_alive()
