@@ -7,13 +7,18 @@ import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
-from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import trio
+import trustme
+
+from delaymq.protocol.limits import Limits
+from delaymq.protocol.tls import TlsSettings
 
 #: ``python -c REALTIME_SERVER DATA_DIR OPTIONS``: a realtime server on the wall clock, its log on stderr.
 REALTIME_SERVER = """
@@ -109,7 +114,88 @@ class ScheduleFolder:
 
 
 @pytest.fixture
-def schedule_folder(tmp_path: Path) -> Iterator[ScheduleFolder]:
+def store_folder(tmp_path: Path) -> Iterator[ScheduleFolder]:
     opened = ScheduleFolder(tmp_path)
     yield opened
     opened.close()
+
+
+@dataclass(frozen=True)
+class Pki:
+    """The files of one CA, a server certificate for 127.0.0.1, a client certificate, and a stranger CA."""
+
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+    other_ca: Path
+
+    def server(self, *, require_client_cert: bool = False) -> TlsSettings:
+        return TlsSettings(
+            cert=self.server_cert, key=self.server_key, ca=self.ca, require_client_cert=require_client_cert
+        )
+
+    def client(self, *, with_cert: bool = True) -> TlsSettings:
+        if not with_cert:
+            return TlsSettings(ca=self.ca)
+        return TlsSettings(cert=self.client_cert, key=self.client_key, ca=self.ca)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    """Certificates made on the fly with ``trustme``, once per module."""
+    folder = tmp_path_factory.mktemp("pki")
+    ca, other = trustme.CA(), trustme.CA()
+    server = ca.issue_cert("127.0.0.1", "localhost")
+    client = ca.issue_cert("client@delaymq.test")
+    files = {
+        "ca": ca.cert_pem,
+        "server_cert": server.cert_chain_pems[0],
+        "server_key": server.private_key_pem,
+        "client_cert": client.cert_chain_pems[0],
+        "client_key": client.private_key_pem,
+        "other_ca": other.cert_pem,
+    }
+    for name, blob in files.items():
+        blob.write_to_path(str(folder / f"{name}.pem"))
+    return Pki(**{name: folder / f"{name}.pem" for name in files})
+
+
+@dataclass
+class LocalServers:
+    meta: Any  # Metaserver
+    realtime: Any  # RealtimeServer
+    scheduler: Any  # Scheduler
+
+    @property
+    def address(self) -> str:
+        assert self.meta.address is not None
+        return str(self.meta.address)
+
+
+@asynccontextmanager
+async def open_local_servers(root: Path, limits: Limits, *, wait: float = 20.0) -> AsyncIterator[LocalServers]:
+    """A metaserver, a realtime server and a scheduler in-process on loopback with the real clock,
+    every listener and connection with ``limits`` (TLS, tokens); yielded once both servers have
+    registered with the metaserver."""
+    from delaymq.metaserver.server import open_metaserver
+    from delaymq.realtime.server import open_realtime_server
+    from delaymq.scheduler.server import open_scheduler
+    from delaymq.wheel.clock import SystemClock
+
+    clock = SystemClock()
+    async with AsyncExitStack() as stack:
+        meta = await stack.enter_async_context(open_metaserver(data_dir=root / "meta", clock=clock, limits=limits))
+        assert meta.address is not None
+        realtime = await stack.enter_async_context(
+            open_realtime_server(data_dir=root / "rt", clock=clock, meta_address=meta.address, limits=limits)
+        )
+        scheduler = await stack.enter_async_context(
+            open_scheduler(data_dir=root / "sched", clock=clock, meta_address=meta.address, limits=limits)
+        )
+        with trio.fail_after(wait):
+            for server in (realtime, scheduler):
+                assert server.registration is not None
+                await server.registration.wait_registered()
+        yield LocalServers(meta, realtime, scheduler)

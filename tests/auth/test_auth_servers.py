@@ -6,7 +6,7 @@ The servers run in-process on loopback with the real clock, plaintext and TLS.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +14,6 @@ import pytest
 import trio
 
 from delaymq.client import open_consumer, open_producer
-from delaymq.metaserver.server import Metaserver, open_metaserver
 from delaymq.protocol.auth import FORBIDDEN, UNAUTHORIZED, TokenFile
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError
@@ -22,26 +21,16 @@ from delaymq.protocol.limits import Limits
 from delaymq.protocol.records import Message, encode_batch, new_message_id
 from delaymq.protocol.tls import TlsSettings
 from delaymq.protocol.transport import open_peers
-from delaymq.realtime.server import RealtimeServer, open_realtime_server
-from delaymq.scheduler.server import Scheduler, open_scheduler
-from delaymq.wheel.clock import SystemClock
 
-from .conftest import CONSUMER, ORDERS, PRODUCER, SERVER, Pki
+from ..conftest import LocalServers, Pki, open_local_servers
+from .conftest import CONSUMER, ORDERS, PRODUCER, SERVER
 
 WAIT = 20.0
 
 
 @dataclass
-class Cluster:
-    meta: Metaserver
-    realtime: RealtimeServer
-    scheduler: Scheduler
-    tls: TlsSettings | None
-
-    @property
-    def address(self) -> str:
-        assert self.meta.address is not None
-        return self.meta.address
+class Cluster(LocalServers):
+    tls: TlsSettings | None = None  # what a client trusts
 
     def client(self, token: str | None) -> Limits:
         return Limits(token=token, tls=self.tls)
@@ -49,24 +38,11 @@ class Cluster:
 
 @asynccontextmanager
 async def open_cluster(tmp_path: Path, tokens_file: Path, tls: TlsSettings | None = None) -> AsyncIterator[Cluster]:
-    clock = SystemClock()
+    """The servers with the tokens file and their own token (they register with it)."""
     limits = Limits(tokens=TokenFile(tokens_file), token=SERVER, tls=tls)
-    async with AsyncExitStack() as stack:
-        meta = await stack.enter_async_context(open_metaserver(data_dir=tmp_path / "meta", clock=clock, limits=limits))
-        assert meta.address is not None
-        realtime = await stack.enter_async_context(
-            open_realtime_server(data_dir=tmp_path / "rt", clock=clock, meta_address=meta.address, limits=limits)
-        )
-        scheduler = await stack.enter_async_context(
-            open_scheduler(data_dir=tmp_path / "sched", clock=clock, meta_address=meta.address, limits=limits)
-        )
-        with trio.fail_after(WAIT):  # both registered with their server token
-            while not (realtime.registration and realtime.registration.registered):
-                await trio.sleep(0.01)
-            while not (scheduler.registration and scheduler.registration.registered):
-                await trio.sleep(0.01)
+    async with open_local_servers(tmp_path, limits, wait=WAIT) as servers:
         client_tls = None if tls is None else TlsSettings(ca=tls.ca)
-        yield Cluster(meta, realtime, scheduler, client_tls)
+        yield Cluster(servers.meta, servers.realtime, servers.scheduler, client_tls)
 
 
 @pytest.fixture(params=["plaintext", "tls"])

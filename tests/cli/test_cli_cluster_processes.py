@@ -242,3 +242,15 @@ def test_a_server_that_cannot_start_ends_the_cluster_with_one_line_and_leaves_no
     ) in done.stderr
     assert "Traceback" not in done.stderr
     assert processes_using(data) == []
+
+
+def test_the_send_interval_options_default_to_the_dispatchers_own() -> None:
+    """The command line names the default as text (it does not import the scheduler to start
+    sooner): it must say what ``Dispatcher`` does without the option."""
+    from delaymq.cli.main import build_parser
+    from delaymq.cli.options import duration_ms
+    from delaymq.scheduler.dispatcher import DEFAULT_SEND_INTERVAL_MS
+
+    parser, _commands = build_parser()
+    for argv in (["scheduler", "--data", "d"], ["cluster"]):
+        assert duration_ms(parser.parse_args(argv).send_interval) == DEFAULT_SEND_INTERVAL_MS

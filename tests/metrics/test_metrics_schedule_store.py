@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from delaymq.protocol.histogram import LatencyHistogram
 from delaymq.protocol.records import encode_message
 from delaymq.scheduler.hours import DISPATCH_SUFFIX, HOUR_MS, INDEX_SUFFIX, LOG_SUFFIX, hour_name
+
+from ..conftest import ScheduleFolder
 
 BASE = 1_750_000_000_000 - 1_750_000_000_000 % HOUR_MS
 HOUR = BASE // HOUR_MS
@@ -56,11 +57,11 @@ def histogram_count(wire: dict[str, object]) -> int:
 
 
 @pytest.fixture
-def folder(schedule_folder: Any) -> Any:
-    return schedule_folder  # tests/conftest.py: ScheduleFolder
+def folder(store_folder: ScheduleFolder) -> ScheduleFolder:
+    return store_folder
 
 
-def test_log_bytes_follow_filing_and_dispatch_records(folder: Any) -> None:
+def test_log_bytes_follow_filing_and_dispatch_records(folder: ScheduleFolder) -> None:
     store = folder.store
     assert store.log_bytes() == {"schedule": 0, "dispatch": 0}
     folder.add(*messages(3, 60, "a"))
@@ -74,7 +75,7 @@ def test_log_bytes_follow_filing_and_dispatch_records(folder: Any) -> None:
     assert store.log_bytes()["dispatch"] > 0
 
 
-def test_log_bytes_after_a_restart_are_what_the_files_hold(folder: Any) -> None:
+def test_log_bytes_after_a_restart_are_what_the_files_hold(folder: ScheduleFolder) -> None:
     folder.add(*messages(4, 80, "a"))
     folder.store.record_dispatched(HOUR + 2, range(5))
     folder.store.flush_dispatched()
@@ -87,7 +88,7 @@ def test_log_bytes_after_a_restart_are_what_the_files_hold(folder: Any) -> None:
     assert folder.store.log_bytes() == disk_bytes(folder.schedule)
 
 
-def test_log_bytes_after_a_crash_left_torn_tails_are_what_recovery_kept(folder: Any) -> None:
+def test_log_bytes_after_a_crash_left_torn_tails_are_what_recovery_kept(folder: ScheduleFolder) -> None:
     folder.add(*messages(3, 50, "a"))
     folder.store.record_dispatched(HOUR, range(7))
     folder.close()
@@ -108,7 +109,7 @@ def test_log_bytes_after_a_crash_left_torn_tails_are_what_recovery_kept(folder: 
     assert os.path.getsize(dispatch) == store.log_bytes()["dispatch"]
 
 
-def test_log_bytes_drop_by_what_a_deleted_hour_held(folder: Any) -> None:
+def test_log_bytes_drop_by_what_a_deleted_hour_held(folder: ScheduleFolder) -> None:
     folder.add(*messages(3, 30, "a"))
     store = folder.store
     store.record_dispatched(HOUR, range(store.entries(HOUR)))
@@ -129,7 +130,7 @@ def test_log_bytes_drop_by_what_a_deleted_hour_held(folder: Any) -> None:
     assert folder.store.log_bytes() == disk_bytes(folder.schedule)
 
 
-def test_each_filing_and_dispatch_fsync_is_timed(folder: Any) -> None:
+def test_each_filing_and_dispatch_fsync_is_timed(folder: ScheduleFolder) -> None:
     folder.add(*messages(2, 20, "a"))  # few hours: a fdatasync per file
     folder.add(*messages(12, 120, "b"))  # many: one syncfs
     store = folder.store

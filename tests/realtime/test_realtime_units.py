@@ -394,16 +394,36 @@ def test_a_consume_log_closes_only_after_a_worker_threads_read_in_progress(
         return real_pread(fd, length, offset)
 
     monkeypatch.setattr(consumelog.os, "pread", slow_pread)
+    closed: list[int] = []
+    real_close = os.close
+    monkeypatch.setattr(consumelog.os, "close", lambda fd: (closed.append(fd), real_close(fd)))
+
+    class WatchedLock:
+        """The log's lock, telling when the closing thread asks for it."""
+
+        def __init__(self, lock: threading.Lock) -> None:
+            self.lock, self.close_waits = lock, threading.Event()
+
+        def __enter__(self) -> None:
+            if threading.current_thread().name == "closer":
+                self.close_waits.set()
+            self.lock.acquire()
+
+        def __exit__(self, *exc: object) -> None:
+            self.lock.release()
+
+    watched = WatchedLock(log._in_use)
+    log._in_use = watched  # type: ignore[assignment]
     got: list[bytes] = []
     reader = threading.Thread(target=lambda: got.append(log.read(1, 2)))
     reader.start()
-    assert inside.wait(30)
-    closer = threading.Thread(target=log.close)
+    assert inside.wait(30)  # the read is in its pread
+    closer = threading.Thread(target=log.close, name="closer")
     closer.start()
-    closer.join(0.2)  # a bounded look: the close must still be waiting
-    assert closer.is_alive()
+    assert watched.close_waits.wait(30)  # the close asks for the descriptor ...
+    assert closed == []  # ... and has not closed it under the read
     release.set()
     reader.join(30)
     closer.join(30)
     assert got == [encode_entry(100, 100, 1, 7) + encode_entry(200, 100, 2, 7)]
-    assert not closer.is_alive()
+    assert len(closed) == 1 and not closer.is_alive()

@@ -20,13 +20,12 @@ from delaymq.protocol.backoff import RandomSource
 from delaymq.protocol.records import encode_message, scan_batch
 from delaymq.scheduler.dispatcher import Deliver, Dispatcher
 from delaymq.scheduler.replay import replay_until_caught_up
-from delaymq.scheduler.schedulelog import ScheduleStore
 from delaymq.scheduler.wheelset import WheelSet
-from delaymq.storage.log import SegmentedLog
-from delaymq.storage.state import StateStore
 from delaymq.storage.threads import run_inline
 from delaymq.wheel import HOUR_MS
 from delaymq.wheel.clock import TrioClock
+
+from .conftest import schedule_folder
 
 EPOCH_MS = 1_749_996_000_000  # 2025-06-15 14:00 UTC
 
@@ -36,11 +35,7 @@ async def running(
     tmp_path: Path, records: list[bytes], deliver: Deliver, **options: Any
 ) -> AsyncIterator[tuple[Dispatcher, TrioClock]]:
     clock = TrioClock(EPOCH_MS)
-    with (
-        SegmentedLog.open(tmp_path / "messages") as log,
-        StateStore.open(tmp_path / "state") as state,
-        ScheduleStore.open(tmp_path / "schedule", state, fsync=False) as store,
-    ):
+    with schedule_folder(tmp_path, fsync=False) as (log, store):
         log.append(b"".join(records))
         log.flush()
         replay_until_caught_up(log, store)

@@ -24,9 +24,10 @@ from delaymq.scheduler.replay import replay_step
 from delaymq.scheduler.schedulelog import ScheduleStore
 from delaymq.scheduler.wheelset import WheelSet
 from delaymq.storage.log import SegmentedLog
-from delaymq.storage.state import StateStore
 from delaymq.storage.threads import run_inline
 from delaymq.wheel.clock import TrioClock
+
+from .conftest import schedule_folder
 
 EPOCH_MS = 1_749_996_000_000  # 2025-06-15 14:00 UTC
 
@@ -73,11 +74,7 @@ async def running(tmp_path: Path, records: list[bytes], **options: Any) -> Async
             changed.notify_all()
         return ["stored"] * len(batch)
 
-    with (
-        SegmentedLog.open(tmp_path / "messages") as log,
-        StateStore.open(tmp_path / "state") as state,
-        ScheduleStore.open(tmp_path / "schedule", state, fsync=False) as store,
-    ):
+    with schedule_folder(tmp_path, fsync=False) as (log, store):
         log.append(b"".join(records))
         log.flush()
         replay_step(log, store)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Any
 
 import pytest
 
@@ -13,6 +12,8 @@ from delaymq.scheduler.delayindex import ENTRY_SIZE
 from delaymq.scheduler.hours import DEFAULT_RETENTION_MS, HOUR_MS, HourNotComplete, hour_name
 from delaymq.scheduler.replay import replay_until_caught_up
 from delaymq.scheduler.schedulelog import DISPATCH_SUFFIX, INDEX_SUFFIX, LOG_SUFFIX
+
+from ..conftest import ScheduleFolder
 
 BASE = 1_750_000_000_000 - 1_750_000_000_000 % HOUR_MS
 HOUR = BASE // HOUR_MS
@@ -23,11 +24,11 @@ def message(i: int, deliver_at: int) -> bytes:
 
 
 @pytest.fixture
-def folder(schedule_folder: Any) -> Any:
-    return schedule_folder  # tests/conftest.py: ScheduleFolder
+def folder(store_folder: ScheduleFolder) -> ScheduleFolder:
+    return store_folder
 
 
-def test_hours_eligible_after_retention(folder: Any) -> None:
+def test_hours_eligible_after_retention(folder: ScheduleFolder) -> None:
     folder.add(*(message(h, BASE + h * HOUR_MS + 10) for h in range(4)))
     store = folder.store
     for h in (0, 1, 3):
@@ -40,7 +41,7 @@ def test_hours_eligible_after_retention(folder: Any) -> None:
     assert store.hours_to_delete(end_of(1), retention_ms=0) == [HOUR, HOUR + 1]
 
 
-def test_delete_hour_refuses_undelivered_entries_unless_forced(folder: Any) -> None:
+def test_delete_hour_refuses_undelivered_entries_unless_forced(folder: ScheduleFolder) -> None:
     folder.add(message(0, BASE + 1), message(1, BASE + 2), message(2, BASE + HOUR_MS))
     store = folder.store
     store.record_dispatched(HOUR, [0])
@@ -56,7 +57,7 @@ def test_delete_hour_refuses_undelivered_entries_unless_forced(folder: Any) -> N
     assert folder.store.hours_with_messages() == []
 
 
-def test_a_late_record_for_a_deleted_hour_starts_it_afresh(folder: Any) -> None:
+def test_a_late_record_for_a_deleted_hour_starts_it_afresh(folder: ScheduleFolder) -> None:
     folder.add(message(0, BASE + 1))
     folder.store.record_dispatched(HOUR, [0])
     folder.store.delete_hour(HOUR)
@@ -68,7 +69,7 @@ def test_a_late_record_for_a_deleted_hour_starts_it_afresh(folder: Any) -> None:
         assert reader.read_records([0]) == [message(1, BASE + 5)]
 
 
-def test_replay_going_back_after_a_repair_does_not_revive_deleted_hours(folder: Any) -> None:
+def test_replay_going_back_after_a_repair_does_not_revive_deleted_hours(folder: ScheduleFolder) -> None:
     folder.add(*(message(i, BASE + (i % 2) * HOUR_MS + i) for i in range(100)))
     store = folder.store
     store.record_dispatched(HOUR, range(50))
@@ -83,7 +84,7 @@ def test_replay_going_back_after_a_repair_does_not_revive_deleted_hours(folder: 
     assert folder.store.entries(HOUR + 1) == 50
 
 
-def test_a_deletion_cut_short_leaves_a_complete_hour_to_delete_again(folder: Any) -> None:
+def test_a_deletion_cut_short_leaves_a_complete_hour_to_delete_again(folder: ScheduleFolder) -> None:
     folder.add(message(0, BASE + 1), message(1, BASE + 2))
     folder.store.record_dispatched(HOUR, [0, 1])
     schedule = folder.root / "schedule"

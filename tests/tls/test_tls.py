@@ -7,60 +7,31 @@ real socket traffic, which an autojump clock would jump over).
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import pytest
 import trio
 
 from delaymq.client import open_consumer, open_producer
 from delaymq.client.routes import CallFailed
-from delaymq.metaserver.server import Metaserver, open_metaserver
+from delaymq.metaserver.server import open_metaserver
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError
 from delaymq.protocol.limits import Limits
 from delaymq.protocol.tls import TLS_REQUIRED, TlsConfigError, TlsSettings
 from delaymq.protocol.transport import open_peers
-from delaymq.realtime.server import RealtimeServer, open_realtime_server
-from delaymq.scheduler.server import Scheduler, open_scheduler
 from delaymq.wheel.clock import SystemClock
 
-if TYPE_CHECKING:
-    from .conftest import Pki
+from ..conftest import LocalServers, Pki, open_local_servers
 
 WAIT = 20.0  # seconds a test may wait for what it expects
 
 
-@dataclass
-class Cluster:
-    meta: Metaserver
-    realtime: RealtimeServer
-    scheduler: Scheduler
-
-
-@asynccontextmanager
-async def open_cluster(tmp_path: Path, tls: TlsSettings) -> AsyncIterator[Cluster]:
-    """A metaserver, a realtime server and a scheduler on loopback, every listener and connection with ``tls``."""
-    clock = SystemClock()
-    limits = Limits(tls=tls)
-    async with AsyncExitStack() as stack:
-        meta = await stack.enter_async_context(open_metaserver(data_dir=tmp_path / "meta", clock=clock, limits=limits))
-        assert meta.address is not None
-        realtime = await stack.enter_async_context(
-            open_realtime_server(data_dir=tmp_path / "rt", clock=clock, meta_address=meta.address, limits=limits)
-        )
-        scheduler = await stack.enter_async_context(
-            open_scheduler(data_dir=tmp_path / "sched", clock=clock, meta_address=meta.address, limits=limits)
-        )
-        with trio.fail_after(WAIT):  # both registered: they reached the metaserver over TLS
-            while not (realtime.registration and realtime.registration.registered):
-                await trio.sleep(0.01)
-            while not (scheduler.registration and scheduler.registration.registered):
-                await trio.sleep(0.01)
-        yield Cluster(meta, realtime, scheduler)
+def open_cluster(tmp_path: Path, tls: TlsSettings) -> AbstractAsyncContextManager[LocalServers]:
+    """A metaserver, a realtime server and a scheduler on loopback, every listener and connection with
+    ``tls``; both servers registered: they reached the metaserver over TLS."""
+    return open_local_servers(tmp_path, Limits(tls=tls), wait=WAIT)
 
 
 async def test_a_delayed_message_goes_producer_scheduler_realtime_consumer_over_mutual_tls(

@@ -17,7 +17,7 @@ from delaymq.cli.connection_options import tls_settings
 from delaymq.cli.main import parse_args
 
 if TYPE_CHECKING:
-    from .conftest import Pki
+    from ..conftest import Pki
 
 _LISTENING = re.compile(rb"listening on (?P<address>\S+)")
 DELAYMQ = [sys.executable, "-P", "-m", "delaymq.cli"]

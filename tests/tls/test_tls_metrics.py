@@ -13,7 +13,7 @@ from delaymq.cli.metrics import Exposition
 from delaymq.cli.metrics_endpoint import open_metrics_endpoint
 
 if TYPE_CHECKING:
-    from .conftest import Pki
+    from ..conftest import Pki
 
 REQUEST = b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
 
