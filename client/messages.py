@@ -126,7 +126,7 @@ def check_key(value: Any, field: str = KEY_PROPERTY) -> str:
 
 def check_key_property(properties: Any) -> None:
     """Check the ``key`` property when a message carries one (as a field of its own is checked)."""
-    if isinstance(properties, Mapping) and KEY_PROPERTY in properties:
+    if properties and isinstance(properties, Mapping) and KEY_PROPERTY in properties:  # (most have none)
         check_key(properties[KEY_PROPERTY])
 
 
@@ -196,7 +196,7 @@ def build_message(
                 field="key",
             )
         props[KEY_PROPERTY] = check_key(key)
-    elif props:
+    else:
         check_key_property(props)
     if id is None:
         id = new_message_id(now_ms)
