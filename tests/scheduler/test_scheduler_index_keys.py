@@ -13,6 +13,8 @@ from delaymq.protocol.records import encode_message, scan_batch
 from delaymq.scheduler.idindex import SCHEDULED, ids_for_key, index_key, key_hash, lookup
 from delaymq.scheduler.server import _index_keys
 
+from ..conftest import ScheduleFolder
+
 AT = 1_749_996_000_000 + 30_000
 
 
@@ -50,12 +52,12 @@ def test_the_schedule_path_names_each_shape_by_its_index_key_and_key_hash() -> N
     assert list(zip(keys, hashes)) == _expected()
 
 
-def test_filing_indexes_each_shape_under_its_index_key_and_key_hash(schedule_folder: Any) -> None:
-    schedule_folder.add(*_records())
+def test_filing_indexes_each_shape_under_its_index_key_and_key_hash(store_folder: ScheduleFolder) -> None:
+    store_folder.add(*_records())
     expected = _expected()
-    values = lookup(schedule_folder.state, [k for k, _h in expected])
+    values = lookup(store_folder.state, [k for k, _h in expected])
     for i, ((k, hashed), value) in enumerate(zip(expected, values)):
         assert value is not None, k
         assert (value.deliver_at, value.entry, value.state, value.key_hash) == (AT + i, i, SCHEDULED, hashed)
-    assert ids_for_key(schedule_folder.state, "orders", "order-7") == ["keyed"]
-    assert lookup(schedule_folder.state, ["unknown-id"]) == [None]
+    assert ids_for_key(store_folder.state, "orders", "order-7") == ["keyed"]
+    assert lookup(store_folder.state, ["unknown-id"]) == [None]
