@@ -24,7 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -153,12 +153,12 @@ def local_cluster(
     flush: str,
     env: Mapping[str, str] | None = None,
     stderr: IO[Any] | None = None,
-    send_interval_ms: int = 0,
+    scheduler_options: Sequence[str] = (),
 ) -> Iterator[ClusterProcess]:
     """``delaymq cluster`` in a child process on a free port; stopped at the end.
 
     ``env`` replaces the child's environment, ``stderr`` (a file) takes its log;
-    ``send_interval_ms`` is the scheduler's ``--send-interval``.
+    ``scheduler_options`` go to ``delaymq cluster`` (``--send-interval``, ``--send-ahead``).
     """
     process = subprocess.Popen(
         [
@@ -175,8 +175,7 @@ def local_cluster(
             "127.0.0.1:0",
             "--flush",
             flush,
-            "--send-interval",
-            f"{send_interval_ms}ms",
+            *scheduler_options,
         ],
         stdout=subprocess.PIPE,
         stderr=stderr,
@@ -346,10 +345,13 @@ STAGES = (
     ("handed to the consumer", "realtime", "lateness_handed_out"),
 )
 RECEIVED = "received by the consumer"
+#: The scheduler's options of the comparison case: each message fired at its moment, one SEND
+#: per round trip (the shape before ``--send-ahead``).
+AT_THE_MOMENT = ("--send-ahead", "0ms", "--send-interval", "0ms")
 #: STATUS counters a delay run reads before and after (server kind -> fields).
 COUNTERS = {
     "scheduler": ("dispatched", "dispatch_batches", "fire_rounds", "confirm_rounds", "message_log_fsyncs", "filing_fsyncs"),
-    "realtime": ("message_log_fsyncs", "checkpoints"),
+    "realtime": ("message_log_fsyncs", "checkpoints", "sends", "pulls", "acks"),
 }  # fmt: skip
 
 
@@ -465,6 +467,8 @@ def cost_rows(case: str, run: DelayRun, count: int) -> list[Row]:
         (f"{case}: dispatch batch mean size", dispatched / batches if batches else 0.0, "msgs"),
         (f"{case}: fire rounds", rounds, "rounds"),
         (f"{case}: fire round mean size", dispatched / rounds if rounds else 0.0, "msgs"),
+        (f"{case}: PULLs answered by realtime", counters["realtime.pulls"], "requests"),
+        (f"{case}: ACKs answered by realtime", counters["realtime.acks"], "requests"),
         *((f"{case}: fsyncs/s, {name}", value / run.seconds, "/s") for name, value in fsyncs.items()),
         (f"{case}: fsyncs/s, all of the above", sum(fsyncs.values()) / run.seconds, "/s"),
     ]
@@ -506,24 +510,25 @@ def bench_delay(
     backlog: int = 1_000_000,
     delay_range: tuple[float, float] = (2.0, 20.0),
     flushes: tuple[str, ...] = ("sync", "async"),
-    send_interval_ms: int = 5,
+    at_the_moment: bool = True,
     redis: bool = True,
     install_redis: bool = True,
 ) -> list[Row]:
-    """DESIGN.md section 7: messages due at now + uniform(2 s, 20 s) under each flush policy,
-    where their lateness and the servers' CPU go; the first policy once more with the
-    scheduler's ``--send-interval`` at ``send_interval_ms`` (none when 0: fewer SENDs for
-    more lateness); the same workload on a Redis sorted set (``redis``; ``install_redis``:
+    """DESIGN.md section 7: messages due at now + uniform(2 s, 20 s) under each flush policy
+    (the cluster's defaults: sent 50 ms ahead, SENDs 20 ms apart), where their lateness and the
+    servers' CPU go; with ``at_the_moment`` the first policy once more with each message fired
+    at its moment (``--send-ahead 0ms --send-interval 0ms``: the shape before sending ahead,
+    for comparison); the same workload on a Redis sorted set (``redis``; ``install_redis``:
     apt-get install redis-server when missing, as root), and then a 30-day backlog (none
     when ``backlog`` is 0)."""
     rows: list[Row] = []
     runs: dict[str, DelayRun] = {}
-    cases = [(flush, flush, 0) for flush in flushes]
-    if send_interval_ms and flushes:
-        cases.append((f"{flushes[0]} send-interval {send_interval_ms}ms", flushes[0], send_interval_ms))
-    for case, flush, interval in cases:
-        folder = scratch / f"delay-{flush}-{interval}"
-        with local_cluster(folder, flush=flush, send_interval_ms=interval) as cluster:
+    cases: list[tuple[str, str, tuple[str, ...]]] = [(flush, flush, ()) for flush in flushes]
+    if at_the_moment and flushes:
+        cases.append((f"{flushes[0]} at the moment", flushes[0], AT_THE_MOMENT))
+    for number, (case, flush, options) in enumerate(cases):
+        folder = scratch / f"delay-{number}-{flush}"
+        with local_cluster(folder, flush=flush, scheduler_options=options) as cluster:
             run = runs[case] = trio.run(partial(_delay_run, cluster, count, delay_range))
             rows += delivery_rows(case, "lateness", run.accepted, run.lateness_ms, run.lost, run.duplicated, cluster)
             rows += stage_rows(case, run)

@@ -38,6 +38,7 @@ from pathlib import Path
 import trio
 
 from delaymq.cli import options
+from delaymq.cli.scheduler_command import SEND_AHEAD, SEND_INTERVAL
 from delaymq.cli.connection_options import add_tls_options, tls_settings
 from delaymq.cli.serving import STARTUP_ERRORS, fail
 from delaymq.cli.supervisor import StartFailed, Supervisor, open_supervisor
@@ -92,8 +93,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     options.add_duration(
         parser,
         "--send-interval",
-        "0ms",
+        SEND_INTERVAL,
         "the scheduler's --send-interval: a subject's SENDs to realtime at least this far apart",
+    )
+    options.add_duration(
+        parser,
+        "--send-ahead",
+        SEND_AHEAD,
+        "the scheduler's --send-ahead: each message goes to realtime this long before its deliver_at "
+        "(held there until then)",
     )
     parser.add_argument(
         "--replicas",
@@ -258,12 +266,15 @@ async def _start_servers(
             listen=meta_listen,
         )
 
-    send_interval = ("--send-interval", f"{options.duration_ms(args.send_interval)}ms")
+    dispatch_options = (
+        *("--send-interval", f"{options.duration_ms(args.send_interval)}ms"),
+        *("--send-ahead", f"{options.duration_ms(args.send_ahead)}ms"),
+    )
 
     def member(kind: str, folder: str) -> Callable[[str], list[str]]:
         given = ("--meta", meta, "--data", str(data / folder), "--group", f"{kind}-1", "--flush", args.flush, *tls)
         if kind == "scheduler":
-            given += send_interval
+            given += dispatch_options
         return lambda listen: server_command(child_level, kind, "--listen", listen, *given, "--min-insync", min_insync)
 
     masters: dict[str, str] = {}

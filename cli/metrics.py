@@ -300,7 +300,8 @@ def realtime_families(stats: RealtimeStatistics, transport: ServerStatistics) ->
     )
     yield counter(
         prefix + "accepted_early",
-        "New messages accepted before their deliver_at (counted as 0 s in the lateness histogram)",
+        "New messages accepted before their deliver_at (counted as 0 s in the lateness histogram): "
+        "those a scheduler sends ahead (--send-ahead), held until then",
         stats.lateness_accepted.get("early", 0),
     )
     yield lateness_histogram(

@@ -20,6 +20,16 @@ from delaymq.client.producer import DEFAULT_META
 from delaymq.protocol.limits import Limits
 from delaymq.wheel.clock import SystemClock
 
+#: scheduler.dispatcher.MAX_SEND_AHEAD_MS (not imported: the command starts sooner; a test checks they agree)
+MAX_SEND_AHEAD_MS = 10_000
+#: What a scheduler run by command sends with (``open_scheduler``'s own defaults are 0: each
+#: message fired at its millisecond, as the in-process tests expect). Each message goes to
+#: realtime 50 ms before its time, in one SEND per subject per 20 ms: the SEND's round trip
+#: and the interval come before the moment, and SENDs (with realtime's fsyncs and the pulls
+#: they wake) follow the interval rather than the round trip (docs/performance.md).
+SEND_AHEAD = "50ms"
+SEND_INTERVAL = "20ms"
+
 if TYPE_CHECKING:
     from delaymq.cli.metrics import MetricsSource
     from delaymq.scheduler.server import Scheduler
@@ -42,9 +52,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_duration(
         parser,
         "--send-interval",
-        "0ms",  # scheduler.dispatcher.DEFAULT_SEND_INTERVAL_MS (not imported: the command starts sooner)
+        SEND_INTERVAL,
         "a subject's SENDs to realtime start at least this far apart: what falls due in between goes in one "
-        "batch (fewer requests and fsyncs; a message waits up to this long more)",
+        "batch (fewer requests and fsyncs; without --send-ahead a message waits up to this long more)",
+    )
+    add_duration(
+        parser,
+        "--send-ahead",
+        SEND_AHEAD,
+        "fire each message this long before its deliver_at (at most 10s; 0: at it): realtime stores it at once "
+        "and hands it out from deliver_at, so the SEND's round trip and the send interval come before the "
+        "moment; a message this close to its time can no longer be cancelled",
     )
     add_replication_options(parser, writes="each SCHEDULE")
     parser.set_defaults(func=run)
@@ -57,6 +75,9 @@ def run(args: argparse.Namespace) -> int:
         horizon_ms = options.duration_ms(args.horizon)
         retention_ms = options.duration_ms(args.retention)
         send_interval_ms = options.duration_ms(args.send_interval)
+        send_ahead_ms = options.duration_ms(args.send_ahead)
+        if send_ahead_ms > MAX_SEND_AHEAD_MS:
+            return fail(f"--send-ahead: {send_ahead_ms} ms is over the limit of {MAX_SEND_AHEAD_MS} ms")
         token, tokens = server_auth(args, listen=args.listen)
         limits = Limits(
             horizon_ms=horizon_ms,
@@ -71,11 +92,16 @@ def run(args: argparse.Namespace) -> int:
         return fail(f"--horizon: {error}")
     meta = args.meta or [DEFAULT_META]
     what = f"scheduler {args.group} on {args.listen} with data {args.data}"
-    return run_server(_serve, args, meta, limits, retention_ms, send_interval_ms, what=what)
+    return run_server(_serve, args, meta, limits, retention_ms, send_interval_ms, send_ahead_ms, what=what)
 
 
 async def _serve(
-    args: argparse.Namespace, meta: list[str], limits: Limits, retention_ms: int, send_interval_ms: int
+    args: argparse.Namespace,
+    meta: list[str],
+    limits: Limits,
+    retention_ms: int,
+    send_interval_ms: int,
+    send_ahead_ms: int,
 ) -> None:
     # Imported here, not by ``delaymq`` itself: every command (each server of a cluster too) starts sooner.
     from delaymq.scheduler.server import open_scheduler
@@ -90,6 +116,7 @@ async def _serve(
         limits=limits,
         retention_ms=retention_ms,
         send_interval_ms=send_interval_ms,
+        send_ahead_ms=send_ahead_ms,
         replication=args.replication,
         min_insync=args.min_insync,
     ) as scheduler:

@@ -8,7 +8,8 @@ is read like an array and an entry's number is its consume-log sequence. An entr
     0      8     offset     u64  where the record starts in the message log
     8      4     size       u32  bytes of the whole record (envelope included)
     12     8     tag_mask   u64  OR of ``tag_bit(tag)`` over the record's tags
-    20     8     stored_at  i64  epoch ms UTC at which the server indexed it
+    20     8     stored_at  i64  epoch ms UTC from which a PULL may hand it out: when the
+                                 server indexed it, or the record's ``deliver_at`` if later
     28     4     crc        u32  CRC-32 of bytes 0..28
 
 The file of subject *s* is ``consume/<stem>.log`` with ``stem =

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial
+from typing import NamedTuple
 
 from delaymq.protocol.records import raise_attempts
 from delaymq.realtime.consumelog import ENTRY_SIZE, TAIL_ENTRIES, ConsumeLog, decode_entry, iter_entries
@@ -44,10 +45,29 @@ class EntriesNotHeld(Exception):
         self.sequence = sequence
 
 
+class Pick(NamedTuple):
+    """What ``pick`` chose: ``entries`` to hand out; ``more`` when entries remain unscanned;
+    ``held_until`` when it stopped at a new entry not yet due (its time, epoch ms)."""
+
+    entries: list[Picked]
+    more: bool
+    held_until: int | None = None
+
+
 def pick(
-    consume_log: ConsumeLog | None, groups: Groups, share: Share, limit: int, max_bytes: int, mask: int
-) -> tuple[list[Picked], bool]:
+    consume_log: ConsumeLog | None,
+    groups: Groups,
+    share: Share,
+    limit: int,
+    max_bytes: int,
+    mask: int,
+    now_ms: int,
+) -> Pick:
     """Entries to hand out now, and whether entries remain unscanned.
+
+    Never early: new entries are handed out in order up to the first whose time
+    (``stored_at``: its ``deliver_at`` when a scheduler sent it ahead) is past
+    ``now_ms``; the pick stops there and says until when (``held_until``).
 
     Reads no file: entries come from memory (``ConsumeLog.read_held``); where none it
     needs are held, raises ``EntriesNotHeld`` (the share unchanged but for entries it
@@ -60,7 +80,7 @@ def pick(
     """
     picked: list[Picked] = []
     if consume_log is None:
-        return picked, False
+        return Pick(picked, False)
     total = 0
     if share.redeliver:
         taken = groups.take_redeliveries(share, limit)
@@ -83,11 +103,11 @@ def pick(
             if entry is None:  # not in memory: picked as far as it goes, or read it first
                 groups.put_back(share, taken[index:])
                 if picked:
-                    return picked, False
+                    return Pick(picked, False)
                 raise EntriesNotHeld(sequence)
             if picked and total + entry.size > max_bytes:
                 groups.put_back(share, taken[index:])
-                return picked, False
+                return Pick(picked, False)
             picked.append((sequence, redeliveries, entry.offset, entry.size))
             total += entry.size
     position = share.position
@@ -95,6 +115,7 @@ def pick(
     skip = share.skip
     scanned = 0
     full = len(picked) >= limit
+    held_until = None
     while not full and position < count and scanned < SCAN_ENTRIES:
         data = consume_log.read_held(position, min(READ_ENTRIES, count - position))
         if data is None:  # not in memory: picked as far as it goes, or read it first
@@ -104,12 +125,16 @@ def pick(
             raise EntriesNotHeld(position)
         if not data:
             break
-        for offset, size, entry_mask, _stored_at, _crc in iter_entries(data):
+        for offset, size, entry_mask, stored_at, _crc in iter_entries(data):
             scanned += 1
             if (mask and not entry_mask & mask) or (skip and position in skip):
                 skip.discard(position)  # handed out before a crash: in a pull log already
                 position += 1
                 continue
+            if stored_at > now_ms:  # sent ahead of its deliver_at: it and all behind it wait
+                held_until = stored_at
+                full = True
+                break
             if picked and total + size > max_bytes:
                 full = True
                 break
@@ -120,7 +145,7 @@ def pick(
                 full = True
                 break
     groups.advance(share, position)
-    return picked, (not picked and position < count)
+    return Pick(picked, not picked and held_until is None and position < count, held_until)
 
 
 async def read_window(
@@ -252,6 +277,7 @@ def _read_span(log: SegmentedLog, offset: int, length: int) -> bytes:
 
 __all__ = [
     "EntriesNotHeld",
+    "Pick",
     "Picked",
     "claimed_entries",
     "pick",

@@ -6,7 +6,8 @@ memory when they were stored lately (``RECENT_BYTES``), else in a worker thread
 (``run_blocking``) (a record that does not check, in a damaged message log, is
 left out and logged). With nothing to hand out the pull parks on its subject
 until an entry arrives or is given back, or its ``timeout_ms`` passes; a
-consumer in a long poll counts as alive. What is handed out goes into the
+consumer in a long poll counts as alive. Entries a scheduler sent ahead of their
+``deliver_at`` are never handed out before it: the pull parks until then. What is handed out goes into the
 consumer's pull log before the answer (so after a crash recovery knows it) and
 is due back by the ack timeout.
 """
@@ -100,8 +101,11 @@ class PullHandler:
                 if self.closed is not None:
                     raise NotMaster(f"PULL: {self.closed}; ask the metaserver")
                 consume_log = self._indexer.consume_log(subject)
+                now_ms = self._clock.now_ms()
                 try:
-                    picked, more = pick(consume_log, groups, consumer.share, pull.max, pull.max_bytes, mask)
+                    picked, more, held_until = pick(
+                        consume_log, groups, consumer.share, pull.max, pull.max_bytes, mask, now_ms
+                    )
                 except EntriesNotHeld as missing:  # a consumer that lags: its entries from the file
                     assert consume_log is not None
                     await self._read_entries(consume_log, missing.sequence)
@@ -111,7 +115,10 @@ class PullHandler:
                 if more:
                     await trio.lowlevel.checkpoint()
                     continue
-                await self._parked.wait(subject, deadline)
+                wake = deadline
+                if held_until is not None:  # the next entry is not due: pick again when it is
+                    wake = min(deadline, trio.current_time() + (held_until - now_ms) / 1000)
+                await self._parked.wait(subject, wake)
         finally:
             consumer.waiting -= 1
         self.pulls += 1

@@ -13,6 +13,11 @@ as ``unavailable`` (the disk is full: the client retries) and its ids are not
 remembered, so the retry stores it. A record whose id is being appended right
 now waits for that append: it is a duplicate only once the first is stored.
 
+A record may come ahead of its ``deliver_at`` (a scheduler run with ``--send-ahead``):
+it is stored at once and handed out from then (``delivery.pick``). Realtime holds a
+record for at most ``MAX_AHEAD_MS``; one due later is refused naming ``deliver_at``
+(the client sends such messages to a scheduler).
+
 A scheduler's SEND carries a fence (its group and epoch, the only metadata a
 SEND takes): ``fences.Fences`` admits it before anything of the batch is
 looked at by the dedup window or stored, and refuses an older epoch (``fenced``).
@@ -20,6 +25,7 @@ looked at by the dedup window or stored, and refuses an older epoch (``fenced``)
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
@@ -43,6 +49,10 @@ from delaymq.wheel.clock import Clock
 
 _SEND_FIELDS = (FENCE_FIELD,)
 
+#: How far ahead of now a SEND's ``deliver_at`` may be: a realtime server holds records
+#: back until due only for a scheduler sending ahead (seconds at most), not as a delay queue.
+MAX_AHEAD_MS = 60_000
+
 
 class SendHandler:
     """Answers SEND, and stores checked batches for the rest of the server (``append``)."""
@@ -61,6 +71,7 @@ class SendHandler:
         self._clock = clock
         self._run_blocking = run_blocking
         self._limits = limits
+        self._send_limits = dataclasses.replace(limits, horizon_ms=min(limits.horizon_ms, MAX_AHEAD_MS))
         self._store = store
         self._indexer = indexer
         self._dedup = dedup
@@ -81,7 +92,7 @@ class SendHandler:
 
     async def handle(self, request: Request) -> dict[str, Any]:
         fence = Fence.from_metadata(request.metadata)
-        batch = scan_batch(request.batch_body(fields=_SEND_FIELDS), self._limits)
+        batch = scan_batch(request.batch_body(fields=_SEND_FIELDS), self._send_limits, now_ms=self._clock.now_ms())
         if fence is not None:
             await self.fences.admit(fence)
         fresh = await self.append(batch)

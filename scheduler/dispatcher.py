@@ -25,7 +25,11 @@ every disk read or write runs through ``run_blocking`` (a worker thread):
   before the wall clock reads its messages' ``deliver_at``, even if the clock stepped
   back after they fired. With ``send_interval_ms`` a lane starts its SENDs at least
   that far apart (and stays that long after its last one), firing what fell due in
-  between into one batch: fewer SENDs for up to that much more lateness;
+  between into one batch: fewer SENDs for up to that much more lateness. With
+  ``send_ahead_ms`` the loader, firer and lanes run on the wall clock read that much
+  early (``AheadClock``): each message is sent that long before its ``deliver_at``, and
+  realtime holds it until then (``delaymq.realtime.delivery.pick``), so the SEND's round
+  trip, the interval and the firer's delays come before the moment instead of after it;
 - the **confirmer** records what realtime accepted in the hours' dispatch logs (one
   thread call and one fsync per round; while more is on the way, rounds start at least
   ``confirm_interval_ms`` apart, so one round covers the SENDs accepted meanwhile) and
@@ -55,7 +59,7 @@ from delaymq.scheduler.schedulelog import ScheduleStore
 from delaymq.scheduler.wheelset import Due, Load, WheelSet
 from delaymq.storage.threads import RunBlocking
 from delaymq.wheel.alarm import Alarm
-from delaymq.wheel.clock import Clock
+from delaymq.wheel.clock import AheadClock, Clock
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +84,13 @@ DEFAULT_FIRE_SLACK_MS = 2
 #: between goes in one batch, so SENDs (and realtime's fsyncs and the consumers' PULLs
 #: they cause) follow this rate rather than the SEND round trip. 0: no wait.
 DEFAULT_SEND_INTERVAL_MS = 0
+#: The firer fires each message this long before its ``deliver_at`` (realtime stores it
+#: at once and hands it out from ``deliver_at``), so the SEND's round trip and the firer's
+#: own delays are spent before the moment. 0: fire at the moment.
+DEFAULT_SEND_AHEAD_MS = 0
+#: At most this far ahead (a realtime server refuses a ``deliver_at`` over a minute ahead;
+#: a message fired ahead can no longer be cancelled).
+MAX_SEND_AHEAD_MS = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +146,7 @@ class Dispatcher:
         confirm_interval_ms: int = DEFAULT_CONFIRM_INTERVAL_MS,
         fire_slack_ms: int = DEFAULT_FIRE_SLACK_MS,
         send_interval_ms: int = DEFAULT_SEND_INTERVAL_MS,
+        send_ahead_ms: int = DEFAULT_SEND_AHEAD_MS,
         random: RandomSource | None = None,
         on_recorded: Callable[[dict[int, list[int]]], None] | None = None,
     ) -> None:
@@ -150,6 +162,7 @@ class Dispatcher:
             ("confirm_interval_ms", confirm_interval_ms),
             ("fire_slack_ms", fire_slack_ms),
             ("send_interval_ms", send_interval_ms),
+            ("send_ahead_ms", send_ahead_ms),
         ):
             if value < 0:
                 raise ValueError(f"{name} must be at least 0, got {value}")
@@ -158,7 +171,11 @@ class Dispatcher:
         self.store = store
         self.wheels = wheels
         self._deliver = deliver
-        self._clock = clock
+        #: The wall clock, for what is measured against ``deliver_at`` (lateness).
+        self._wall = clock
+        #: What the loader, firer and lanes run on: the wall clock read ``send_ahead_ms`` early.
+        self._clock: Clock = AheadClock(clock, send_ahead_ms) if send_ahead_ms else clock
+        self.send_ahead_ms = send_ahead_ms
         self._run_blocking = run_blocking
         self._batch = dispatch_batch
         self._batch_bytes = dispatch_bytes
@@ -183,10 +200,10 @@ class Dispatcher:
         self._handing_out = 0  # firer rounds between popping due entries and putting them in lanes
         #: Filters each hour's due ``(deliver_at, entry)`` before they reach a lane (cancels).
         self.skip: Callable[[int, list[tuple[int, int]]], list[tuple[int, int]]] | None = None
-        self.load_alarm = Alarm(clock)
-        self.fire_alarm = Alarm(clock)
-        self._confirm_alarm = Alarm(clock)
-        self._gather_alarm = Alarm(clock)  # the confirmer's pause between rounds: poked when nothing is on the way
+        self.load_alarm = Alarm(self._clock)
+        self.fire_alarm = Alarm(self._clock)
+        self._confirm_alarm = Alarm(self._clock)
+        self._gather_alarm = Alarm(self._clock)  # the confirmer's pause between rounds: poked when nothing is on the way
         self._gathering = False
         self._readers: dict[int, HourLog] = {}  # the loader's, per open hour
         self._fire_readers: dict[int, HourLog] = {}  # the firer's, opened when it must read
@@ -486,7 +503,7 @@ class Dispatcher:
                 cache.update(zip(missing, records))
                 self._cached_records += len(missing)
                 self._cached_bytes += sum(map(len, records))
-            now = self._clock.now_ms()
+            now = self._wall.now_ms()
             self.lateness_fired.record_many([now - at for at, _entry in items])
             lanes = self._lanes
             touched: list[_Lane] = []
@@ -611,7 +628,7 @@ class Dispatcher:
         return True
 
     def _accepted(self, batch: list[tuple[int, int, int, bytes]]) -> None:
-        now = self._clock.now_ms()
+        now = self._wall.now_ms()
         worst = self._lateness_max
         total = 0
         confirm = self._to_confirm
@@ -755,6 +772,9 @@ def _record(store: ScheduleStore, batch: dict[int, list[tuple[int, int]]]) -> in
 __all__ = [
     "DEFAULT_DISPATCH_BATCH",
     "DEFAULT_DISPATCH_BYTES",
+    "DEFAULT_SEND_AHEAD_MS",
+    "DEFAULT_SEND_INTERVAL_MS",
+    "MAX_SEND_AHEAD_MS",
     "Deliver",
     "Dispatcher",
     "DispatcherStatistics",

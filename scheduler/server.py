@@ -62,7 +62,14 @@ from delaymq.replication.wire import FetchRequest
 from delaymq.scheduler.cancels import RecentDispatches, TailEntry, look_up
 from delaymq.scheduler.changes import ChangeCommands
 from delaymq.scheduler.cutback import cut_schedule_folder
-from delaymq.scheduler.dispatcher import DEFAULT_DISPATCH_BATCH, DEFAULT_SEND_INTERVAL_MS, Deliver, Dispatcher
+from delaymq.scheduler.dispatcher import (
+    DEFAULT_DISPATCH_BATCH,
+    DEFAULT_SEND_AHEAD_MS,
+    DEFAULT_SEND_INTERVAL_MS,
+    MAX_SEND_AHEAD_MS,
+    Deliver,
+    Dispatcher,
+)
 from delaymq.scheduler.hours import DEFAULT_RETENTION_MS, MAX_DELIVER_AT, ScheduleError, hour_name
 from delaymq.scheduler.idindex import (
     KEY_FIELDS,
@@ -836,6 +843,7 @@ async def open_scheduler(
     cleanup_interval_ms: int = DEFAULT_CLEANUP_INTERVAL_MS,
     dispatch_batch: int = DEFAULT_DISPATCH_BATCH,
     send_interval_ms: int = DEFAULT_SEND_INTERVAL_MS,
+    send_ahead_ms: int = DEFAULT_SEND_AHEAD_MS,
     max_loaded: int = DEFAULT_MAX_LOADED,
     replay_bytes: int = DEFAULT_STEP_BYTES,
     send_timeout: float = 10.0,
@@ -858,7 +866,9 @@ async def open_scheduler(
     step's memory; one commit and fsync round per step). ``segment_size``: the message
     log's segments; a folder written with another size takes this one (``_adopt_segment_size``).
     ``send_interval_ms``: a subject's SENDs to realtime start at least this far apart
-    (what falls due meanwhile goes in one batch; ``Dispatcher``).
+    (what falls due meanwhile goes in one batch; ``Dispatcher``). ``send_ahead_ms``: each
+    message is fired that long before its ``deliver_at`` (realtime holds it until then;
+    at most ``MAX_SEND_AHEAD_MS``).
     """
     check_max_record(limits.max_record)
     if retention_ms < 0:
@@ -869,6 +879,8 @@ async def open_scheduler(
         raise ValueError(f"send_timeout must be positive, got {send_timeout}")
     if send_interval_ms < 0:
         raise ValueError(f"send_interval_ms must be >= 0, got {send_interval_ms}")
+    if not 0 <= send_ahead_ms <= MAX_SEND_AHEAD_MS:
+        raise ValueError(f"send_ahead_ms must be between 0 and {MAX_SEND_AHEAD_MS}, got {send_ahead_ms}")
     if replay_bytes < 1:
         raise ValueError(f"replay_bytes must be at least 1, got {replay_bytes}")
     if replication not in ("sync", "async"):
@@ -941,6 +953,7 @@ async def open_scheduler(
                     run_blocking=run_blocking,
                     dispatch_batch=dispatch_batch,
                     send_interval_ms=send_interval_ms,
+                    send_ahead_ms=send_ahead_ms,
                     on_recorded=recorded,
                 )
 

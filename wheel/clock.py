@@ -181,4 +181,31 @@ class TrioClock:
         await trio.sleep(max(0.0, duration_ms) / 1000)
 
 
-__all__ = ["STEP_WARN_MS", "WALL_RECHECK_MS", "Clock", "StepWatch", "SystemClock", "TrioClock"]
+class AheadClock:
+    """``clock`` read ``ahead_ms`` early: every wall moment comes that much sooner.
+
+    The scheduler's firer runs on one to send messages ahead of their ``deliver_at``
+    (realtime holds each until then), so a SEND's round trip and the firer's own
+    delays are spent before the moment, not after it. Intervals are ``clock``'s.
+    """
+
+    def __init__(self, clock: Clock, ahead_ms: int) -> None:
+        if ahead_ms < 0:
+            raise ValueError(f"ahead_ms must be at least 0, got {ahead_ms}")
+        self.clock = clock
+        self.ahead_ms = ahead_ms
+
+    def now_ms(self) -> int:
+        return self.clock.now_ms() + self.ahead_ms
+
+    def monotonic_ms(self) -> int:
+        return self.clock.monotonic_ms()
+
+    async def sleep_until_ms(self, epoch_ms: int) -> None:
+        await self.clock.sleep_until_ms(epoch_ms - self.ahead_ms)
+
+    async def sleep_ms(self, duration_ms: float) -> None:
+        await self.clock.sleep_ms(duration_ms)
+
+
+__all__ = ["STEP_WARN_MS", "WALL_RECHECK_MS", "AheadClock", "Clock", "StepWatch", "SystemClock", "TrioClock"]

@@ -32,7 +32,7 @@ def test_bench_delay_prints_each_stage_the_cpu_of_each_server_and_the_redis_rati
         backlog=0,
         delay_range=(0.2, 1.0),
         flushes=("sync",),
-        send_interval_ms=0,
+        at_the_moment=False,
         redis=True,
         install_redis=False,
     )

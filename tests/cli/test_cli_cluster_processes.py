@@ -150,7 +150,7 @@ def processes_using(folder: Path) -> list[str]:
 
 def test_each_server_runs_in_a_process_of_its_own_and_none_outlives_a_sigkilled_cluster(tmp_path: Path) -> None:
     data = tmp_path / "cluster"
-    with cluster(data, "--replicas", "1", "--send-interval", "7ms") as running:
+    with cluster(data, "--replicas", "1", "--send-interval", "7ms", "--send-ahead", "30ms") as running:
         servers = running.servers()
         assert len(servers) == 5
         pids = server_processes(running.process.pid, servers)
@@ -165,10 +165,11 @@ def test_each_server_runs_in_a_process_of_its_own_and_none_outlives_a_sigkilled_
                 kind = name.split("-")[0].encode()
                 assert command[command.index(b"delaymq.cli") + 3] == kind  # delaymq --log-level L KIND ...
                 assert str(data / name).encode() in command  # --data DATA/NAME
-                if kind == b"scheduler":  # the cluster's --send-interval goes to its schedulers
+                if kind == b"scheduler":  # the cluster's --send-interval and --send-ahead go to its schedulers
                     assert command[command.index(b"--send-interval") + 1] == b"7ms"
+                    assert command[command.index(b"--send-ahead") + 1] == b"30ms"
                 else:
-                    assert b"--send-interval" not in command
+                    assert b"--send-interval" not in command and b"--send-ahead" not in command
         # Each answers STATUS (the metaserver the routes, each member its own).
         answer: dict[str, Any] = json.loads(delaymq("status", "--json", "--meta", running.meta).stdout)
         asked = {**answer["realtime"], **answer["schedulers"]}
@@ -244,13 +245,27 @@ def test_a_server_that_cannot_start_ends_the_cluster_with_one_line_and_leaves_no
     assert processes_using(data) == []
 
 
-def test_the_send_interval_options_default_to_the_dispatchers_own() -> None:
-    """The command line names the default as text (it does not import the scheduler to start
-    sooner): it must say what ``Dispatcher`` does without the option."""
+def test_the_commands_send_ahead_by_default_within_the_dispatchers_limit() -> None:
+    """The command line names its limit as text (it does not import the scheduler to start
+    sooner): it must be ``Dispatcher``'s. Both commands send 50 ms ahead, every 20 ms: the
+    interval and a round trip fit in the time sent ahead."""
     from delaymq.cli.main import build_parser
     from delaymq.cli.options import duration_ms
-    from delaymq.scheduler.dispatcher import DEFAULT_SEND_INTERVAL_MS
+    from delaymq.cli.scheduler_command import MAX_SEND_AHEAD_MS as COMMAND_MAX
+    from delaymq.scheduler.dispatcher import MAX_SEND_AHEAD_MS
 
+    assert COMMAND_MAX == MAX_SEND_AHEAD_MS
     parser, _commands = build_parser()
     for argv in (["scheduler", "--data", "d"], ["cluster"]):
-        assert duration_ms(parser.parse_args(argv).send_interval) == DEFAULT_SEND_INTERVAL_MS
+        args = parser.parse_args(argv)
+        assert (duration_ms(args.send_ahead), duration_ms(args.send_interval)) == (50, 20)
+
+
+def test_a_send_ahead_over_the_limit_is_refused_naming_the_option(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-P", "-m", "delaymq.cli", "scheduler", "--data", str(tmp_path / "s"), "--send-ahead", "11s"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "--send-ahead: 11000 ms is over the limit of 10000 ms" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "s").exists()

@@ -106,17 +106,38 @@ def test_pick_hands_out_given_back_entries_first_within_the_limits(tmp_path: Pat
     log.write_pending()
     groups, share = make_groups()
     share.redeliver.extend([(3, 1), (5, 2)])
-    picked, more = pick(log, groups, share, limit=4, max_bytes=10_000, mask=0)
+    picked, more, _ = pick(log, groups, share, limit=4, max_bytes=10_000, mask=0, now_ms=0)
     assert [(seq, red) for seq, red, _, _ in picked] == [(3, 1), (5, 2), (0, 0), (1, 0)]
     assert share.position == 2 and not more
-    picked, _ = pick(log, groups, share, limit=100, max_bytes=250, mask=0)
+    picked, *_ = pick(log, groups, share, limit=100, max_bytes=250, mask=0, now_ms=0)
     assert [seq for seq, *_ in picked] == [2, 3]  # 2 x 100 bytes fit in 250
-    picked, _ = pick(log, groups, share, limit=100, max_bytes=1, mask=0)
+    picked, *_ = pick(log, groups, share, limit=100, max_bytes=1, mask=0, now_ms=0)
     assert [seq for seq, *_ in picked] == [4]  # always one, even over max_bytes
-    picked, _ = pick(log, groups, share, limit=100, max_bytes=10_000, mask=0b01)
+    picked, *_ = pick(log, groups, share, limit=100, max_bytes=10_000, mask=0b01, now_ms=0)
     assert [seq for seq, *_ in picked] == [5, 7, 9]  # 6 and 8 skipped by the bitmask
     assert share.position == 10
-    assert pick(log, groups, share, limit=1, max_bytes=1, mask=0) == ([], False)
+    assert pick(log, groups, share, limit=1, max_bytes=1, mask=0, now_ms=0) == ([], False, None)
+    log.close()
+
+
+def test_pick_never_hands_out_an_entry_before_its_time_nor_any_behind_it(tmp_path: Path) -> None:
+    log = ConsumeLog.open(tmp_path, "orders")
+    for n, at in enumerate([1_000, 1_000, 1_050, 1_020, 900]):  # times as indexed: sent ahead, out of order
+        log.add(n * 100, 100, 0b01 if n != 2 else 0b10, at)
+    log.write_pending()
+    groups, share = make_groups()
+    assert pick(log, groups, share, limit=10, max_bytes=10_000, mask=0, now_ms=999) == ([], False, 1_000)
+    assert share.position == 0
+    picked, more, held_until = pick(log, groups, share, limit=10, max_bytes=10_000, mask=0, now_ms=1_000)
+    assert [seq for seq, *_ in picked] == [0, 1] and held_until == 1_050 and not more
+    # Entry 4 (time 900) waits behind entry 2 (1,050): the subject's order holds.
+    assert pick(log, groups, share, limit=10, max_bytes=10_000, mask=0, now_ms=1_049) == ([], False, 1_050)
+    # A tag filter passes over an entry it would not hand out, due or not.
+    picked, _, held_until = pick(log, groups, share, limit=10, max_bytes=10_000, mask=0b01, now_ms=1_030)
+    assert [seq for seq, *_ in picked] == [3, 4] and held_until is None and share.position == 5
+    share.redeliver.append((0, 1))  # a given-back entry went out once: it is due
+    picked, *_ = pick(log, groups, share, limit=10, max_bytes=10_000, mask=0, now_ms=0)
+    assert [(seq, red) for seq, red, _, _ in picked] == [(0, 1)]
     log.close()
 
 
@@ -130,18 +151,18 @@ def test_pick_reads_no_file_and_names_the_entries_it_needs_read_first(tmp_path: 
     groups, share = make_groups()
     share.redeliver.append((5, 1))
     with pytest.raises(EntriesNotHeld) as missing:  # entry 5 fell out of the tail
-        pick(log, groups, share, limit=10, max_bytes=10_000, mask=0)
+        pick(log, groups, share, limit=10, max_bytes=10_000, mask=0, now_ms=0)
     assert missing.value.sequence == 5 and list(share.redeliver) == [(5, 1)]  # nothing lost
     log.hold_window(0, log.read(0, TAIL_ENTRIES), log.generation)  # as PULL does, in a worker thread
-    picked, _ = pick(log, groups, share, limit=10, max_bytes=10_000, mask=0)
+    picked, *_ = pick(log, groups, share, limit=10, max_bytes=10_000, mask=0, now_ms=0)
     assert [(seq, red) for seq, red, _, _ in picked] == [(5, 1), *((n, 0) for n in range(9))]
     lagging = log.count - 2 * TAIL_ENTRIES - 1  # past the window, before the tail (at most twice that)
     share.position = lagging
     with pytest.raises(EntriesNotHeld) as missing:
-        pick(log, groups, share, limit=10, max_bytes=10_000, mask=0)
+        pick(log, groups, share, limit=10, max_bytes=10_000, mask=0, now_ms=0)
     assert missing.value.sequence == lagging and share.position == lagging
     share.position = log.count - 3  # in the tail
-    picked, _ = pick(log, groups, share, limit=10, max_bytes=10_000, mask=0)
+    picked, *_ = pick(log, groups, share, limit=10, max_bytes=10_000, mask=0, now_ms=0)
     assert [entry[2] for entry in picked] == [n * 100 for n in range(log.count - 3, log.count)]
     log.take_back(log.count - 1)  # an index step taken back: what memory held is forgotten
     stale = log.generation - 1

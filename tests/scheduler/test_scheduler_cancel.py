@@ -261,18 +261,20 @@ async def test_a_bad_key_property_refuses_the_schedule(sched: Any, tmp_path: Pat
         assert (refused.value.field, refused.value.limit, refused.value.index) == ("key", 256, 1)
 
 
+@pytest.mark.parametrize("send_ahead_ms", [0, 50])
 @pytest.mark.parametrize("offset_ms", [-3, 0, 3])
 async def test_a_cancel_racing_the_firing_second_is_either_delivered_or_cancelled_never_both(
-    sched: Any, tmp_path: Path, autojump_clock: Any, offset_ms: int
+    sched: Any, tmp_path: Path, autojump_clock: Any, offset_ms: int, send_ahead_ms: int
 ) -> None:
-    """Each message gets a cancel sent at its own millisecond (give or take ``offset_ms`` and
-    a spread): the answer says which won, and the consumer agrees."""
+    """Each message gets a cancel sent at the millisecond it fires (its own, or ``send_ahead_ms``
+    before it; give or take ``offset_ms`` and a spread): the answer says which won, and the
+    consumer agrees."""
     async with sched.open_cluster(tmp_path) as cluster:
         now = cluster.clock.now_ms()
         receiver = cluster.receiver()
         due = {f"race{i}": now + 5 * SECOND + i * 7 for i in range(150)}
         answers: dict[str, str] = {}
-        async with cluster.scheduler():
+        async with cluster.scheduler(send_ahead_ms=send_ahead_ms):
             await cluster.schedule_raw([keyed(n, at) for n, at in due.items()])
 
             async def cancel_at(name: str, at: int) -> None:
@@ -281,10 +283,11 @@ async def test_a_cancel_racing_the_firing_second_is_either_delivered_or_cancelle
 
             async with trio.open_nursery() as nursery:
                 for i, (name, at) in enumerate(due.items()):
-                    nursery.start_soon(cancel_at, name, at + offset_ms + (i % 5) - 2)
+                    nursery.start_soon(cancel_at, name, at - send_ahead_ms + offset_ms + (i % 5) - 2)
             await cluster.clock.sleep_until_ms(max(due.values()) + 10 * SECOND)
             got = Counter(receiver.ids())
         assert max(got.values(), default=1) == 1
+        assert all(r.received_at >= r.deliver_at for r in receiver.got)  # sent ahead or not, never early
         delivered = {name for name, state in answers.items() if state == "delivered"}
         cancelled = {name for name, state in answers.items() if state == "cancelled"}
         assert delivered | cancelled == set(due)  # every answer is one of the two

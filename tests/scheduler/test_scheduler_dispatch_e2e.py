@@ -11,6 +11,8 @@ from types import SimpleNamespace
 
 import trio
 
+from delaymq.realtime.index import RELEASE_TICK_MS
+
 SECOND = 1_000
 
 
@@ -61,3 +63,23 @@ async def test_100_000_messages_in_one_second_fire_in_that_second_in_order(
         assert [r.id for r in got] == [f"m{n:06d}" for n in expected]
         stats = scheduler.statistics()
         assert stats.dispatched == count and stats.lateness_max_ms <= 2
+
+
+async def test_sent_ahead_each_message_reaches_the_consumer_at_its_tick_never_early_in_order(
+    sched: SimpleNamespace, tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """With ``send_ahead_ms`` realtime holds what comes ahead of time: 2,000 messages over
+    two seconds arrive in their order, none before its ``deliver_at``, each by the release
+    tick after it, in about one SEND per send interval."""
+    async with sched.open_cluster(tmp_path) as cluster:
+        async with cluster.scheduler(send_ahead_ms=50, send_interval_ms=20) as scheduler:
+            clock = cluster.clock
+            start = (clock.now_ms() // SECOND + 10) * SECOND
+            due = {f"m{n:04d}": start + n for n in range(2_000)}
+            await cluster.schedule_raw([sched.message(name, at) for name, at in due.items()])
+            receiver = cluster.receiver()
+            got = await receiver.wait_for(len(due))
+            stats = scheduler.statistics()
+    assert [r.id for r in got] == list(due)
+    assert all(r.deliver_at <= r.received_at < r.deliver_at + RELEASE_TICK_MS for r in got)
+    assert stats.dispatch_batches <= 2_000 // 20 + 5  # about one SEND per send interval

@@ -203,3 +203,48 @@ async def test_a_send_interval_gathers_what_falls_due_into_fewer_sends_never_ear
         assert fire_rounds <= len(sends) + 2, (fire_rounds, len(sends))  # the waiting lane fires, not the firer
     else:
         assert len(sends) >= 200 // 2  # the round trip sets the pace
+
+
+async def test_send_ahead_sends_each_message_that_long_before_its_time_never_sooner(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """50 ms ahead with a 20 ms send interval: every message reaches (the fake) realtime
+    between 50 ms and 50 - 20 - 1 - 2 ms before it is due, in order, once; the lateness
+    the dispatcher reports is measured against the wall clock (negative: ahead)."""
+    records = [message(f"m{i:03}", "orders", EPOCH_MS + 1_000 + i) for i in range(200)]
+    got: list[tuple[str, int]] = []
+    all_in = trio.Event()
+    clock_box: list[TrioClock] = []
+
+    async def deliver(subject: str, body: bytes) -> list[str]:
+        sent = clock_box[0].now_ms()
+        await trio.sleep(0.001)  # the round trip
+        batch = scan_batch(body)
+        got.extend((name, sent) for name in batch.ids)
+        if len(got) == len(records):
+            all_in.set()
+        return ["stored"] * len(batch)
+
+    async with running(tmp_path, records, deliver, send_interval_ms=20, send_ahead_ms=50) as (dispatcher, clock):
+        clock_box.append(clock)
+        await all_in.wait()
+        stats = dispatcher.statistics()
+    assert [name for name, _ in got] == [f"m{i:03}" for i in range(200)]
+    ahead = [EPOCH_MS + 1_000 + int(name[1:]) - sent for name, sent in got]
+    assert max(ahead) <= 50  # never sooner than the send-ahead
+    assert min(ahead) >= 50 - 20 - 2  # at most the interval and the firer's slack later than that
+    assert stats.lateness_mean_ms < -(50 - 20 - 2 - 1)  # accepted before the moment, by the wall clock
+    fired = stats.lateness_fired
+    assert fired["max"] <= -(50 - 20 - 2) and fired["min"] >= -50
+
+
+async def test_send_ahead_is_bounded_and_not_negative() -> None:
+    with pytest.raises(ValueError, match="send_ahead_ms must be at least 0"):
+        Dispatcher(
+            store=None,  # type: ignore[arg-type]
+            wheels=WheelSet([]),
+            deliver=None,  # type: ignore[arg-type]
+            clock=TrioClock(EPOCH_MS),
+            run_blocking=run_inline,
+            send_ahead_ms=-1,
+        )

@@ -14,7 +14,15 @@ from freezegun import freeze_time
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from delaymq.wheel.clock import STEP_WARN_MS, WALL_RECHECK_MS, Clock, StepWatch, SystemClock, TrioClock
+from delaymq.wheel.clock import (
+    STEP_WARN_MS,
+    WALL_RECHECK_MS,
+    AheadClock,
+    Clock,
+    StepWatch,
+    SystemClock,
+    TrioClock,
+)
 
 EPOCH = 1_795_000_000_000  # 2026-11-18T...Z
 TWO_YEARS_MS = 2 * 366 * 86_400_000
@@ -48,6 +56,21 @@ def test_sleep_until_is_never_early_and_never_a_millisecond_late(offsets: list[i
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     assert all(target == now for target, now in woke)
+
+
+async def test_an_ahead_clock_reads_moments_early_and_keeps_intervals(autojump_clock: trio.testing.MockClock) -> None:
+    wall = TrioClock(EPOCH)
+    ahead = AheadClock(wall, 50)
+    assert isinstance(ahead, Clock)
+    assert ahead.now_ms() == EPOCH + 50 and ahead.monotonic_ms() == wall.monotonic_ms()
+    await ahead.sleep_until_ms(EPOCH + 1_000)  # a moment: reached 50 ms early by the wall clock
+    assert wall.now_ms() == EPOCH + 950 and ahead.now_ms() == EPOCH + 1_000
+    await ahead.sleep_ms(100)  # an interval: as long as on the wall clock
+    assert wall.now_ms() == EPOCH + 1_050
+    wall.step(-10_000)  # a step back of the wall clock moves it too
+    assert ahead.now_ms() == EPOCH + 1_100 - 10_000
+    with pytest.raises(ValueError, match="ahead_ms must be at least 0, got -1"):
+        AheadClock(wall, -1)
 
 
 async def test_sleeping_until_the_past_returns_at_once(autojump_clock: trio.testing.MockClock) -> None:

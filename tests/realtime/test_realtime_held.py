@@ -1,0 +1,74 @@
+"""Records a scheduler sends ahead of their ``deliver_at`` (``--send-ahead``): stored at once,
+handed out from the release tick of ``deliver_at`` on, never before it, after a restart too."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import trio
+
+from delaymq.protocol.errors import PeerError
+from delaymq.protocol.records import Message
+from delaymq.realtime.index import RELEASE_TICK_MS
+from delaymq.realtime.send import MAX_AHEAD_MS
+
+from .conftest import EPOCH
+
+
+def ahead(name: str, at: int) -> Message:
+    return Message(name, "orders", deliver_at=at, created_at=EPOCH, body=b"x")
+
+
+async def test_a_record_sent_ahead_waits_for_its_tick_and_holds_the_subject_order_behind_it(
+    local: Any, rt: SimpleNamespace, autojump_clock: Any
+) -> None:
+    due = EPOCH + 501  # released at the next tick: 504 with ticks of 4 ms
+    tick = -(-due // RELEASE_TICK_MS) * RELEASE_TICK_MS
+    async with local.server(listen=None) as server, rt.memory_client(server) as client:
+        assert await client.send([ahead("later", due), Message("now", "orders", body=b"y")]) == ["stored"] * 2
+        assert (await client.pull(10, **{"from": "earliest"})).count == 0  # stored, not due
+        pulled = await client.pull(10, timeout_ms=5_000)  # parks until the tick, then both
+        assert local.clock.now_ms() == tick
+        assert pulled.ids == ["later", "now"]  # the subject's order: the immediate one waited behind
+        handed = server.statistics().lateness_handed_out
+        assert handed["early"] == 0 and handed["min"] >= 0
+
+
+async def test_a_long_poll_is_not_answered_empty_by_a_record_not_due_yet(
+    local: Any, rt: SimpleNamespace, autojump_clock: Any
+) -> None:
+    async with local.server(listen=None) as server, rt.memory_client(server) as client:
+        await client.send([ahead("late", EPOCH + 3_000)])
+        started = trio.current_time()
+        pulled = await client.pull(10, timeout_ms=1_000, **{"from": "earliest"})
+        assert pulled.count == 0 and trio.current_time() - started == pytest.approx(1.0)  # its own timeout
+        pulled = await client.pull(10, timeout_ms=10_000)
+        assert pulled.ids == ["late"] and local.clock.now_ms() == EPOCH + 3_000
+
+
+async def test_a_restart_keeps_holding_what_is_not_due(local: Any, rt: SimpleNamespace, autojump_clock: Any) -> None:
+    due = EPOCH + 20_000
+    async with local.server(listen=None) as server, rt.memory_client(server) as client:
+        assert await client.send([ahead("held", due)]) == ["stored"]
+    # Reopened (replay indexes the log again): still held until its moment.
+    async with local.server(listen=None) as server, rt.memory_client(server) as client:
+        assert (await client.pull(10, **{"from": "earliest"})).count == 0
+        pulled = await client.pull(10, timeout_ms=60_000)
+        assert pulled.ids == ["held"] and local.clock.now_ms() == due
+
+
+async def test_a_send_too_far_ahead_is_refused_naming_deliver_at_and_nothing_is_stored(
+    local: Any, rt: SimpleNamespace, autojump_clock: Any
+) -> None:
+    async with local.server(listen=None) as server, rt.memory_client(server) as client:
+        assert await client.send([ahead("edge", EPOCH + MAX_AHEAD_MS)]) == ["stored"]
+        end = server.statistics().message_log_end
+        with pytest.raises(PeerError) as refused:
+            await client.send([Message("fine", "orders"), ahead("far", EPOCH + MAX_AHEAD_MS + 1)])
+        assert refused.value.code == "limit" and refused.value.field == "deliver_at"
+        assert f"{MAX_AHEAD_MS} ms" in str(refused.value)
+        assert server.statistics().message_log_end == end
+        pulled = await client.pull(10, timeout_ms=MAX_AHEAD_MS + 1_000, **{"from": "earliest"})
+        assert pulled.ids == ["edge"]
