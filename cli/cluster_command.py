@@ -38,8 +38,8 @@ from pathlib import Path
 import trio
 
 from delaymq.cli import options
-from delaymq.cli.scheduler_command import SEND_AHEAD, SEND_INTERVAL
 from delaymq.cli.connection_options import add_tls_options, tls_settings
+from delaymq.cli.scheduler_command import SEND_AHEAD, SEND_INTERVAL
 from delaymq.cli.serving import STARTUP_ERRORS, fail
 from delaymq.cli.supervisor import StartFailed, Supervisor, open_supervisor
 from delaymq.client.producer import DEFAULT_META

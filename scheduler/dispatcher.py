@@ -203,7 +203,8 @@ class Dispatcher:
         self.load_alarm = Alarm(self._clock)
         self.fire_alarm = Alarm(self._clock)
         self._confirm_alarm = Alarm(self._clock)
-        self._gather_alarm = Alarm(self._clock)  # the confirmer's pause between rounds: poked when nothing is on the way
+        #: The confirmer's pause between rounds: poked when nothing is on the way.
+        self._gather_alarm = Alarm(self._clock)
         self._gathering = False
         self._readers: dict[int, HourLog] = {}  # the loader's, per open hour
         self._fire_readers: dict[int, HourLog] = {}  # the firer's, opened when it must read
