@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import struct
 import zlib
 
@@ -530,6 +531,25 @@ def test_message_ids_are_unique_and_time_ordered() -> None:
     random_ids = {new_message_id() for _ in range(100)}
     assert len(random_ids) == 100 and all(len(i) == 32 for i in random_ids)
     assert decode_message(Message(ids[0], "s").encode()).id == ids[0]
+
+
+def test_a_forked_process_makes_ids_of_its_own_in_the_same_millisecond() -> None:
+    """The random digits are drawn again in a forked child, and the digits the parent last
+    made for this millisecond are not reused there."""
+    at = 1_767_225_600_000
+    parent = new_message_id(at)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: one id, then out at once
+        os.write(write_end, new_message_id(at).encode())
+        os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        child = pipe.read().decode()
+    os.waitpid(pid, 0)
+    assert child[:12] == parent[:12] == f"{at:012x}"
+    assert child[12:22] != parent[12:22]  # another process: other random digits
+    assert new_message_id(at)[:22] == parent[:22]  # the parent goes on with its own
 
 
 def test_the_widest_tag_limits_the_layout_holds() -> None:
