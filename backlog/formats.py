@@ -34,7 +34,7 @@ from delaymq.protocol.envelope import (
 from delaymq.protocol.records import RECORD_HEADER, RECORD_HEADER_SIZE
 from delaymq.protocol.subjects import DEAD_PREFIX, RETRY_PREFIX, SEPARATOR
 from delaymq.realtime.checkpoint import LoadedState, load_state
-from delaymq.realtime.consumelog import CONSUME_FORMAT, subject_stem
+from delaymq.realtime.consumelog import CONSUME_FORMAT, entry_time, subject_stem
 from delaymq.realtime.consumelog import ENTRY as CONSUME_ENTRY
 from delaymq.realtime.consumelog import ENTRY_SIZE as CONSUME_ENTRY_SIZE
 from delaymq.realtime.pulllog import PULL_ENTRY, PULL_ENTRY_SIZE, PULL_FORMAT
@@ -74,6 +74,7 @@ __all__ = [
     "CONSUME_ENTRY",
     "CONSUME_ENTRY_SIZE",
     "CONSUME_FORMAT",
+    "entry_time",
     "DEAD_PREFIX",
     "DISPATCH_SUFFIX",
     "HEADER_SIZE",

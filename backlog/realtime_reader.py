@@ -34,6 +34,7 @@ from delaymq.backlog.formats import (
     REALTIME_MESSAGES,
     RECORD_HEADER,
     RECORD_HEADER_SIZE,
+    entry_time,
     subject_stem,
 )
 from delaymq.backlog.records import RecordScan
@@ -99,6 +100,7 @@ class ConsumeLogTask:
             if crc32(view[p : p + 28]) != crc:
                 problems.add(where, p, f"consume-log entry {n} fails its CRC")
                 continue
+            at = entry_time(at)  # (a held entry's: when it may be handed out)
             stored_at[n] = at
             out.append((rows.ENTRY, self.group, offset, at))
         for share in self.shares:

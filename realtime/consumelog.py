@@ -8,8 +8,10 @@ is read like an array and an entry's number is its consume-log sequence. An entr
     0      8     offset     u64  where the record starts in the message log
     8      4     size       u32  bytes of the whole record (envelope included)
     12     8     tag_mask   u64  OR of ``tag_bit(tag)`` over the record's tags
-    20     8     stored_at  i64  epoch ms UTC from which a PULL may hand it out: when the
-                                 server indexed it, or the record's ``deliver_at`` if later
+    20     8     stored_at  i64  epoch ms UTC at which the server indexed it; with bit 62
+                                 (``HELD``) set, the record came ahead of its
+                                 ``deliver_at`` and the other bits say from when a PULL
+                                 may hand it out (``held_until``)
     28     4     crc        u32  CRC-32 of bytes 0..28
 
 The file of subject *s* is ``consume/<stem>.log`` with ``stem =
@@ -53,6 +55,23 @@ ENTRY_VERSION = 1
 _BODY = struct.Struct(">QIQq")  # the CRC-covered part
 _CRC = struct.Struct(">I")
 CONSUME_FORMAT = {"format": "consume-log", "version": ENTRY_VERSION, "entry_size": ENTRY_SIZE}
+
+
+#: Bit 62 of an entry's time: the record came ahead of its ``deliver_at`` (a scheduler sending
+#: ahead) and the rest of the time is when a PULL may hand it out. Without it the time is when
+#: the server indexed the record, and a PULL hands it out at once, even if the wall clock has
+#: stepped back since (the flag, not the time, says what to hold).
+HELD = 1 << 62
+
+
+def held_until(stored_at: int) -> int | None:
+    """When the entry of time ``stored_at`` may be handed out, if it is held back; else None."""
+    return stored_at ^ HELD if stored_at & HELD else None
+
+
+def entry_time(stored_at: int) -> int:
+    """An entry's time in epoch ms, without the ``HELD`` flag: when it was indexed, or when it is due."""
+    return stored_at & ~HELD
 
 
 class Entry(NamedTuple):
@@ -390,8 +409,11 @@ __all__ = [
     "ConsumeLog",
     "Entry",
     "cut_to_offset",
+    "HELD",
     "decode_entry",
     "encode_entry",
+    "entry_time",
+    "held_until",
     "iter_entries",
     "list_subjects",
     "subject_stem",

@@ -20,7 +20,7 @@ from functools import partial
 from typing import NamedTuple
 
 from delaymq.protocol.records import raise_attempts
-from delaymq.realtime.consumelog import ENTRY_SIZE, TAIL_ENTRIES, ConsumeLog, decode_entry, iter_entries
+from delaymq.realtime.consumelog import ENTRY_SIZE, HELD, TAIL_ENTRIES, ConsumeLog, decode_entry, iter_entries
 from delaymq.realtime.groups import Groups, Share
 from delaymq.storage.errors import BadOffset, CorruptLog
 from delaymq.storage.log import SegmentedLog
@@ -65,8 +65,8 @@ def pick(
 ) -> Pick:
     """Entries to hand out now, and whether entries remain unscanned.
 
-    Never early: new entries are handed out in order up to the first whose time
-    (``stored_at``: its ``deliver_at`` when a scheduler sent it ahead) is past
+    Never early: new entries are handed out in order up to the first held one
+    (``HELD``: a scheduler sent it ahead of its ``deliver_at``) whose time is past
     ``now_ms``; the pick stops there and says until when (``held_until``).
 
     Reads no file: entries come from memory (``ConsumeLog.read_held``); where none it
@@ -125,14 +125,14 @@ def pick(
             raise EntriesNotHeld(position)
         if not data:
             break
-        for offset, size, entry_mask, stored_at, _crc in iter_entries(data):
+        for offset, size, entry_mask, stored_at, _crc in iter_entries(data):  # (time: HELD flag included)
             scanned += 1
             if (mask and not entry_mask & mask) or (skip and position in skip):
                 skip.discard(position)  # handed out before a crash: in a pull log already
                 position += 1
                 continue
-            if stored_at > now_ms:  # sent ahead of its deliver_at: it and all behind it wait
-                held_until = stored_at
+            if stored_at > now_ms and stored_at & HELD and stored_at ^ HELD > now_ms:
+                held_until = stored_at ^ HELD  # sent ahead of its deliver_at: it and all behind it wait
                 full = True
                 break
             if picked and total + size > max_bytes:

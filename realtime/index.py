@@ -29,7 +29,7 @@ from delaymq.protocol.backoff import Backoff, BackoffRun
 from delaymq.protocol.envelope import HEADER_SIZE, iter_spans
 from delaymq.protocol.limits import Limits
 from delaymq.protocol.records import MessageBatch, scan_batch, tags_mask
-from delaymq.realtime.consumelog import ConsumeLog, list_subjects, subject_stem
+from delaymq.realtime.consumelog import HELD, ConsumeLog, list_subjects, subject_stem
 from delaymq.realtime.dedup import dedup_keys
 from delaymq.realtime.progress import MESSAGE_KIND, PROGRESS_KIND, kind_runs
 from delaymq.storage.errors import CorruptLog, describe
@@ -58,14 +58,16 @@ REPLAY_LIMITS = Limits(
 #: each in its tail and as many in a window: 128 KiB a log, 8 MiB in all).
 HELD_LOGS = 64
 
-#: A record sent ahead of its ``deliver_at`` is handed out from the next multiple of this
-#: (epoch ms) at or after it: while messages fall due every millisecond, a consumer's pulls
+#: A record sent ahead of its ``deliver_at`` (a scheduled one: ``deliver_at`` after its
+#: ``created_at``) is handed out from the next multiple of this (epoch ms) at or after it: while messages fall due every millisecond, a consumer's pulls
 #: then come at most this often, each with what fell due meanwhile (a PULL costs the server
 #: about as much as its messages), for at most this much lateness. Records stored at or
-#: after their ``deliver_at`` (immediate ones) are handed out at once.
+#: after their ``deliver_at``, and immediate ones whatever their ``deliver_at`` (a producer's
+#: clock), are handed out at once.
 RELEASE_TICK_MS = 4
 
-#: One indexed record: (subject, message-log offset, size, tag mask, deliver_at).
+#: One indexed record: (subject, message-log offset, size, tag mask, release_at): release_at is
+#: a scheduled record's ``deliver_at``, 0 for an immediate one (handed out at once).
 Item = tuple[str, int, int, int, int]
 
 
@@ -73,11 +75,14 @@ def batch_items(batch: MessageBatch, base: int, kept: Iterable[int]) -> list[Ite
     """The items of ``batch``'s records ``kept`` (ascending), appended back to back from offset ``base``."""
     items: list[Item] = []
     offset = base
-    starts, ends, subjects, tags, deliver_ats = batch.starts, batch.ends, batch.subjects, batch.tags, batch.deliver_ats
+    starts, ends, subjects, tags = batch.starts, batch.ends, batch.subjects, batch.tags
+    deliver_ats, created_ats = batch.deliver_ats, batch.created_ats
     for i in kept:
         size = ends[i] - starts[i]
         record_tags = tags[i]
-        items.append((subjects[i], offset, size, tags_mask(record_tags) if record_tags else 0, deliver_ats[i]))
+        due = deliver_ats[i]
+        release_at = due if due > created_ats[i] else 0
+        items.append((subjects[i], offset, size, tags_mask(record_tags) if record_tags else 0, release_at))
         offset += size
     return items
 
@@ -227,21 +232,21 @@ class Indexer:
     def _apply(self, end: int, items: list[Item], ids: list[str], stored_at: int) -> None:
         """Index one batch, all or nothing: after a failed write no consume log keeps an entry of it.
 
-        An entry's time is when a PULL may hand it out: ``stored_at``, or the record's
-        ``deliver_at`` (rounded up to ``RELEASE_TICK_MS``) when that is later (a scheduler
-        sends ahead; ``delaymq.realtime.delivery``)."""
+        An entry's time is ``stored_at``; a scheduled record (``deliver_at`` after
+        ``created_at``) that came ahead of its ``deliver_at`` is flagged ``HELD`` with that
+        moment rounded up to ``RELEASE_TICK_MS`` instead (``delaymq.realtime.delivery``)."""
         touched: dict[str, tuple[ConsumeLog, int]] = {}  # subject -> (its log, its count before)
         logs = self.logs
         try:
-            for subject, offset, size, mask, deliver_at in items:
+            for subject, offset, size, mask, release_at in items:
                 step = touched.get(subject)
                 if step is None:
                     consume_log = logs.get(subject)
                     if consume_log is None:
                         consume_log = logs[subject] = ConsumeLog.open(self.directory, subject)
                     touched[subject] = step = (consume_log, consume_log.count)
-                if deliver_at > stored_at:  # sent ahead: handed out from the tick of its deliver_at
-                    step[0].add(offset, size, mask, -(-deliver_at // RELEASE_TICK_MS) * RELEASE_TICK_MS)
+                if release_at > stored_at:  # sent ahead: handed out from the tick of its deliver_at
+                    step[0].add(offset, size, mask, HELD | -(-release_at // RELEASE_TICK_MS) * RELEASE_TICK_MS)
                 else:
                     step[0].add(offset, size, mask, stored_at)
             for consume_log, _count in touched.values():

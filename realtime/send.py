@@ -13,10 +13,11 @@ as ``unavailable`` (the disk is full: the client retries) and its ids are not
 remembered, so the retry stores it. A record whose id is being appended right
 now waits for that append: it is a duplicate only once the first is stored.
 
-A record may come ahead of its ``deliver_at`` (a scheduler run with ``--send-ahead``):
-it is stored at once and handed out from then (``delivery.pick``). Realtime holds a
-record for at most ``MAX_AHEAD_MS``; one due later is refused naming ``deliver_at``
-(the client sends such messages to a scheduler).
+A scheduled record (``deliver_at`` after ``created_at``) may come ahead of its
+``deliver_at`` (a scheduler run with ``--send-ahead``): it is stored at once and handed
+out from then (``delivery.pick``). Realtime holds one for at most ``MAX_AHEAD_MS``; one
+due later is refused naming ``deliver_at`` (the client sends such messages to a
+scheduler). An immediate record's ``deliver_at`` is its producer's clock: never held.
 
 A scheduler's SEND carries a fence (its group and epoch, the only metadata a
 SEND takes): ``fences.Fences`` admits it before anything of the batch is
@@ -25,13 +26,13 @@ looked at by the dedup window or stored, and refuses an older epoch (``fenced``)
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
 import trio
 
+from delaymq.protocol.errors import RemoteProtocolError
 from delaymq.protocol.fencing import FENCE_FIELD, Fence
 from delaymq.protocol.histogram import LatencyHistogram
 from delaymq.protocol.limits import Limits
@@ -71,7 +72,6 @@ class SendHandler:
         self._clock = clock
         self._run_blocking = run_blocking
         self._limits = limits
-        self._send_limits = dataclasses.replace(limits, horizon_ms=min(limits.horizon_ms, MAX_AHEAD_MS))
         self._store = store
         self._indexer = indexer
         self._dedup = dedup
@@ -92,7 +92,8 @@ class SendHandler:
 
     async def handle(self, request: Request) -> dict[str, Any]:
         fence = Fence.from_metadata(request.metadata)
-        batch = scan_batch(request.batch_body(fields=_SEND_FIELDS), self._send_limits, now_ms=self._clock.now_ms())
+        batch = scan_batch(request.batch_body(fields=_SEND_FIELDS), self._limits)
+        _check_ahead(batch, self._clock.now_ms())
         if fence is not None:
             await self.fences.admit(fence)
         fresh = await self.append(batch)
@@ -161,4 +162,21 @@ class SendHandler:
         return fresh
 
 
-__all__ = ["SendHandler"]
+def _check_ahead(batch: MessageBatch, now_ms: int) -> None:
+    """Refuse a batch holding a scheduled record due more than ``MAX_AHEAD_MS`` from now."""
+    latest = now_ms + MAX_AHEAD_MS
+    if not batch.deliver_ats or max(batch.deliver_ats) <= latest:
+        return
+    for index, (due, created) in enumerate(zip(batch.deliver_ats, batch.created_ats)):
+        if due > latest and due > created:
+            raise RemoteProtocolError(
+                f"record {index}: deliver_at {due} is {due - now_ms} ms ahead; a realtime server holds a "
+                f"scheduled message for at most {MAX_AHEAD_MS} ms (send it to a scheduler)",
+                code="limit",
+                field="deliver_at",
+                limit=MAX_AHEAD_MS,
+                index=index,
+            )
+
+
+__all__ = ["MAX_AHEAD_MS", "SendHandler"]

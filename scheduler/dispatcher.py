@@ -52,7 +52,7 @@ import trio
 
 from delaymq.protocol.backoff import Backoff, BackoffRun, RandomSource
 from delaymq.protocol.histogram import LatencyHistogram
-from delaymq.protocol.records import record_subject
+from delaymq.protocol.records import RECORD_TIMES, record_subject
 from delaymq.scheduler.delayindex import Heads
 from delaymq.scheduler.hourlog import HourLog
 from delaymq.scheduler.schedulelog import ScheduleStore
@@ -552,6 +552,8 @@ class Dispatcher:
         items = lane.items
         backoff = BackoffRun(self._backoff, random=self._random)
         interval = self._send_interval_ms
+        ahead = self.send_ahead_ms
+        record_times = RECORD_TIMES.unpack_from
         started = None  # monotonic ms the lane's last SEND started
         try:
             while True:
@@ -569,18 +571,28 @@ class Dispatcher:
                 batch: list[tuple[int, int, int, bytes]] = []
                 size = 0
                 latest = 0
+                unheld = 0  # the latest due of records realtime would not hold (sent ahead or not)
                 for item in items:
-                    length = len(item[3])
+                    record = item[3]
+                    length = len(record)
                     if batch and (len(batch) >= self._batch or size + length > self._batch_bytes):
                         break
                     batch.append(item)
                     size += length
-                    if item[1] > latest:
-                        latest = item[1]
+                    at = item[1]
+                    if at > latest:
+                        latest = at
+                    if ahead and at > unheld and record_times(record)[6] >= at:
+                        unheld = at
                 if latest > self._clock.now_ms():
                     # Fired, then the wall clock stepped back (while a retry waited): still
                     # never early by the wall clock.
                     await self._clock.sleep_until_ms(latest)
+                    continue
+                if unheld > self._wall.now_ms():
+                    # Realtime holds a record sent ahead only if it was created before it is
+                    # due (how it tells one from an immediate one): this one waits here instead.
+                    await self._wall.sleep_until_ms(unheld)
                     continue
                 count = len(batch)
                 body = b"".join(item[3] for item in batch)

@@ -59,6 +59,33 @@ async def test_a_restart_keeps_holding_what_is_not_due(local: Any, rt: SimpleNam
         assert pulled.ids == ["held"] and local.clock.now_ms() == due
 
 
+async def test_immediate_messages_are_never_held_whatever_the_clocks_say(
+    local: Any, rt: SimpleNamespace, autojump_clock: Any
+) -> None:
+    """A producer whose clock runs two minutes fast stamps an immediate message's
+    ``deliver_at`` (= its ``created_at``) two minutes ahead: stored and handed out at once,
+    nothing behind it waits. Nor does a step back of the realtime server's own wall clock
+    hold what it indexed before the step; a message sent ahead still waits for the wall
+    clock to read its moment (as the scheduler's wheel does)."""
+    fast = EPOCH + 120_000
+    async with local.server(listen=None) as server, rt.memory_client(server) as client:
+        skewed = Message("skewed", "orders", deliver_at=fast, created_at=fast, body=b"s")
+        assert await client.send([skewed, Message("plain", "orders", body=b"p")]) == ["stored"] * 2
+        pulled = await client.pull(10, **{"from": "earliest"})
+        assert pulled.ids == ["skewed", "plain"] and local.clock.now_ms() == EPOCH
+        await client.ack(pulled.start, pulled.end)
+        assert await client.send([Message("before-step", "orders", body=b"b")]) == ["stored"]
+        assert await client.send([ahead("due-soon", EPOCH + 40)]) == ["stored"]
+        local.clock.step(-600_000)  # ten minutes back: "before-step" now looks indexed in the future
+        pulled = await client.pull(10, timeout_ms=1_000)
+        assert pulled.ids == ["before-step"] and local.clock.now_ms() == EPOCH - 600_000
+        await client.ack(pulled.start, pulled.end)
+        pulled = await client.pull(10, timeout_ms=300_000)
+        while not pulled.count:  # long polls of at most 5 minutes each
+            pulled = await client.pull(10, timeout_ms=300_000)
+        assert pulled.ids == ["due-soon"] and local.clock.now_ms() == EPOCH + 40  # by the wall clock
+
+
 async def test_a_send_too_far_ahead_is_refused_naming_deliver_at_and_nothing_is_stored(
     local: Any, rt: SimpleNamespace, autojump_clock: Any
 ) -> None:

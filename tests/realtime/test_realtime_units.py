@@ -16,6 +16,7 @@ from delaymq.protocol.limits import Limits
 from delaymq.protocol.ranges import AckRanges
 from delaymq.realtime.consumelog import (
     ENTRY_SIZE,
+    HELD,
     TAIL_ENTRIES,
     ConsumeLog,
     decode_entry,
@@ -122,7 +123,10 @@ def test_pick_hands_out_given_back_entries_first_within_the_limits(tmp_path: Pat
 
 def test_pick_never_hands_out_an_entry_before_its_time_nor_any_behind_it(tmp_path: Path) -> None:
     log = ConsumeLog.open(tmp_path, "orders")
-    for n, at in enumerate([1_000, 1_000, 1_050, 1_020, 900]):  # times as indexed: sent ahead, out of order
+    # Held entries (sent ahead, out of order), and one indexed at 5,000 by a wall clock that
+    # has stepped back since: not held, its time is only when it was indexed.
+    times = [HELD | 1_000, HELD | 1_000, HELD | 1_050, 5_000, HELD | 900]
+    for n, at in enumerate(times):
         log.add(n * 100, 100, 0b01 if n != 2 else 0b10, at)
     log.write_pending()
     groups, share = make_groups()

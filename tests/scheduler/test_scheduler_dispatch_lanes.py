@@ -248,3 +248,34 @@ async def test_send_ahead_is_bounded_and_not_negative() -> None:
             run_blocking=run_inline,
             send_ahead_ms=-1,
         )
+
+
+async def test_sent_ahead_a_record_created_at_or_after_its_due_time_waits_for_it_in_the_lane(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Realtime holds a record sent ahead only if it was created before it is due; one that
+    was not (a producer's clock ahead of a mover's, a hand-made record) leaves the lane at
+    its own moment by the wall clock, and those behind it wait with it (the subject's order)."""
+    due = EPOCH_MS + 1_000
+    records = [
+        message("early-made", "orders", due),
+        encode_message("same-ms", "orders", deliver_at=due + 10, created_at=due + 10),
+        message("after", "orders", due + 11),
+    ]
+    sent: dict[str, int] = {}
+    all_in = trio.Event()
+    clock_box: list[TrioClock] = []
+
+    async def deliver(subject: str, body: bytes) -> list[str]:
+        batch = scan_batch(body)
+        sent.update((name, clock_box[0].now_ms()) for name in batch.ids)
+        if len(sent) == len(records):
+            all_in.set()
+        return ["stored"] * len(batch)
+
+    async with running(tmp_path, records, deliver, send_interval_ms=0, send_ahead_ms=50) as (_dispatcher, clock):
+        clock_box.append(clock)
+        await all_in.wait()
+    assert list(sent) == ["early-made", "same-ms", "after"]
+    assert sent["early-made"] == due - 50  # sent ahead
+    assert sent["same-ms"] == sent["after"] == due + 10  # at its moment, and the one behind it too
