@@ -65,6 +65,11 @@ HELD_LOGS = 64
 #: after their ``deliver_at``, and immediate ones whatever their ``deliver_at`` (a producer's
 #: clock), are handed out at once.
 RELEASE_TICK_MS = 4
+#: How far ahead of now a scheduled record may come (SEND refuses one due later): a realtime
+#: server holds records back until due only for a scheduler sending ahead (seconds at most),
+#: not as a delay queue. Indexing holds nothing longer than this either (a record an older
+#: server took further ahead, replayed or copied by a slave, is handed out at once).
+MAX_AHEAD_MS = 60_000
 
 #: One indexed record: (subject, message-log offset, size, tag mask, release_at): release_at is
 #: a scheduled record's ``deliver_at``, 0 for an immediate one (handed out at once).
@@ -245,7 +250,7 @@ class Indexer:
                     if consume_log is None:
                         consume_log = logs[subject] = ConsumeLog.open(self.directory, subject)
                     touched[subject] = step = (consume_log, consume_log.count)
-                if release_at > stored_at:  # sent ahead: handed out from the tick of its deliver_at
+                if stored_at < release_at <= stored_at + MAX_AHEAD_MS:  # sent ahead: held until its tick
                     step[0].add(offset, size, mask, HELD | -(-release_at // RELEASE_TICK_MS) * RELEASE_TICK_MS)
                 else:
                     step[0].add(offset, size, mask, stored_at)
@@ -291,4 +296,4 @@ class Indexer:
             consume_log.close()
 
 
-__all__ = ["HELD_LOGS", "REPLAY_LIMITS", "Indexer", "Item", "batch_items"]
+__all__ = ["HELD_LOGS", "MAX_AHEAD_MS", "RELEASE_TICK_MS", "REPLAY_LIMITS", "Indexer", "Item", "batch_items"]

@@ -41,7 +41,7 @@ from delaymq.protocol.transport import Request
 from delaymq.realtime import dedup as dedup_store
 from delaymq.realtime.dedup import DedupWindow, dedup_keys
 from delaymq.realtime.fences import Fences
-from delaymq.realtime.index import Indexer, batch_items
+from delaymq.realtime.index import MAX_AHEAD_MS, Indexer, batch_items
 from delaymq.storage.errors import StorageError, storage_refusal
 from delaymq.storage.state import StateStore
 from delaymq.storage.threads import RunBlocking
@@ -49,10 +49,6 @@ from delaymq.storage.writer import LogWriter
 from delaymq.wheel.clock import Clock
 
 _SEND_FIELDS = (FENCE_FIELD,)
-
-#: How far ahead of now a SEND's ``deliver_at`` may be: a realtime server holds records
-#: back until due only for a scheduler sending ahead (seconds at most), not as a delay queue.
-MAX_AHEAD_MS = 60_000
 
 
 class SendHandler:

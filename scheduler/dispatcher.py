@@ -571,27 +571,30 @@ class Dispatcher:
                 batch: list[tuple[int, int, int, bytes]] = []
                 size = 0
                 latest = 0
-                unheld = 0  # the latest due of records realtime would not hold (sent ahead or not)
+                unheld = 0  # the due time of a record realtime would not hold, not due yet
+                wall_now = self._wall.now_ms() if ahead else 0
                 for item in items:
                     record = item[3]
                     length = len(record)
                     if batch and (len(batch) >= self._batch or size + length > self._batch_bytes):
                         break
+                    at = item[1]
+                    if ahead and at > wall_now and record_times(record)[6] >= at:
+                        # Realtime holds a record sent ahead only if it was created before it
+                        # is due (how it tells one from an immediate one): this one goes at
+                        # its moment, in a batch of its own; what is before it goes now.
+                        unheld = at
+                        break
                     batch.append(item)
                     size += length
-                    at = item[1]
                     if at > latest:
                         latest = at
-                    if ahead and at > unheld and record_times(record)[6] >= at:
-                        unheld = at
                 if latest > self._clock.now_ms():
                     # Fired, then the wall clock stepped back (while a retry waited): still
                     # never early by the wall clock.
                     await self._clock.sleep_until_ms(latest)
                     continue
-                if unheld > self._wall.now_ms():
-                    # Realtime holds a record sent ahead only if it was created before it is
-                    # due (how it tells one from an immediate one): this one waits here instead.
+                if not batch:
                     await self._wall.sleep_until_ms(unheld)
                     continue
                 count = len(batch)

@@ -21,11 +21,13 @@ from delaymq.realtime.consumelog import (
     ConsumeLog,
     decode_entry,
     encode_entry,
+    iter_entries,
     list_subjects,
 )
 from delaymq.realtime.dedup import DedupWindow
 from delaymq.realtime.delivery import EntriesNotHeld, pick
 from delaymq.realtime.groups import ConsumerState, Groups, Share, UnknownPull
+from delaymq.realtime.index import MAX_AHEAD_MS, RELEASE_TICK_MS, Indexer
 from delaymq.realtime.pulllog import (
     PULL_ENTRY_SIZE,
     PullLog,
@@ -143,6 +145,24 @@ def test_pick_never_hands_out_an_entry_before_its_time_nor_any_behind_it(tmp_pat
     picked, *_ = pick(log, groups, share, limit=10, max_bytes=10_000, mask=0, now_ms=0)
     assert [(seq, red) for seq, red, _, _ in picked] == [(0, 1)]
     log.close()
+
+
+def test_indexing_holds_only_scheduled_records_that_came_ahead_and_not_too_far(tmp_path: Path) -> None:
+    """The entry of a scheduled record that came ahead is flagged with its tick; an immediate
+    one (release 0), one already due, and one further ahead than any SEND may bring (an
+    older server's, replayed) keep the time they were indexed at: handed out at once."""
+    stored_at = 1_000_001
+    releases = [stored_at + 1_001, 0, stored_at - 5, stored_at + MAX_AHEAD_MS + 1, stored_at + MAX_AHEAD_MS]
+    indexer = Indexer(tmp_path, indexed_offset=0)
+    items = [("orders", n * 100, 100, 0, release) for n, release in enumerate(releases)]
+    indexer.submit(0, 500, items, [f"m{n}" for n in range(len(items))], stored_at)
+    consume_log = indexer.consume_log("orders")
+    assert consume_log is not None
+    times = [entry[3] for entry in iter_entries(consume_log.read_held(0, 5) or b"")]
+    tick = -(-(stored_at + 1_001) // RELEASE_TICK_MS) * RELEASE_TICK_MS
+    last = -(-(stored_at + MAX_AHEAD_MS) // RELEASE_TICK_MS) * RELEASE_TICK_MS
+    assert times == [HELD | tick, stored_at, stored_at, stored_at, HELD | last]
+    indexer.close()
 
 
 def test_pick_reads_no_file_and_names_the_entries_it_needs_read_first(tmp_path: Path) -> None:

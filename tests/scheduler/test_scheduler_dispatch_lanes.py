@@ -279,3 +279,35 @@ async def test_sent_ahead_a_record_created_at_or_after_its_due_time_waits_for_it
     assert list(sent) == ["early-made", "same-ms", "after"]
     assert sent["early-made"] == due - 50  # sent ahead
     assert sent["same-ms"] == sent["after"] == due + 10  # at its moment, and the one behind it too
+
+
+@pytest.mark.parametrize("interval_ms", [0, 20])
+async def test_records_realtime_would_not_hold_do_not_hold_up_the_ones_before_them(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock, interval_ms: int
+) -> None:
+    """Every other record of a subject created at its own due time, 20 ms apart: each of
+    those leaves at its moment, never before; the others are still sent ahead, none late."""
+    due = {f"m{i:03}": EPOCH_MS + 1_000 + 20 * i for i in range(100)}
+    records = [
+        encode_message(name, "orders", deliver_at=at, created_at=at if i % 2 else EPOCH_MS)
+        for i, (name, at) in enumerate(due.items())
+    ]
+    sent: dict[str, int] = {}
+    all_in = trio.Event()
+    clock_box: list[TrioClock] = []
+
+    async def deliver(subject: str, body: bytes) -> list[str]:
+        batch = scan_batch(body)
+        sent.update((name, clock_box[0].now_ms()) for name in batch.ids)
+        if len(sent) == len(records):
+            all_in.set()
+        return ["stored"] * len(batch)
+
+    options = {"send_interval_ms": interval_ms, "send_ahead_ms": 50}
+    async with running(tmp_path, records, deliver, **options) as (_dispatcher, clock):
+        clock_box.append(clock)
+        await all_in.wait()
+    assert list(sent) == list(due)  # in order, once each
+    odd = [name for i, name in enumerate(due) if i % 2]
+    assert all(sent[name] >= due[name] for name in odd)  # at their moment, never before
+    assert all(sent[name] <= due[name] for name in due if name not in odd)  # the others: ahead, not late
