@@ -7,9 +7,9 @@ memory when they were stored lately (``RECENT_BYTES``), else in a worker thread
 left out and logged). With nothing to hand out the pull parks on its subject
 until an entry arrives or is given back, or its ``timeout_ms`` passes; a
 consumer in a long poll counts as alive. Entries a scheduler sent ahead of their
-``deliver_at`` are never handed out before it: the pull parks until then. What is handed out goes into the
-consumer's pull log before the answer (so after a crash recovery knows it) and
-is due back by the ack timeout.
+``deliver_at`` are never handed out before it: the pull parks until then. What is
+handed out goes into the consumer's pull log before the answer (so after a crash
+recovery knows it) and is due back by the ack timeout.
 """
 
 from __future__ import annotations

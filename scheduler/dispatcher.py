@@ -581,8 +581,8 @@ class Dispatcher:
                     at = item[1]
                     if ahead and at > wall_now and record_times(record)[6] >= at:
                         # Realtime holds a record sent ahead only if it was created before it
-                        # is due (how it tells one from an immediate one): this one goes at
-                        # its moment, in a batch of its own; what is before it goes now.
+                        # is due (how it tells one from an immediate one): this one (and what
+                        # follows it) goes at its moment by the wall clock; what is before it, now.
                         unheld = at
                         break
                     batch.append(item)
