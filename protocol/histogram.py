@@ -71,16 +71,21 @@ class LatencyHistogram:
         top = max(values)
         bottom = min(values)
         if self.count:
-            top = max(top, self.max)
-            bottom = min(bottom, self.min)
-        self.max = top
-        self.min = bottom
+            self.max = max(top, self.max)
+            self.min = min(bottom, self.min)
+        else:
+            self.max = top
+            self.min = bottom
         self.count += len(values)
         self.total += sum(values)
         counts = self.counts
         if bottom >= 0 and top < _LINEAR:  # the common case of a server keeping up: exact buckets
             for value in values:
                 counts[value] += 1
+            return
+        if top < 0:  # all early (sent ahead of their moment): counted apart, as 0
+            self.early += len(values)
+            counts[0] += len(values)
             return
         for value in values:
             if value < _LINEAR:

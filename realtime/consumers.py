@@ -13,6 +13,7 @@ fsynced by the next one.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -33,8 +34,10 @@ from delaymq.storage.threads import RunBlocking
 from delaymq.wheel.clock import Clock
 
 
+@functools.lru_cache(maxsize=4096)
 def consumer_key(subject: str, group: str, consumer: str) -> bytes:
-    """The key of a consumer's state in memory and in lmdb (its pull log's stem, as bytes)."""
+    """The key of a consumer's state in memory and in lmdb (its pull log's stem, as bytes;
+    remembered for the consumers seen lately: each PULL asks)."""
     return bytes.fromhex(consumer_stem(subject, group, consumer))
 
 

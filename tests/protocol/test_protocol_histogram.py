@@ -6,7 +6,7 @@ import math
 
 import msgpack
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from delaymq.protocol.histogram import MAX_VALUE, LatencyHistogram, bucket_bounds, bucket_of
@@ -63,6 +63,25 @@ def test_a_negative_value_counts_as_early() -> None:
     assert histogram.early == 1
     assert histogram.min == -5
     assert histogram.percentile(0.0) == 0  # recorded as on time
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(min_value=-200, max_value=5_000), min_size=1, max_size=20), max_size=8))
+def test_batches_count_as_their_values_one_by_one(batches: list[list[int]]) -> None:
+    """Batch by batch (all early, all exact, mixed, in any order) or value by value: the same counts."""
+    batched, single = LatencyHistogram(), LatencyHistogram()
+    for batch in batches:
+        batched.record_many(batch)
+        for value in batch:
+            single.record(value)
+    assert batched.counts == single.counts
+    assert (batched.count, batched.total, batched.early, batched.min, batched.max) == (
+        single.count,
+        single.total,
+        single.early,
+        single.min,
+        single.max,
+    )
 
 
 def test_values_beyond_the_range_land_in_the_last_bucket_and_keep_their_max() -> None:
