@@ -18,7 +18,7 @@ import trio
 
 from delaymq.protocol.backoff import RandomSource
 from delaymq.protocol.records import encode_message, scan_batch
-from delaymq.scheduler.dispatcher import Deliver, Dispatcher
+from delaymq.scheduler.dispatcher import Deliver, Dispatcher, DispatcherStatistics
 from delaymq.scheduler.replay import replay_until_caught_up
 from delaymq.scheduler.wheelset import WheelSet
 from delaymq.storage.threads import run_inline
@@ -205,32 +205,43 @@ async def test_a_send_interval_gathers_what_falls_due_into_fewer_sends_never_ear
         assert len(sends) >= 200 // 2  # the round trip sets the pace
 
 
+async def sent_at(
+    tmp_path: Path, records: list[bytes], *, round_trip_s: float = 0.0, **options: Any
+) -> tuple[dict[str, int], DispatcherStatistics]:
+    """Run the dispatcher until (a fake) realtime holds every record, each SENT once: when
+    the SEND carrying each started (wall ms), in order, and the statistics then."""
+    sent: dict[str, int] = {}
+    all_in = trio.Event()
+    clock_box: list[TrioClock] = []
+
+    async def deliver(subject: str, body: bytes) -> list[str]:
+        started = clock_box[0].now_ms()
+        if round_trip_s:
+            await trio.sleep(round_trip_s)
+        batch = scan_batch(body)
+        assert sent.keys().isdisjoint(batch.ids), "a record SENT twice"
+        sent.update((name, started) for name in batch.ids)
+        if len(sent) == len(records):
+            all_in.set()
+        return ["stored"] * len(batch)
+
+    async with running(tmp_path, records, deliver, **options) as (dispatcher, clock):
+        clock_box.append(clock)
+        await all_in.wait()
+        return sent, dispatcher.statistics()
+
+
 async def test_send_ahead_sends_each_message_that_long_before_its_time_never_sooner(
     tmp_path: Path, autojump_clock: trio.testing.MockClock
 ) -> None:
     """50 ms ahead with a 20 ms send interval: every message reaches (the fake) realtime
     between 50 ms and 50 - 20 - 1 - 2 ms before it is due, in order, once; the lateness
     the dispatcher reports is measured against the wall clock (negative: ahead)."""
-    records = [message(f"m{i:03}", "orders", EPOCH_MS + 1_000 + i) for i in range(200)]
-    got: list[tuple[str, int]] = []
-    all_in = trio.Event()
-    clock_box: list[TrioClock] = []
-
-    async def deliver(subject: str, body: bytes) -> list[str]:
-        sent = clock_box[0].now_ms()
-        await trio.sleep(0.001)  # the round trip
-        batch = scan_batch(body)
-        got.extend((name, sent) for name in batch.ids)
-        if len(got) == len(records):
-            all_in.set()
-        return ["stored"] * len(batch)
-
-    async with running(tmp_path, records, deliver, send_interval_ms=20, send_ahead_ms=50) as (dispatcher, clock):
-        clock_box.append(clock)
-        await all_in.wait()
-        stats = dispatcher.statistics()
-    assert [name for name, _ in got] == [f"m{i:03}" for i in range(200)]
-    ahead = [EPOCH_MS + 1_000 + int(name[1:]) - sent for name, sent in got]
+    due = {f"m{i:03}": EPOCH_MS + 1_000 + i for i in range(200)}
+    records = [message(name, "orders", at) for name, at in due.items()]
+    sent, stats = await sent_at(tmp_path, records, round_trip_s=0.001, send_interval_ms=20, send_ahead_ms=50)
+    assert list(sent) == list(due)
+    ahead = [due[name] - at for name, at in sent.items()]
     assert max(ahead) <= 50  # never sooner than the send-ahead
     assert min(ahead) >= 50 - 20 - 2  # at most the interval and the firer's slack later than that
     assert stats.lateness_mean_ms < -(50 - 20 - 2 - 1)  # accepted before the moment, by the wall clock
@@ -262,20 +273,7 @@ async def test_sent_ahead_a_record_created_at_or_after_its_due_time_waits_for_it
         encode_message("same-ms", "orders", deliver_at=due + 10, created_at=due + 10),
         message("after", "orders", due + 11),
     ]
-    sent: dict[str, int] = {}
-    all_in = trio.Event()
-    clock_box: list[TrioClock] = []
-
-    async def deliver(subject: str, body: bytes) -> list[str]:
-        batch = scan_batch(body)
-        sent.update((name, clock_box[0].now_ms()) for name in batch.ids)
-        if len(sent) == len(records):
-            all_in.set()
-        return ["stored"] * len(batch)
-
-    async with running(tmp_path, records, deliver, send_interval_ms=0, send_ahead_ms=50) as (_dispatcher, clock):
-        clock_box.append(clock)
-        await all_in.wait()
+    sent, _stats = await sent_at(tmp_path, records, send_interval_ms=0, send_ahead_ms=50)
     assert list(sent) == ["early-made", "same-ms", "after"]
     assert sent["early-made"] == due - 50  # sent ahead
     assert sent["same-ms"] == sent["after"] == due + 10  # at its moment, and the one behind it too
@@ -292,21 +290,7 @@ async def test_records_realtime_would_not_hold_do_not_hold_up_the_ones_before_th
         encode_message(name, "orders", deliver_at=at, created_at=at if i % 2 else EPOCH_MS)
         for i, (name, at) in enumerate(due.items())
     ]
-    sent: dict[str, int] = {}
-    all_in = trio.Event()
-    clock_box: list[TrioClock] = []
-
-    async def deliver(subject: str, body: bytes) -> list[str]:
-        batch = scan_batch(body)
-        sent.update((name, clock_box[0].now_ms()) for name in batch.ids)
-        if len(sent) == len(records):
-            all_in.set()
-        return ["stored"] * len(batch)
-
-    options = {"send_interval_ms": interval_ms, "send_ahead_ms": 50}
-    async with running(tmp_path, records, deliver, **options) as (_dispatcher, clock):
-        clock_box.append(clock)
-        await all_in.wait()
+    sent, _stats = await sent_at(tmp_path, records, send_interval_ms=interval_ms, send_ahead_ms=50)
     assert list(sent) == list(due)  # in order, once each
     odd = [name for i, name in enumerate(due) if i % 2]
     assert all(sent[name] >= due[name] for name in odd)  # at their moment, never before
