@@ -20,7 +20,14 @@ from functools import partial
 from typing import NamedTuple
 
 from delaymq.protocol.records import raise_attempts
-from delaymq.realtime.consumelog import ENTRY_SIZE, HELD, TAIL_ENTRIES, ConsumeLog, decode_entry, iter_entries
+from delaymq.realtime.consumelog import (
+    ENTRY_SIZE,
+    TAIL_ENTRIES,
+    ConsumeLog,
+    decode_entry,
+    held_until,
+    iter_entries,
+)
 from delaymq.realtime.groups import Groups, Share
 from delaymq.storage.errors import BadOffset, CorruptLog
 from delaymq.storage.log import SegmentedLog
@@ -115,7 +122,7 @@ def pick(
     skip = share.skip
     scanned = 0
     full = len(picked) >= limit
-    held_until = None
+    held = None
     while not full and position < count and scanned < SCAN_ENTRIES:
         data = consume_log.read_held(position, min(READ_ENTRIES, count - position))
         if data is None:  # not in memory: picked as far as it goes, or read it first
@@ -131,10 +138,12 @@ def pick(
                 skip.discard(position)  # handed out before a crash: in a pull log already
                 position += 1
                 continue
-            if stored_at > now_ms and stored_at & HELD and stored_at ^ HELD > now_ms:
-                held_until = stored_at ^ HELD  # sent ahead of its deliver_at: it and all behind it wait
-                full = True
-                break
+            if stored_at > now_ms:  # held (sent ahead), or indexed before the wall clock stepped back
+                release = held_until(stored_at)
+                if release is not None and release > now_ms:  # it and all behind it wait
+                    held = release
+                    full = True
+                    break
             if picked and total + size > max_bytes:
                 full = True
                 break
@@ -145,7 +154,7 @@ def pick(
                 full = True
                 break
     groups.advance(share, position)
-    return Pick(picked, not picked and held_until is None and position < count, held_until)
+    return Pick(picked, not picked and held is None and position < count, held)
 
 
 async def read_window(

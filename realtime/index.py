@@ -59,11 +59,12 @@ REPLAY_LIMITS = Limits(
 HELD_LOGS = 64
 
 #: A record sent ahead of its ``deliver_at`` (a scheduled one: ``deliver_at`` after its
-#: ``created_at``) is handed out from the next multiple of this (epoch ms) at or after it: while messages fall due every millisecond, a consumer's pulls
-#: then come at most this often, each with what fell due meanwhile (a PULL costs the server
-#: about as much as its messages), for at most this much lateness. Records stored at or
-#: after their ``deliver_at``, and immediate ones whatever their ``deliver_at`` (a producer's
-#: clock), are handed out at once.
+#: ``created_at``, the rule ``send._check_ahead`` and the scheduler's lanes use too) is
+#: handed out from the next multiple of this (epoch ms) at or after it: while messages fall
+#: due every millisecond, a consumer's pulls then come at most this often, each with what
+#: fell due meanwhile (a PULL costs the server about as much as its messages), for at most
+#: this much lateness. Records stored at or after their ``deliver_at``, and immediate ones
+#: whatever their ``deliver_at`` (a producer's clock), are handed out at once.
 RELEASE_TICK_MS = 4
 #: How far ahead of now a scheduled record may come (SEND refuses one due later): a realtime
 #: server holds records back until due only for a scheduler sending ahead (seconds at most),
