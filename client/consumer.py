@@ -10,6 +10,9 @@ batches of ``[start, end)`` pull-log ranges (a round at most every
 server's checkpoints), one sends CONSUMER_HEARTBEAT.
 The decisions (what to pull, the exact tag filter, flow control, ack ranges)
 are ``delaymq.client.delivery.ConsumerCore``'s, shared with the blocking twin.
+What arrives waits in a ``ReleaseQueue`` (``delaymq.client.release``): a message
+fetched ahead of its ``deliver_at`` (``fetch_ahead``) is handed to the application
+when this process's clock reads it.
 
 Every request goes to the group's address as the route says now. A replicated
 group's master may change (a failover): the new master holds the same pull
@@ -44,7 +47,6 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from datetime import timedelta
@@ -53,6 +55,7 @@ from typing import Any
 import trio
 
 from delaymq.client.delivery import (
+    DEFAULT_FETCH_AHEAD,
     SETTLE_BACKOFF,
     SETTLE_CONCURRENCY,
     SETTLE_INTERVAL,
@@ -61,7 +64,9 @@ from delaymq.client.delivery import (
     ReceivedMessage,
     Settlement,
     SettleRequest,
+    fetch_ahead_ms,
 )
+from delaymq.client.release import ReleaseQueue
 from delaymq.client.retry import DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_DELAYS
 from delaymq.client.routes import CLIENT_PEERS_OPTIONS, RouteClient, RouteTable, meta_addresses
 from delaymq.protocol.backoff import BackoffRun
@@ -126,7 +131,8 @@ class Consumer:
         self._route_ms = round(route_refresh * 1000)
         # One item per PULL answer (never empty), not per message: a batch crosses in one hop.
         self._send, self._receive = trio.open_memory_channel[list[ReceivedMessage]](math.inf)
-        self._ready: deque[ReceivedMessage] = deque()  # taken from the channel, not handed out yet
+        # Taken from the channel, not handed out yet; held there until due when fetched ahead.
+        self._queue = ReleaseQueue(ahead_ms=core.fetch_ahead_ms)
         self._room = trio.lowlevel.ParkingLot()  # pullers waiting for flow-control room
         self._settle_wanted = trio.Event()
         self._settle_lock = trio.Lock()
@@ -159,33 +165,48 @@ class Consumer:
         per arrival, not per message (a scheduler round per message would
         cost more than everything else a message takes).
         """
-        if self._ready:
-            await trio.lowlevel.checkpoint_if_cancelled()
-            if self._ready:
-                return self._ready.popleft()
-        batch = await self.receive_batch()
-        self._ready.extend(batch[1:])
-        return batch[0]
+        return (await self.receive_batch(1))[0]
 
     async def receive_batch(self, max_messages: int | None = None) -> list[ReceivedMessage]:
-        """Wait for a message, then take every one already here (up to ``max_messages``)."""
-        ready = self._ready
-        if ready:
-            await trio.lowlevel.checkpoint_if_cancelled()
-        else:
-            try:
-                ready.extend(await self._receive.receive())
-            except (trio.EndOfChannel, trio.ClosedResourceError):
-                if self._failure is not None:
-                    raise ConsumerFailed(str(self._failure)) from self._failure
-                raise trio.EndOfChannel from None
-        while max_messages is None or len(ready) < max_messages:
-            try:
-                ready.extend(self._receive.receive_nowait())
-            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
-                break
-        count = len(ready) if max_messages is None else min(len(ready), max_messages)
-        return [ready.popleft() for _ in range(count)]
+        """Wait for a message that is due, then take every one already here and due (up to ``max_messages``).
+
+        A message fetched ahead of its ``deliver_at`` (``fetch_ahead``) is held until then.
+        """
+        queue, channel, clock = self._queue, self._receive, self._clock
+        if len(queue):
+            batch = queue.take(clock.now_ms(), max_messages)
+            if batch:
+                await trio.lowlevel.checkpoint_if_cancelled()
+                return batch
+        while True:
+            closed = False
+            while True:
+                try:
+                    queue.add(channel.receive_nowait(), clock.now_ms())
+                except trio.WouldBlock:
+                    break
+                except (trio.EndOfChannel, trio.ClosedResourceError):
+                    closed = True
+                    break
+            now = clock.now_ms()
+            batch = queue.take(now, max_messages)
+            if batch:
+                await trio.lowlevel.checkpoint_if_cancelled()
+                return batch
+            release = queue.next_release()
+            if closed:
+                if release is None:
+                    if self._failure is not None:
+                        raise ConsumerFailed(str(self._failure)) from self._failure
+                    raise trio.EndOfChannel
+                await clock.sleep_until_ms(release)
+                continue
+            # An arrival, or the first held message falling due, whichever comes first.
+            with trio.move_on_after(math.inf if release is None else (release - now) / 1000):
+                try:
+                    queue.add(await channel.receive(), clock.now_ms())
+                except (trio.EndOfChannel, trio.ClosedResourceError):
+                    pass  # seen as closed above, next time round
 
     async def ack(self, message: ReceivedMessage) -> None:
         """Done with ``message`` (same as ``await message.ack()``); sent in the next ack batch."""
@@ -535,6 +556,7 @@ async def open_consumer(
     max_bytes_held: int = 64 * MiB,
     pull_batch: int = 100,
     poll_timeout: float = 30.0,
+    fetch_ahead: float = DEFAULT_FETCH_AHEAD,
     retry_delays: Sequence[float | timedelta] = DEFAULT_RETRY_DELAYS,
     max_attempts: int = DEFAULT_MAX_ATTEMPTS,
     consumer_id: str | None = None,
@@ -553,7 +575,10 @@ async def open_consumer(
     the group's. ``start``: where a new group begins, ``"latest"`` (messages
     stored from now on) or ``"earliest"``. Pulls stop while
     ``max_messages_held`` messages or ``max_bytes_held`` body bytes are held
-    (received, not acked or nacked). ``consumer_id`` names this consumer to
+    (received, not acked or nacked). ``fetch_ahead`` (seconds, 0 to 1, default
+    0.2): take messages a scheduler sent ahead up to that long before they are due
+    and hold them here until this process's clock reads their ``deliver_at``
+    (fewer pulls; 0 leaves the holding to the server). ``consumer_id`` names this consumer to
     the servers (default: host-pid-random); reuse one to take over what an
     earlier run held. ``retry_delays`` (seconds or timedeltas; default 5 s,
     10 s, 30 s, 1 min, 2 min, 5 min, 10 min, 30 min, 1 h, then 2 h) and
@@ -571,6 +596,7 @@ async def open_consumer(
         max_bytes_held=max_bytes_held,
         pull_batch=pull_batch,
         poll_timeout_ms=round(poll_timeout * 1000),
+        fetch_ahead_ms=fetch_ahead_ms(fetch_ahead),
         retry_delays=retry_delays,
         max_attempts=max_attempts,
         limits=limits,

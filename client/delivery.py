@@ -31,6 +31,7 @@ from dataclasses import KW_ONLY, dataclass, field
 from datetime import timedelta
 from typing import Any, NamedTuple
 
+from delaymq.client.messages import seconds_to_ms
 from delaymq.client.retry import DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_DELAYS, RetryNack, RetryPolicy
 from delaymq.protocol.backoff import Backoff, BackoffRun, RandomSource
 from delaymq.protocol.errors import LocalProtocolError, RemoteProtocolError
@@ -42,6 +43,7 @@ from delaymq.protocol.limits import (
     MAX_NAME,
     MAX_POLL_MS,
     MAX_PULL,
+    MAX_PULL_AHEAD_MS,
     Limits,
     MiB,
 )
@@ -215,7 +217,9 @@ class ReceivedMessage:
 
     From a trio ``Consumer`` ``ack()``/``nack()`` are awaited; from a
     ``BlockingConsumer`` they are plain calls. ``received_at``, ``deliver_at``
-    and ``created_at`` are epoch milliseconds (UTC). ``server_group`` and
+    and ``created_at`` are epoch milliseconds (UTC); ``received_at`` is when it
+    reached this process, or, for one that waited in it (fetched ahead of its
+    ``deliver_at``), when it was released to the application. ``server_group`` and
     ``sequence`` say where it sits in this consumer's pull log. A message that
     came back after a nack keeps its id and ``subject``; ``attempts`` counts
     the deliveries before this one, ``deliver_at`` is when the retry was due,
@@ -258,7 +262,7 @@ class ReceivedMessage:
 
     @property
     def lateness_ms(self) -> int:
-        """How long after its ``deliver_at`` it reached this process."""
+        """How long after its ``deliver_at`` it reached the application (``received_at``)."""
         return self.received_at - self.deliver_at
 
     def text(self) -> str:
@@ -284,6 +288,23 @@ SETTLE_BACKOFF = Backoff(initial_ms=100, maximum_ms=5_000, jitter="equal")
 SETTLE_INTERVAL = 0.1
 #: At most this many ACK/NACK requests of one round on the way at once (each is one range).
 SETTLE_CONCURRENCY = 16
+#: How long before their ``deliver_at`` a consumer takes messages a scheduler sent ahead
+#: (seconds; it holds them until due): more than a scheduler's default send-ahead and
+#: send interval (50 + 20 ms), so a PULL takes a SEND's records as they are stored.
+DEFAULT_FETCH_AHEAD = 0.2
+
+
+def fetch_ahead_ms(seconds: float | timedelta) -> int:
+    """``fetch_ahead`` (seconds or a timedelta) as the PULL's ``ahead_ms``; refused beyond 0..1 s."""
+    ms = seconds_to_ms(seconds, name="fetch_ahead", field="fetch_ahead")
+    if not 0 <= ms <= MAX_PULL_AHEAD_MS:
+        raise LocalProtocolError(
+            f"fetch_ahead is {seconds!r} s; give 0 to {MAX_PULL_AHEAD_MS / 1000:g} s",
+            code="limit",
+            field="fetch_ahead",
+            limit=MAX_PULL_AHEAD_MS,
+        )
+    return ms
 
 
 def _pull_backoffs(random: RandomSource | None = None) -> tuple[BackoffRun, BackoffRun]:
@@ -381,6 +402,7 @@ class ConsumerCore:
         max_bytes_held: int = 64 * MiB,
         pull_batch: int = 100,
         poll_timeout_ms: int = DEFAULT_POLL_MS,
+        fetch_ahead_ms: int = 0,
         retry_delays: Iterable[float | int | timedelta] = DEFAULT_RETRY_DELAYS,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         limits: Limits = DEFAULT_LIMITS,
@@ -406,6 +428,8 @@ class ConsumerCore:
         self.flow = FlowControl(max_messages_held, max_bytes_held)
         self.pull_batch = check_int(pull_batch, "pull_batch", 1, MAX_PULL)
         self.poll_timeout_ms = check_int(poll_timeout_ms, "poll_timeout_ms", 0, MAX_POLL_MS)
+        #: PULL takes records sent ahead up to this long before due (``ReleaseQueue`` holds them).
+        self.fetch_ahead_ms = check_int(fetch_ahead_ms, "fetch_ahead_ms", 0, MAX_PULL_AHEAD_MS)
         self.retry_policy = RetryPolicy.from_options(retry_delays, max_attempts)
         #: Where nacked messages come back; None for a broadcast consumer (its nacks give back at once).
         self.retry_subject: str | None = None
@@ -485,6 +509,8 @@ class ConsumerCore:
             "max_bytes": max(1, min(size, self.limits.max_frame - FRAME_RESERVE)),
             "timeout_ms": self.poll_timeout_ms,
         }
+        if self.fetch_ahead_ms:  # (absent, a server of before it serves the pull)
+            metadata["ahead_ms"] = self.fetch_ahead_ms
         if self.filter.wire:
             metadata["tags"] = list(self.filter.wire)
         if self.broadcast:
@@ -710,6 +736,7 @@ def _answer_int(metadata: Mapping[str, Any], key: str) -> int:
 
 
 __all__ = [
+    "DEFAULT_FETCH_AHEAD",
     "AckTracker",
     "ConsumerCore",
     "ConsumerStatistics",
@@ -724,4 +751,5 @@ __all__ = [
     "Settlement",
     "TagFilter",
     "default_consumer_id",
+    "fetch_ahead_ms",
 ]

@@ -28,6 +28,10 @@ MAX_PULL = 10_000
 #: Longest long poll a PULL may ask for, and the one it gets when it names none.
 MAX_POLL_MS = 300_000
 DEFAULT_POLL_MS = 30_000
+#: Furthest ahead of their ``deliver_at`` a PULL may take records a scheduler sent
+#: ahead (``ahead_ms``): the consumer holds them until due. Bounded so a hand-out's
+#: ack timeout, which starts at the hand-out, is not spent waiting.
+MAX_PULL_AHEAD_MS = 1_000
 #: Room kept in a frame for its header and metadata (a SEND's, a PULL answer's).
 FRAME_RESERVE = 64 * KiB
 
@@ -165,6 +169,7 @@ __all__ = [
     "FRAME_RESERVE",
     "MAX_NAME",
     "MAX_POLL_MS",
+    "MAX_PULL_AHEAD_MS",
     "MAX_PULL",
     "MESSAGE_HEADER_SIZE",
     "KiB",

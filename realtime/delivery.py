@@ -74,7 +74,8 @@ def pick(
 
     Never early: new entries are handed out in order up to the first held one
     (``HELD``: a scheduler sent it ahead of its ``deliver_at``) whose time is past
-    ``now_ms``; the pick stops there and says until when (``held_until``).
+    ``now_ms``; the pick stops there and says until when (``held_until``). A PULL
+    asking ``ahead_ms`` passes the clock that much later (its consumer holds them).
 
     Reads no file: entries come from memory (``ConsumeLog.read_held``); where none it
     needs are held, raises ``EntriesNotHeld`` (the share unchanged but for entries it

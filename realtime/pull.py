@@ -7,7 +7,9 @@ memory when they were stored lately (``RECENT_BYTES``), else in a worker thread
 left out and logged). With nothing to hand out the pull parks on its subject
 until an entry arrives or is given back, or its ``timeout_ms`` passes; a
 consumer in a long poll counts as alive. Entries a scheduler sent ahead of their
-``deliver_at`` are never handed out before it: the pull parks until then. What is
+``deliver_at`` are not handed out before it, or before ``ahead_ms`` ahead of it when
+the PULL asks for that (the consumer then holds them until due: fewer PULLs, one per
+SEND rather than one per release tick); the pull parks until then. What is
 handed out goes into the consumer's pull log before the answer (so after a crash
 recovery knows it) and is due back by the ack timeout.
 """
@@ -101,7 +103,8 @@ class PullHandler:
                 if self.closed is not None:
                     raise NotMaster(f"PULL: {self.closed}; ask the metaserver")
                 consume_log = self._indexer.consume_log(subject)
-                now_ms = self._clock.now_ms()
+                # What is held until ``ahead_ms`` from now may go: the consumer holds it until due.
+                now_ms = self._clock.now_ms() + pull.ahead_ms
                 try:
                     picked, more, held_until = pick(
                         consume_log, groups, consumer.share, pull.max, pull.max_bytes, mask, now_ms

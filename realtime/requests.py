@@ -12,7 +12,15 @@ from typing import Any
 
 from delaymq.protocol.errors import RemoteProtocolError
 from delaymq.protocol.fields import PULL_STARTS, check_int, check_name
-from delaymq.protocol.limits import DEFAULT_POLL_MS, FRAME_RESERVE, MAX_NAME, MAX_POLL_MS, MAX_PULL, Limits
+from delaymq.protocol.limits import (
+    DEFAULT_POLL_MS,
+    FRAME_RESERVE,
+    MAX_NAME,
+    MAX_POLL_MS,
+    MAX_PULL,
+    MAX_PULL_AHEAD_MS,
+    Limits,
+)
 from delaymq.protocol.subjects import group_problem, retry_subject_problem
 
 #: Most subjects one CONSUMER_HEARTBEAT may name.
@@ -30,6 +38,8 @@ class PullRequest:
     timeout_ms: int
     broadcast: bool
     earliest: bool
+    #: Records sent ahead are handed out up to this long before due (the consumer holds them).
+    ahead_ms: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +111,9 @@ def _flag(command: str, metadata: dict[str, Any], name: str) -> bool:
     return value
 
 
-_PULL_KEYS = frozenset({"group", "consumer", "subject", "max", "max_bytes", "tags", "timeout_ms", "broadcast", "from"})
+_PULL_KEYS = frozenset(
+    {"group", "consumer", "subject", "max", "max_bytes", "tags", "timeout_ms", "broadcast", "from", "ahead_ms"}
+)
 _ACK_KEYS = frozenset({"group", "consumer", "subject", "start", "end"})
 _NACK_KEYS = _ACK_KEYS | {"delay_ms", "dead"}
 _HEARTBEAT_KEYS = frozenset({"group", "consumer", "subjects"})
@@ -117,6 +129,7 @@ def parse_pull(metadata: dict[str, Any], limits: Limits) -> PullRequest:
     byte_cap = max(1, limits.max_frame - FRAME_RESERVE)
     max_bytes = _integer("PULL", metadata, "max_bytes", 1, byte_cap, byte_cap)
     timeout_ms = _integer("PULL", metadata, "timeout_ms", 0, MAX_POLL_MS, DEFAULT_POLL_MS)
+    ahead_ms = _integer("PULL", metadata, "ahead_ms", 0, MAX_PULL_AHEAD_MS, 0)
     broadcast = _flag("PULL", metadata, "broadcast")
     start = metadata.get("from", "latest")
     if start not in PULL_STARTS:
@@ -129,7 +142,9 @@ def parse_pull(metadata: dict[str, Any], limits: Limits) -> PullRequest:
     if len(raw_tags) > limits.max_tags:
         raise _refuse(f"PULL: {len(raw_tags)} tags, limit {limits.max_tags}", "limit", "tags", limits.max_tags)
     tags = tuple(_name("PULL", "tag", tag, limits.max_tag) for tag in raw_tags)
-    return PullRequest(group, consumer, subject, count, max_bytes, tags, timeout_ms, broadcast, start == "earliest")
+    return PullRequest(
+        group, consumer, subject, count, max_bytes, tags, timeout_ms, broadcast, start == "earliest", ahead_ms
+    )
 
 
 def parse_ack(metadata: dict[str, Any], limits: Limits, *, nack: bool = False) -> AckRequest:

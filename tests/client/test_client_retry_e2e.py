@@ -1,4 +1,4 @@
-"""Consumer retries end to end: metaserver, realtime and scheduler in-process.
+"""Consumers end to end (retries, messages fetched ahead): metaserver, realtime and scheduler in-process.
 
 The trio-client tests run under ``autojump_clock`` with a ``TrioClock``, so
 retry delays take milliseconds. Every connection there is an in-memory stream
@@ -44,7 +44,9 @@ class Cluster:
 
 
 @asynccontextmanager
-async def open_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, scheduler: bool) -> AsyncIterator[Cluster]:
+async def open_cluster(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, scheduler: bool, **scheduler_options: Any
+) -> AsyncIterator[Cluster]:
     clock = TrioClock(EPOCH)
     async with AsyncExitStack() as stack:
         nursery = await stack.enter_async_context(trio.open_nursery())
@@ -67,7 +69,7 @@ async def open_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, sched
             delay_server = await stack.enter_async_context(
                 open_scheduler(
                     data_dir=tmp_path / "scheduler", clock=clock, listen=None, advertise_address=SCHEDULER,
-                    meta_address=META, run_blocking=run_inline,
+                    meta_address=META, run_blocking=run_inline, **scheduler_options,
                 )
             )  # fmt: skip
             network.serve(SCHEDULER, delay_server.serve_stream)
@@ -232,3 +234,45 @@ async def test_the_blocking_consumer_retries_and_buries_too(tmp_path: Path) -> N
             message_id, seen, letters = await trio.to_thread.run_sync(scenario)
     assert seen == [(message_id, 0, ""), (message_id, 1, "%retry%billing%orders")]
     assert letters == [(message_id, "%dead%billing%orders", 2)]
+
+
+async def test_messages_fetched_ahead_reach_the_handler_at_their_moment_never_early_in_fewer_pulls(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A scheduler sending 50 ms ahead: a consumer fetching ahead (the default, 0.2 s) holds
+    each message until its ``deliver_at`` by its own clock, as one that leaves the holding
+    to the server gets it, in the same order, in far fewer pulls (one per SEND, not per tick)."""
+    async with (
+        open_cluster(tmp_path, monkeypatch, scheduler=True, send_ahead_ms=50, send_interval_ms=20) as cluster,
+        trio.open_nursery() as nursery,
+    ):
+        clock = cluster.clock
+        handled: dict[str, list[tuple[str, int, int, int]]] = {"ahead": [], "server": []}
+        consumers = {}
+
+        async def consume(name: str, fetch_ahead: float, task_status: trio.TaskStatus[Any]) -> None:
+            async with open_consumer(
+                META, "orders", group=name, clock=clock, start="earliest", fetch_ahead=fetch_ahead
+            ) as consumer:
+                consumers[name] = consumer
+                task_status.started()
+                async for message in consumer:
+                    handled[name].append((message.id, message.deliver_at, message.received_at, clock.now_ms()))
+                    await message.ack()
+
+        await nursery.start(consume, "ahead", 0.2)
+        await nursery.start(consume, "server", 0)
+        start = clock.now_ms() + 2 * SECOND
+        due = {f"m{n:03d}": start + 7 * n for n in range(300)}  # over about two seconds
+        async with open_producer(META, clock=clock) as producer:
+            await producer.send_batch([producer.message("orders", b"x", id=i, at=at) for i, at in due.items()])
+        with trio.fail_after(60):
+            while min(len(seen) for seen in handled.values()) < len(due):
+                await trio.sleep(0.1)
+        pulls = {name: consumer.statistics().pulls for name, consumer in consumers.items()}
+        nursery.cancel_scope.cancel()
+    for seen in handled.values():
+        assert [m[0] for m in seen] == list(due)  # every one, once, in order
+        assert all(deliver_at <= received_at <= now for _id, deliver_at, received_at, now in seen)  # never early
+    assert all(received_at - deliver_at <= 1 for _id, deliver_at, received_at, _now in handled["ahead"])  # on time
+    assert pulls["ahead"] * 2 < pulls["server"], pulls

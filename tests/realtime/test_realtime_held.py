@@ -1,5 +1,6 @@
 """Records a scheduler sends ahead of their ``deliver_at`` (``--send-ahead``): stored at once,
-handed out from the release tick of ``deliver_at`` on, never before it, after a restart too."""
+handed out from the release tick of ``deliver_at`` on, never before it, after a restart too;
+or up to ``ahead_ms`` before it to a PULL that asks (its consumer holds them until due)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import trio
 
 from delaymq.protocol.errors import PeerError
+from delaymq.protocol.limits import MAX_PULL_AHEAD_MS
 from delaymq.protocol.records import Message
 from delaymq.realtime.index import RELEASE_TICK_MS
 from delaymq.realtime.send import MAX_AHEAD_MS
@@ -99,3 +101,33 @@ async def test_a_send_too_far_ahead_is_refused_naming_deliver_at_and_nothing_is_
         assert server.statistics().message_log_end == end
         pulled = await client.pull(10, timeout_ms=MAX_AHEAD_MS + 1_000, **{"from": "earliest"})
         assert pulled.ids == ["edge"]
+
+
+async def test_a_pull_asking_ahead_takes_what_falls_due_within_it_and_parks_for_the_rest(
+    local: Any, rt: SimpleNamespace, autojump_clock: Any
+) -> None:
+    """``ahead_ms``: the consumer holds records until due, so a PULL takes them that long
+    before; what is due later still waits (in order), and the answer comes when it may."""
+    async with local.server(listen=None) as server, rt.memory_client(server) as client:
+        sent = [ahead("soon", EPOCH + 150), Message("now", "orders", body=b"y"), ahead("later", EPOCH + 900)]
+        assert await client.send(sent) == ["stored"] * 3
+        pulled = await client.pull(10, ahead_ms=200, **{"from": "earliest"})
+        assert pulled.ids == ["soon", "now"] and local.clock.now_ms() == EPOCH  # "later" holds the order
+        pulled = await client.pull(10, ahead_ms=200, timeout_ms=5_000)  # parks until 900 - 200
+        assert pulled.ids == ["later"]
+        assert EPOCH + 700 <= local.clock.now_ms() < EPOCH + 700 + RELEASE_TICK_MS
+        handed = server.statistics().lateness_handed_out
+        assert handed["count"] == 3 and handed["early"] == 2  # the two scheduled ones, before their moment
+
+
+@pytest.mark.parametrize("ahead_ms", [-1, MAX_PULL_AHEAD_MS + 1, "200", True])
+async def test_a_pull_asking_too_far_ahead_is_refused_naming_ahead_ms(
+    local: Any, rt: SimpleNamespace, autojump_clock: Any, ahead_ms: Any
+) -> None:
+    async with local.server(listen=None) as server, rt.memory_client(server) as client:
+        assert await client.send([ahead("held", EPOCH + 100)]) == ["stored"]
+        with pytest.raises(PeerError) as refused:
+            await client.pull(10, ahead_ms=ahead_ms, **{"from": "earliest"})
+        assert refused.value.field == "ahead_ms"
+        pulled = await client.pull(10, ahead_ms=MAX_PULL_AHEAD_MS, **{"from": "earliest"})
+        assert pulled.ids == ["held"]  # nothing handed out by the refused pull
