@@ -49,7 +49,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -200,6 +200,9 @@ class ScheduleStore:
         self._failure: BaseException | None = None
         self._steps = self._filed = self._bytes_filed = 0
         self._recovered = recovered
+        #: The message log's ``read_recent``, set by its owner: ``HourLog.read_records``
+        #: takes a record from there when the bytes it was filed from are still in memory.
+        self.recent_source: Callable[[int, int], bytes | None] | None = None
 
     @classmethod
     def open(

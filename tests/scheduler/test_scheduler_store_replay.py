@@ -226,6 +226,37 @@ def test_reading_records_decodes_and_checks(tmp_path: Path, scheduler_folder: An
                 reader.read_records([3])
 
 
+def test_records_still_in_the_message_logs_memory_are_read_from_there_and_the_rest_from_the_file(
+    tmp_path: Path, scheduler_folder: Any
+) -> None:
+    """What is due within seconds of its arrival is loaded from the message log's recent bytes
+    (no read, no second CRC); what it forgot, or bytes that are not the record, from the file."""
+    records = [message(i, BASE + 60_000, body=bytes([i]) * 200) for i in range(20)]
+    with scheduler_folder(tmp_path) as (log, store):
+        log.keep_recent(1 << 20)
+        store.recent_source = log.read_recent
+        append(log, records, batch=7)
+        replay_until_caught_up(log, store)
+        with store.open_hour(HOUR) as reader:
+            entry = reader.entry(3)
+            path = store.path_of(HOUR, LOG_SUFFIX)
+            with open(path, "r+b") as f:  # the schedule log's copy is damaged
+                f.seek(entry.offset + 30)
+                byte = f.read(1)
+                f.seek(entry.offset + 30)
+                f.write(bytes([byte[0] ^ 0xFF]))
+            assert reader.read_records([3, 19, 0]) == [records[3], records[19], records[0]]  # from memory
+            store.recent_source = lambda source, size: bytes(size)  # not a record: the file is read
+            assert reader.read_records([19]) == [records[19]]
+            with pytest.raises(ScheduleError, match="entry 3's record .* fails its CRC"):
+                reader.read_records([3])
+            store.recent_source = log.read_recent
+            log.keep_recent(1)
+            log.append(message(99, BASE + HOUR_MS))  # the log keeps only this batch now
+            with pytest.raises(ScheduleError, match="entry 3's record .* fails its CRC"):
+                reader.read_records([3])
+
+
 def test_chain_below_and_floor(tmp_path: Path, scheduler_folder: Any) -> None:
     records = [message(i, BASE + 3_000 + i) for i in range(10)]
     with scheduler_folder(tmp_path) as (log, store):
