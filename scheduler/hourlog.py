@@ -46,9 +46,10 @@ class CommittedHours(Protocol):
 
     def newest_entry(self, hour: int, second: int) -> int: ...
 
-    #: The bytes ``[source, source + size)`` of the message log, if it keeps them in memory
-    #: (``SegmentedLog.read_recent``): what an entry was filed from, byte for byte.
-    recent_source: Callable[[int, int], bytes | None] | None
+    #: The bytes ``[source, source + size)`` of the message log for each ``(source, size)``,
+    #: or None where it does not keep them in memory (``SegmentedLog.read_recent_many``):
+    #: what an entry was filed from, byte for byte.
+    recent_source: Callable[[list[tuple[int, int]]], list[bytes | None]] | None
 
 
 class HourLog:
@@ -146,17 +147,19 @@ class HourLog:
         if min(entry_nos) < 0:
             self._index_for(min(entry_nos))  # raises, naming it
         unpack = ENTRY.unpack_from
+        entries = [unpack(index, n * ENTRY_SIZE) for n in entry_nos]
         out: list[bytes] = [b""] * len(entry_nos)
         recent = self._store.recent_source
-        located: list[tuple[int, int, int]] = []
-        for i, n in enumerate(entry_nos):
-            offset, size, _ms, _prev, source, _crc = unpack(index, n * ENTRY_SIZE)
-            if recent is not None:
-                record = recent(source, size)
-                if record is not None and not record_problem(record, 0, size, check_crc=False):
+        if recent is None:
+            located = [(entry[0], entry[1], i) for i, entry in enumerate(entries)]
+        else:
+            located = []
+            kept = recent([(entry[4], entry[1]) for entry in entries])
+            for i, (entry, record) in enumerate(zip(entries, kept)):
+                if record is not None and not record_problem(record, 0, entry[1], check_crc=False):
                     out[i] = record
-                    continue
-            located.append((offset, size, i))
+                else:
+                    located.append((entry[0], entry[1], i))
         located.sort()
         k = 0
         while k < len(located):

@@ -200,9 +200,9 @@ class ScheduleStore:
         self._failure: BaseException | None = None
         self._steps = self._filed = self._bytes_filed = 0
         self._recovered = recovered
-        #: The message log's ``read_recent``, set by its owner: ``HourLog.read_records``
+        #: The message log's ``read_recent_many``, set by its owner: ``HourLog.read_records``
         #: takes a record from there when the bytes it was filed from are still in memory.
-        self.recent_source: Callable[[int, int], bytes | None] | None = None
+        self.recent_source: Callable[[list[tuple[int, int]]], list[bytes | None]] | None = None
 
     @classmethod
     def open(

@@ -1051,7 +1051,7 @@ def _open_storage(root: Path, segment_size: int) -> tuple[MessageLog, StateStore
         opened[0].keep_recent(REPLAY_RECENT_BYTES)  # replay files what was just appended from memory
         opened.append(StateStore.open(root / "state", extra_format={"scheduler_state": 1}))
         opened.append(ScheduleStore.open(root / "schedule", opened[1]))
-        opened[2].recent_source = opened[0].read_recent  # what is due soon is loaded from memory
+        opened[2].recent_source = opened[0].read_recent_many  # what is due soon is loaded from memory
     except BaseException:
         for thing in reversed(opened):
             thing.close()

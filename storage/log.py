@@ -573,6 +573,11 @@ class SegmentedLog:
         recent = self._recent
         return recent.read(offset, length) if recent is not None else None
 
+    def read_recent_many(self, spans: list[tuple[int, int]]) -> list[bytes | None]:
+        """``read_recent`` of each ``(offset, length)`` in one call (None for each if nothing is kept)."""
+        recent = self._recent
+        return recent.read_many(spans) if recent is not None else [None] * len(spans)
+
     def read_recent_whole(self, offset: int, end: int, max_bytes: int) -> bytes | None:
         """Whole records from ``offset`` (a record boundary) up to a batch end within
         ``min(end, offset + max_bytes)`` (at least one batch, never past ``end``), if this

@@ -56,25 +56,34 @@ class RecentBytes:
     def read(self, offset: int, length: int) -> bytes | None:
         """The bytes ``[offset, offset + length)``, or None unless all of them are held."""
         with self._lock:
-            bases, chunks, first = self._bases, self._chunks, self._first
-            if len(bases) <= first or offset < bases[first]:
+            return self._read(offset, length)
+
+    def read_many(self, spans: list[tuple[int, int]]) -> list[bytes | None]:
+        """``read`` of each ``(offset, length)``, under one lock (a loader reads thousands)."""
+        with self._lock:
+            read = self._read
+            return [read(offset, length) for offset, length in spans]
+
+    def _read(self, offset: int, length: int) -> bytes | None:
+        bases, chunks, first = self._bases, self._chunks, self._first
+        if len(bases) <= first or offset < bases[first]:
+            return None
+        index = bisect_right(bases, offset, first) - 1
+        chunk = chunks[index]
+        start = offset - bases[index]
+        stop = start + length
+        if stop <= len(chunk):
+            return chunk[start:stop] if start or stop != len(chunk) else chunk
+        parts = [chunk[start:]]
+        needed = stop - len(chunk)
+        while needed > 0:
+            index += 1
+            if index >= len(chunks):
                 return None
-            index = bisect_right(bases, offset, first) - 1
             chunk = chunks[index]
-            start = offset - bases[index]
-            stop = start + length
-            if stop <= len(chunk):
-                return chunk[start:stop] if start or stop != len(chunk) else chunk
-            parts = [chunk[start:]]
-            needed = stop - len(chunk)
-            while needed > 0:
-                index += 1
-                if index >= len(chunks):
-                    return None
-                chunk = chunks[index]
-                parts.append(chunk[:needed])
-                needed -= len(chunk)
-            return b"".join(parts)
+            parts.append(chunk[:needed])
+            needed -= len(chunk)
+        return b"".join(parts)
 
     def read_whole(self, offset: int, end: int, max_bytes: int) -> bytes | None:
         """Bytes from ``offset`` (a record boundary) to the end of a batch (so whole records):

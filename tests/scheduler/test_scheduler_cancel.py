@@ -17,6 +17,7 @@ import trio.lowlevel
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError
 from delaymq.protocol.records import encode_message
+from delaymq.scheduler.cancels import RecentDispatches
 from delaymq.wheel import HOUR_MS
 
 SECOND = 1_000
@@ -393,3 +394,17 @@ def test_filed_cancels_are_done_entries_of_their_hours_without_a_dispatch_log(tm
         drop_from(state, cancel_at)  # the CANCEL record cut: its entries are scheduled again
         with ScheduleStore.open(tmp_path / "schedule", state) as store:
             assert store.cancelled(first + 5) == [] and store.pending(first + 5) == 3
+
+
+def test_recent_dispatches_remember_at_least_the_latest_size_and_let_the_oldest_go() -> None:
+    """``dispatched_at`` of a cancel that came too late: known for the latest dispatches."""
+    recent = RecentDispatches(size=100)
+    for n in range(10):
+        recent.recorded({7: list(range(n * 30, n * 30 + 30)), 8: [n]}, 1_000 + n)
+    assert recent.get(7, 299) == 1_009 and recent.get(8, 9) == 1_009
+    assert recent.get(7, 270 - 1) == 1_008  # of the latest 100: kept
+    assert all(recent.get(7, entry) is None for entry in range(60))  # the oldest: let go
+    kept = sum(recent.get(7, entry) is not None for entry in range(300)) + sum(
+        recent.get(8, n) is not None for n in range(10)
+    )
+    assert 100 <= kept <= 125

@@ -234,7 +234,7 @@ def test_records_still_in_the_message_logs_memory_are_read_from_there_and_the_re
     records = [message(i, BASE + 60_000, body=bytes([i]) * 200) for i in range(20)]
     with scheduler_folder(tmp_path) as (log, store):
         log.keep_recent(1 << 20)
-        store.recent_source = log.read_recent
+        store.recent_source = log.read_recent_many
         append(log, records, batch=7)
         replay_until_caught_up(log, store)
         with store.open_hour(HOUR) as reader:
@@ -246,11 +246,11 @@ def test_records_still_in_the_message_logs_memory_are_read_from_there_and_the_re
                 f.seek(entry.offset + 30)
                 f.write(bytes([byte[0] ^ 0xFF]))
             assert reader.read_records([3, 19, 0]) == [records[3], records[19], records[0]]  # from memory
-            store.recent_source = lambda source, size: bytes(size)  # not a record: the file is read
+            store.recent_source = lambda spans: [bytes(size) for _source, size in spans]  # not records: the file
             assert reader.read_records([19]) == [records[19]]
             with pytest.raises(ScheduleError, match="entry 3's record .* fails its CRC"):
                 reader.read_records([3])
-            store.recent_source = log.read_recent
+            store.recent_source = log.read_recent_many
             log.keep_recent(1)
             log.append(message(99, BASE + HOUR_MS))  # the log keeps only this batch now
             with pytest.raises(ScheduleError, match="entry 3's record .* fails its CRC"):

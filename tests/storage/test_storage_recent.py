@@ -30,6 +30,8 @@ def test_a_log_keeps_its_newest_bytes_and_reads_them_as_the_disk_holds_them(tmp_
         assert log.read_recent(offsets[-1] + len(record(0)), len(record(0))) == record(1039)
         assert log.read_recent(offsets[0], len(batches[0])) is None  # forgotten: read from the disk
         assert log.read_recent(ends[-1], 1) is None  # not written
+        spans = [(offsets[i], len(batches[i])) for i in range(40)] + [(ends[-1], 1)]
+        assert log.read_recent_many(spans) == [log.read_recent(offset, length) for offset, length in spans]
 
 
 def test_bytes_cut_from_a_log_are_never_read_from_memory(tmp_path: Path) -> None:
@@ -53,6 +55,7 @@ def test_a_log_keeps_nothing_unless_asked(tmp_path: Path) -> None:
     with SegmentedLog.open(tmp_path) as log:
         offset = log.append(record(1))
         assert log.read_recent(offset, len(record(1))) is None
+        assert log.read_recent_many([(offset, len(record(1)))]) == [None]
 
 
 def test_recent_bytes_start_afresh_after_a_gap() -> None:
