@@ -270,7 +270,7 @@ class Producer(ProducerCore):
             if frame.command == Command.SCHEDULE and isinstance(group, str) and group:
                 for index in frame.indexes:
                     groups[index] = group
-        return [SentId(message_id, group) for message_id, group in zip(plan.ids, groups, strict=True)]
+        return SentId.many(plan.ids, groups)
 
     # -- cancel, move, query --------------------------------------------------
 

@@ -31,20 +31,31 @@ def encode_name(
     command: str | None = None,
 ) -> bytes:
     """``value``'s UTF-8 bytes, if it is a name of at most ``limit`` bytes; else raise ``error``."""
-    prefix = f"{command}: " if command else ""
+    # The command's prefix is made only for a refusal: this runs for every id a producer sends.
     if type(value) is not str:
-        raise error(f"{prefix}{field} is of type {type(value).__name__}, not str", code="bad_value", field=field)
+        raise error(
+            f"{_prefix(command)}{field} is of type {type(value).__name__}, not str", code="bad_value", field=field
+        )
     try:
         data = value.encode()
     except UnicodeEncodeError:
-        raise error(f"{prefix}{field} {value!r} is not valid Unicode text", code="bad_value", field=field) from None
+        raise error(
+            f"{_prefix(command)}{field} {value!r} is not valid Unicode text", code="bad_value", field=field
+        ) from None
     if not 0 < len(data) <= limit:
         raise error(
-            f"{prefix}{field} is {len(data)} UTF-8 bytes, must be 1 to {limit}", code="limit", field=field, limit=limit
+            f"{_prefix(command)}{field} is {len(data)} UTF-8 bytes, must be 1 to {limit}",
+            code="limit",
+            field=field,
+            limit=limit,
         )
     if not value.isprintable() and CONTROL.search(value):
-        raise error(f"{prefix}{field} {value!r} holds a control character", code="bad_value", field=field)
+        raise error(f"{_prefix(command)}{field} {value!r} holds a control character", code="bad_value", field=field)
     return data
+
+
+def _prefix(command: str | None) -> str:
+    return f"{command}: " if command else ""
 
 
 def check_name(
