@@ -172,6 +172,8 @@ class Consumer:
 
         A message fetched ahead of its ``deliver_at`` (``fetch_ahead``) is held until then.
         """
+        if max_messages is not None and max_messages < 1:
+            raise ValueError(f"max_messages is {max_messages}; give at least 1, or None for all that are here")
         queue, channel, clock = self._queue, self._receive, self._clock
         if len(queue):
             batch = queue.take(clock.now_ms(), max_messages)

@@ -367,7 +367,7 @@ class ConsumerStatistics:
     server_groups: tuple[str, ...]
     held_messages: int
     held_bytes: int
-    received: int  # messages handed to the application
+    received: int  # messages taken from the servers for the application (fetched ahead: on arrival)
     filtered: int  # messages the server's tag mask let through and the exact check dropped
     acked: int
     nacked: int

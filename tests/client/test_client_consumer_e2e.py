@@ -392,6 +392,8 @@ async def test_receive_batch_takes_what_has_arrived(tmp_path: Path) -> None:
             async with open_consumer(cluster.meta, "orders", group="g", start="earliest") as consumer:
                 first = await consumer.receive()  # the rest of its pull waits in the consumer
                 got.append(first)
+                with pytest.raises(ValueError, match="max_messages is 0"):
+                    await consumer.receive_batch(max_messages=0)
                 while len(got) < 7:
                     batch = await consumer.receive_batch(max_messages=4)
                     assert 1 <= len(batch) <= 4
