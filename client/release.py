@@ -48,7 +48,11 @@ class ReleaseQueue:
             lane = held.get((message.server_group, message.pulled_subject)) if held else None
             deliver_at = message.deliver_at
             if lane is None and (deliver_at <= now_ms or deliver_at <= message.created_at):
-                ready.append(message)  # due, or not a scheduled message: nothing to wait for
+                # Due, or not a scheduled message: nothing to wait for. One that arrived before
+                # it was due (and waited to be taken) reaches the application now.
+                if message.received_at < deliver_at and deliver_at > message.created_at:
+                    _set_received_at(message, now_ms)
+                ready.append(message)
                 continue
             # Not scheduled (behind a held one): released as soon as it is first in its lane.
             release = min(deliver_at, message.received_at + ahead) if deliver_at > message.created_at else 0

@@ -79,6 +79,7 @@ arrivals = st.lists(
         st.integers(0, 500),  # arrival, ms after T0
         st.integers(-300, 800),  # deliver_at - arrival
         st.booleans(),  # scheduled (deliver_at after created_at)?
+        st.integers(0, 300),  # how long it waited before the queue took it (a busy consumer)
     ),
     max_size=40,
 )
@@ -86,16 +87,17 @@ arrivals = st.lists(
 
 @given(arrivals, st.lists(st.integers(0, 1_500), max_size=20), st.integers(0, MAX_PULL_AHEAD_MS))
 def test_nothing_is_released_before_its_moment_or_out_of_its_lanes_order_and_all_of_it_in_the_end(
-    items: list[tuple[tuple[str, bool], int, int, bool]], takes: list[int], ahead: int
+    items: list[tuple[tuple[str, bool], int, int, bool, int]], takes: list[int], ahead: int
 ) -> None:
     queue = ReleaseQueue(ahead_ms=ahead)
     sent: dict[tuple[str, bool], list[str]] = {}
     moment: dict[str, int] = {}
-    events = sorted([(at, 0, n) for n, (_lane, at, _d, _s) in enumerate(items)] + [(t, 1, -1) for t in takes])
+    added = [(at + wait, 0, n) for n, (_lane, at, _d, _s, wait) in enumerate(items)]
+    events = sorted(added + [(t, 1, -1) for t in takes])
     out: list[ReceivedMessage] = []
     for now, kind, n in events:
         if kind == 0:
-            (group, retry), at, offset, scheduled = items[n]
+            (group, retry), at, offset, scheduled, _wait = items[n]
             deliver_at = T0 + at + offset
             created = deliver_at - 1 if scheduled else deliver_at
             message = received(f"m{n}", deliver_at=deliver_at, created_at=created, at=T0 + at, group=group, retry=retry)
@@ -109,6 +111,8 @@ def test_nothing_is_released_before_its_moment_or_out_of_its_lanes_order_and_all
     assert len(queue) == 0 and sorted(ids(out)) == sorted(f"m{n}" for n in range(len(items)))
     for message in out:
         assert message.received_at >= moment[message.id]
+        if message.deliver_at > message.created_at and moment[message.id] >= message.deliver_at:
+            assert message.lateness_ms >= 0  # never early by this clock once its clock allows
     for (group, retry), expected in sent.items():
         lane = [m.id for m in out if m.server_group == group and bool(m.pulled_subject) == retry]
         assert lane == expected
