@@ -161,8 +161,8 @@ class Consumer:
     async def receive(self) -> ReceivedMessage:
         """The next message; ``trio.EndOfChannel`` once closed, ``ConsumerFailed`` if refused.
 
-        Messages that arrived together are handed out with a full checkpoint
-        per arrival, not per message (a scheduler round per message would
+        Messages already here are handed out with a cancellation check each and a
+        full checkpoint only when it waits (a scheduler round per message would
         cost more than everything else a message takes).
         """
         return (await self.receive_batch(1))[0]
@@ -175,11 +175,8 @@ class Consumer:
         if max_messages is not None and max_messages < 1:
             raise ValueError(f"max_messages is {max_messages}; give at least 1, or None for all that are here")
         queue, channel, clock = self._queue, self._receive, self._clock
-        if len(queue):
-            batch = queue.take(clock.now_ms(), max_messages)
-            if batch:
-                await trio.lowlevel.checkpoint_if_cancelled()
-                return batch
+        # Before anything is taken: a cancelled call must leave every message where it was.
+        await trio.lowlevel.checkpoint_if_cancelled()
         while True:
             closed = False
             while True:
@@ -193,8 +190,7 @@ class Consumer:
             now = clock.now_ms()
             batch = queue.take(now, max_messages)
             if batch:
-                await trio.lowlevel.checkpoint_if_cancelled()
-                return batch
+                return batch  # (no checkpoint from the take on: a cancel cannot drop them)
             release = queue.next_release()
             if closed:
                 if release is None:

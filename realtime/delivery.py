@@ -74,8 +74,10 @@ def pick(
 
     Never early: new entries are handed out in order up to the first held one
     (``HELD``: a scheduler sent it ahead of its ``deliver_at``) whose time is past
-    ``now_ms``; the pick stops there and says until when (``held_until``). A PULL
-    asking ``ahead_ms`` passes the clock that much later (its consumer holds them).
+    ``now_ms``; the pick stops there and says until when (``held_until``). So does a
+    given-back held entry not due yet (a consumer fetched it ahead, then gave it back),
+    new entries still going. A PULL asking ``ahead_ms`` passes the clock that much later
+    (its consumer holds them).
 
     Reads no file: entries come from memory (``ConsumeLog.read_held``); where none it
     needs are held, raises ``EntriesNotHeld`` (the share unchanged but for entries it
@@ -90,6 +92,7 @@ def pick(
     if consume_log is None:
         return Pick(picked, False)
     total = 0
+    held = None  # the earliest moment a held entry the pick stopped at may go
     if share.redeliver:
         taken = groups.take_redeliveries(share, limit)
         for index, (sequence, redeliveries) in enumerate(taken):
@@ -113,6 +116,13 @@ def pick(
                 if picked:
                     return Pick(picked, False)
                 raise EntriesNotHeld(sequence)
+            release = held_until(entry.stored_at)
+            if release is not None and release > now_ms:
+                # Given back before it was due (its consumer had fetched it ahead): it and the
+                # given-back ones after it wait until then; new entries may still go.
+                groups.put_back(share, taken[index:])
+                held = release
+                break
             if picked and total + entry.size > max_bytes:
                 groups.put_back(share, taken[index:])
                 return Pick(picked, False)
@@ -123,7 +133,6 @@ def pick(
     skip = share.skip
     scanned = 0
     full = len(picked) >= limit
-    held = None
     while not full and position < count and scanned < SCAN_ENTRIES:
         data = consume_log.read_held(position, min(READ_ENTRIES, count - position))
         if data is None:  # not in memory: picked as far as it goes, or read it first
@@ -142,7 +151,7 @@ def pick(
             if stored_at > now_ms:  # held (sent ahead), or indexed before the wall clock stepped back
                 release = held_until(stored_at)
                 if release is not None and release > now_ms:  # it and all behind it wait
-                    held = release
+                    held = release if held is None else min(held, release)
                     full = True
                     break
             if picked and total + size > max_bytes:

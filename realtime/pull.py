@@ -97,6 +97,8 @@ class PullHandler:
         mask = tags_mask(pull.tags) if pull.tags else 0
         deadline = trio.current_time() + pull.timeout_ms / 1000
         subject = pull.subject
+        # Never more than half the ack timeout ahead: a hand-out's ack timeout starts at once.
+        ahead_ms = min(pull.ahead_ms, groups.ack_timeout_ms // 2)
         consumer.waiting += 1  # a consumer in a long poll is alive
         try:
             while True:
@@ -104,7 +106,7 @@ class PullHandler:
                     raise NotMaster(f"PULL: {self.closed}; ask the metaserver")
                 consume_log = self._indexer.consume_log(subject)
                 # What is held until ``ahead_ms`` from now may go: the consumer holds it until due.
-                now_ms = self._clock.now_ms() + pull.ahead_ms
+                now_ms = self._clock.now_ms() + ahead_ms
                 try:
                     picked, more, held_until = pick(
                         consume_log, groups, consumer.share, pull.max, pull.max_bytes, mask, now_ms

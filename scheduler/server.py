@@ -704,6 +704,7 @@ class Scheduler(ChangeCommands):
             # before the store opens, which counts the cancelled entries.
             drop_from(member.state, offset)
             member.store = self._stores["store"] = ScheduleStore.open(folder, member.state)
+            member.store.recent_source = member.log.read_recent_many  # (as _open_storage sets it)
             member.records = DispatchRecords(member.store)
         else:
             size = member.log.truncate(offset)

@@ -276,3 +276,35 @@ async def test_messages_fetched_ahead_reach_the_handler_at_their_moment_never_ea
         assert all(deliver_at <= received_at <= now for _id, deliver_at, received_at, now in seen)  # never early
     assert all(received_at - deliver_at <= 1 for _id, deliver_at, received_at, _now in handled["ahead"])  # on time
     assert pulls["ahead"] * 2 < pulls["server"], pulls
+
+
+async def test_a_cancelled_receive_leaves_the_messages_for_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A receive cancelled before it returns (a timeout, a closing nursery) takes nothing:
+    the messages already here, and one held until due, go to the next receive."""
+    async with (
+        open_cluster(tmp_path, monkeypatch, scheduler=True, send_ahead_ms=500, send_interval_ms=20) as cluster,
+        open_consumer(META, "orders", group="g", clock=cluster.clock, start="earliest") as consumer,
+    ):
+        clock = cluster.clock
+        due = clock.now_ms() + 5_000
+        async with open_producer(META, clock=clock) as producer:
+            sent = await producer.send_batch(
+                [producer.message("orders", b"now"), producer.message("orders", b"later", at=due)]
+            )
+        while consumer.statistics().received < 1:  # the first is here, not taken yet
+            await trio.sleep(0.01)
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await consumer.receive()
+        with trio.move_on_after(0):  # a timeout that is over before it waits
+            await consumer.receive_batch()
+        first = await consumer.receive()
+        while consumer.statistics().received < 2:  # "later" is fetched 0.2 s ahead, held here
+            await trio.sleep(0.01)
+        with trio.move_on_after((due - 100 - clock.now_ms()) / 1000):  # times out while it is held
+            await consumer.receive()
+        assert clock.now_ms() < due
+        second = await consumer.receive()
+        assert [first.id, second.id] == sent and second.received_at >= second.deliver_at == due

@@ -131,3 +131,34 @@ async def test_a_pull_asking_too_far_ahead_is_refused_naming_ahead_ms(
         assert refused.value.field == "ahead_ms"
         pulled = await client.pull(10, ahead_ms=MAX_PULL_AHEAD_MS, **{"from": "earliest"})
         assert pulled.ids == ["held"]  # nothing handed out by the refused pull
+
+
+async def test_a_record_fetched_ahead_and_given_back_is_not_handed_out_before_it_is_due(
+    local: Any, rt: SimpleNamespace, autojump_clock: Any
+) -> None:
+    """Consumer "a" fetched it ahead, then gave it back (a nack, a close): another consumer
+    of the group that does not fetch ahead gets it at its tick, not before; new entries pass."""
+    due = EPOCH + 150
+    tick = -(-due // RELEASE_TICK_MS) * RELEASE_TICK_MS
+    async with local.server(listen=None) as server:
+        async with rt.memory_client(server, consumer="a") as a, rt.memory_client(server, consumer="b") as b:
+            assert await a.send([ahead("soon", due)]) == ["stored"]
+            taken = await a.pull(10, ahead_ms=200, **{"from": "earliest"})
+            assert taken.ids == ["soon"]
+            await a.nack(taken.start, taken.end)  # given back at once
+            assert await a.send([Message("now", "orders", body=b"y")]) == ["stored"]
+            assert (await b.pull(10)).ids == ["now"]  # the new one goes; the given-back one waits
+            assert local.clock.now_ms() == EPOCH
+            again = await b.pull(10, timeout_ms=5_000)
+            assert again.ids == ["soon"] and again.messages[0].attempts == 1
+            assert local.clock.now_ms() == tick
+
+
+async def test_a_pull_takes_at_most_half_the_ack_timeout_ahead(
+    local: Any, rt: SimpleNamespace, autojump_clock: Any
+) -> None:
+    """Its ack timeout starts at the hand-out: one spent waiting for the moment would come back."""
+    async with local.server(listen=None, ack_timeout_ms=300) as server, rt.memory_client(server) as client:
+        assert await client.send([ahead("held", EPOCH + 400)]) == ["stored"]
+        pulled = await client.pull(10, ahead_ms=MAX_PULL_AHEAD_MS, timeout_ms=5_000, **{"from": "earliest"})
+        assert pulled.ids == ["held"] and local.clock.now_ms() == EPOCH + 400 - 150

@@ -141,8 +141,10 @@ def test_pick_never_hands_out_an_entry_before_its_time_nor_any_behind_it(tmp_pat
     # A tag filter passes over an entry it would not hand out, due or not.
     picked, _, held_until = pick(log, groups, share, limit=10, max_bytes=10_000, mask=0b01, now_ms=1_030)
     assert [seq for seq, *_ in picked] == [3, 4] and held_until is None and share.position == 5
-    share.redeliver.append((0, 1))  # a given-back entry went out once: it is due
-    picked, *_ = pick(log, groups, share, limit=10, max_bytes=10_000, mask=0, now_ms=0)
+    # A given-back entry (handed out ahead to a consumer that fetched it so) waits for its time too.
+    share.redeliver.append((0, 1))
+    assert pick(log, groups, share, limit=10, max_bytes=10_000, mask=0, now_ms=999) == ([], False, 1_000)
+    picked, *_ = pick(log, groups, share, limit=10, max_bytes=10_000, mask=0, now_ms=1_000)
     assert [(seq, red) for seq, red, _, _ in picked] == [(0, 1)]
     log.close()
 
