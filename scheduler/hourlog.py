@@ -137,9 +137,12 @@ class HourLog:
         """The full message records of ``entry_nos``, in the order given, each checked.
 
         A record whose message-log bytes are still in memory (``recent_source``) comes from
-        there: no read, and its CRC not checked again (this process checked and wrote it;
-        its envelope is checked, so the wrong bytes are never taken). The others come from
-        the schedule log, CRC checked, records close together with one ``pread``.
+        there: no read, and its CRC not checked again (this process checked and wrote it).
+        They are the bytes it was filed from: an entry's ``source`` names them while the
+        entry exists (a cutback drops entries at or past the cut before the log truncates,
+        which forgets what it kept); its envelope (size, magic, version) is checked as a
+        guard. The others come from the schedule log, CRC checked, records close together
+        with one ``pread``.
         """
         if not entry_nos:
             return []
