@@ -114,6 +114,11 @@ SCHEDULER_SEGMENT_SIZE = 64 << 20
 COUNTERS_SAVE_MS = 1_000
 #: How long a SCHEDULE waits for ``min_insync`` slaves under sync replication.
 DEFAULT_REPLICATION_TIMEOUT_MS = 5_000
+#: A SCHEDULE waits while replay is more than this far behind (``Scheduler._filing_room``):
+#: under the bytes the message log keeps in memory, so replay files from there.
+DEFAULT_MAX_UNFILED_BYTES = REPLAY_RECENT_BYTES * 3 // 4
+#: ... and is refused ``unavailable`` (the client retries) after waiting this long.
+FILING_WAIT_MS = 5_000
 
 
 class MessageLog(SegmentedLog):
@@ -148,8 +153,11 @@ class Scheduler(ChangeCommands):
         make_dispatcher: Callable[[WheelSet, Deliver, Callable[[dict[int, list[int]]], None]], Dispatcher],
         deliver: Callable[[int, Mastership], Deliver],
         counters: SchedulerCounters | None = None,
+        max_unfiled_bytes: int = DEFAULT_MAX_UNFILED_BYTES,
     ) -> None:
         self.member = member
+        self._max_unfiled_bytes = max_unfiled_bytes
+        self._schedule_waits = 0  # SCHEDULEs that waited for filing (``_filing_room``)
         self.group = member.group
         self._stores = stores if stores is not None else {}
         self.registration: Registration | None = None
@@ -305,6 +313,7 @@ class Scheduler(ChangeCommands):
                 **self.store.fsync_durations_us(),
             },
             log_bytes=self.store.log_bytes(),
+            schedule_waits=self._schedule_waits,
         )
 
     def counters(self) -> SchedulerCounters:
@@ -448,8 +457,9 @@ class Scheduler(ChangeCommands):
     async def _schedule(self, request: Request) -> dict[str, Any]:
         session = self._master("SCHEDULE")
         body = request.batch_body()
+        batch = scan_batch(body, self._limits, now_ms=self._clock.now_ms())  # refuses deliver_at beyond the horizon
+        await self._filing_room(session)
         now = self._clock.now_ms()
-        batch = scan_batch(body, self._limits, now_ms=now)  # refuses deliver_at beyond the horizon
         deliver_ats = batch.deliver_ats
         latest = max(deliver_ats)
         if latest > MAX_DELIVER_AT:
@@ -529,6 +539,29 @@ class Scheduler(ChangeCommands):
         self._scheduled += len(kept)
         self._wake_housekeeping()
         return {"results": results, "group": self.group}
+
+    async def _filing_room(self, session: MasterSession) -> None:
+        """Backpressure: a SCHEDULE waits while replay is more than ``max_unfiled_bytes``
+        behind the message log's end, so what is accepted and not yet filed (the unfiled
+        tail's memory, and replay reading from the log's memory, not its file) stays bounded
+        when producers send faster than filing keeps up (many hours at once). Refused as
+        ``unavailable`` (retried by the client, nothing stored) after ``FILING_WAIT_MS``."""
+        log, store = self._log, self.store
+        if log.end_offset - store.checkpoint <= self._max_unfiled_bytes:
+            return
+        self._schedule_waits += 1
+        with trio.move_on_after(FILING_WAIT_MS / 1000):
+            while log.end_offset - store.checkpoint > self._max_unfiled_bytes:
+                await session.step_filed.wait()
+            return
+        behind = log.end_offset - store.checkpoint
+        raise RemoteProtocolError(
+            f"SCHEDULE: filing is {behind} bytes behind (limit {self._max_unfiled_bytes}) after waiting "
+            f"{FILING_WAIT_MS} ms; nothing of the batch was stored, retry",
+            code="unavailable",
+            field="max_unfiled_bytes",
+            limit=self._max_unfiled_bytes,
+        )
 
     async def _logged(
         self, session: MasterSession, entries: list[tuple[str, TailEntry]], end: int, command: str
@@ -847,6 +880,7 @@ async def open_scheduler(
     send_ahead_ms: int = DEFAULT_SEND_AHEAD_MS,
     max_loaded: int = DEFAULT_MAX_LOADED,
     replay_bytes: int = DEFAULT_STEP_BYTES,
+    max_unfiled_bytes: int = DEFAULT_MAX_UNFILED_BYTES,
     send_timeout: float = 10.0,
     segment_size: int = SCHEDULER_SEGMENT_SIZE,
     run_blocking: RunBlocking = run_in_thread,
@@ -864,7 +898,8 @@ async def open_scheduler(
     ``limits.horizon_ms`` is how far ahead a message may be scheduled. ``run_blocking``
     runs the disk work (default: a worker thread; ``run_inline`` for autojump tests).
     ``replay_bytes`` is how much of the message log one replay step files at most (the
-    step's memory; one commit and fsync round per step). ``segment_size``: the message
+    step's memory; one commit and fsync round per step). ``max_unfiled_bytes``: a SCHEDULE
+    waits while replay is further behind than that (``Scheduler._filing_room``). ``segment_size``: the message
     log's segments; a folder written with another size takes this one (``_adopt_segment_size``).
     ``send_interval_ms``: a subject's SENDs to realtime start at least this far apart
     (what falls due meanwhile goes in one batch; ``Dispatcher``). ``send_ahead_ms``: each
@@ -884,6 +919,8 @@ async def open_scheduler(
         raise ValueError(f"send_ahead_ms must be between 0 and {MAX_SEND_AHEAD_MS}, got {send_ahead_ms}")
     if replay_bytes < 1:
         raise ValueError(f"replay_bytes must be at least 1, got {replay_bytes}")
+    if max_unfiled_bytes < 1:
+        raise ValueError(f"max_unfiled_bytes must be at least 1, got {max_unfiled_bytes}")
     if replication not in ("sync", "async"):
         raise ValueError(f"replication must be 'sync' or 'async', got {replication!r}")
     if min_insync < 0:
@@ -972,6 +1009,7 @@ async def open_scheduler(
                 make_dispatcher=make_dispatcher,
                 deliver=deliver_for,
                 counters=counters,
+                max_unfiled_bytes=max_unfiled_bytes,
             )
 
             async def register(nursery: trio.Nursery, address: str) -> None:

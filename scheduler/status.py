@@ -92,6 +92,8 @@ class SchedulerStatistics:
     # Bytes on disk besides the message log's: "schedule" (the hours' schedule logs, delay
     # indexes and heads tables), "dispatch" (dispatch logs); counted, not walked per snapshot
     log_bytes: dict[str, int] = field(default_factory=dict)
+    # SCHEDULE requests that waited for filing to catch up (``max_unfiled_bytes``) since start
+    schedule_waits: int = 0
 
 
 @dataclass(frozen=True, slots=True)

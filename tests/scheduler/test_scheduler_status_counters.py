@@ -14,11 +14,14 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import trio
 import trio.testing
 
 from delaymq.cli.status_command import format_scheduler
 from delaymq.protocol.commands import Command
+from delaymq.protocol.errors import PeerError
+from delaymq.scheduler import server as server_module
 from delaymq.scheduler.replay import Unfiled, replay_step, unfiled
 from delaymq.wheel import HOUR_MS
 
@@ -68,6 +71,46 @@ async def test_status_says_how_many_records_and_bytes_are_not_yet_filed(
     shown = format_scheduler("scheduler-1", sched.SCHEDULER, waiting)
     assert f"NOT YET FILED: 1000 record(s), {sum(map(len, records))} bytes" in shown
     assert "filing done" in format_scheduler("scheduler-1", sched.SCHEDULER, done)
+
+
+async def test_a_schedule_waits_while_filing_is_too_far_behind_then_is_stored(
+    sched: SimpleNamespace, tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Producers faster than filing: what is accepted and not filed stays bounded
+    (``max_unfiled_bytes``): the next SCHEDULE is answered once replay caught up."""
+    async with sched.open_cluster(tmp_path) as cluster:
+        now = cluster.clock.now_ms()
+        batches = [[sched.message(f"b{b}m{i}", now + HOUR_MS + i) for i in range(100)] for b in range(2)]
+        size = sum(map(len, batches[0]))
+        async with cluster.scheduler(flush="async", max_unfiled_bytes=size - 1) as scheduler:
+            started = trio.current_time()
+            await cluster.schedule_raw(batches[0])  # answered before its fsync: unfiled, past the bound
+            assert trio.current_time() == started and scheduler.statistics().unfiled_bytes == size
+            await cluster.schedule_raw(batches[1])  # waits for the fsync and replay of the first
+            stats = scheduler.statistics()
+            assert trio.current_time() > started and stats.schedule_waits == 1
+            assert stats.filed >= 100 and stats.unfiled_bytes == size and stats.scheduled == 200
+
+
+async def test_a_schedule_that_waited_too_long_for_filing_is_refused_retryable_and_nothing_is_stored(
+    sched: SimpleNamespace, tmp_path: Path, autojump_clock: trio.testing.MockClock, monkeypatch: Any
+) -> None:
+    monkeypatch.setattr(server_module, "FILING_WAIT_MS", 50)  # less than async flush's interval
+    async with sched.open_cluster(tmp_path) as cluster:
+        now = cluster.clock.now_ms()
+        first = [sched.message(f"a{i}", now + HOUR_MS + i) for i in range(100)]
+        second = [sched.message(f"b{i}", now + HOUR_MS + i) for i in range(100)]
+        async with cluster.scheduler(flush="async", max_unfiled_bytes=sum(map(len, first)) - 1) as scheduler:
+            await cluster.schedule_raw(first)
+            end = scheduler.statistics().message_log_end
+            with pytest.raises(PeerError) as refused:
+                await cluster.schedule_raw(second)
+            assert refused.value.code == "unavailable" and refused.value.field == "max_unfiled_bytes"
+            assert scheduler.statistics().message_log_end == end  # nothing of it stored
+            while scheduler.statistics().unfiled_bytes:  # the fsync, then replay
+                await trio.sleep(0.1)
+            answer = await cluster.schedule_raw(second)  # the retry is stored
+            assert answer.metadata["results"] == ["scheduled"] * 100
 
 
 def test_unfiled_counts_the_records_after_the_checkpoint_and_estimates_past_its_bound(
