@@ -80,11 +80,6 @@ class ReleaseQueue:
             return None
         return min(lane[0][0] for lane in self._held.values())
 
-    def clear(self) -> None:
-        self._ready.clear()
-        self._held.clear()
-        self._count = 0
-
     def _release(self, now_ms: int) -> None:
         ready = self._ready
         for key, lane in list(self._held.items()):

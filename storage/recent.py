@@ -15,6 +15,8 @@ import threading
 from bisect import bisect_right
 
 Bytes = bytes | bytearray | memoryview
+#: ``read_many`` reads at most this many spans per lock.
+_MANY = 256
 
 
 class RecentBytes:
@@ -59,10 +61,14 @@ class RecentBytes:
             return self._read(offset, length)
 
     def read_many(self, spans: list[tuple[int, int]]) -> list[bytes | None]:
-        """``read`` of each ``(offset, length)``, under one lock (a loader reads thousands)."""
-        with self._lock:
-            read = self._read
-            return [read(offset, length) for offset, length in spans]
+        """``read`` of each ``(offset, length)``, a lock per ``_MANY`` of them (a loader reads
+        thousands; an append waits for one lock's worth at most)."""
+        read = self._read
+        out: list[bytes | None] = []
+        for first in range(0, len(spans), _MANY):
+            with self._lock:
+                out += [read(offset, length) for offset, length in spans[first : first + _MANY]]
+        return out
 
     def _read(self, offset: int, length: int) -> bytes | None:
         bases, chunks, first = self._bases, self._chunks, self._first

@@ -111,3 +111,14 @@ def test_a_replicas_copy_of_its_masters_bytes_is_not_read_from_memory(tmp_path: 
         assert log.read_recent(copied, len(record(2))) is None
         assert log.read_recent_whole(copied, log.end_offset, 1 << 20) is None
         assert log.read_raw(copied)[0] == record(2)
+
+
+def test_read_many_reads_as_read_does_however_many_spans_it_is_given() -> None:
+    recent = RecentBytes(5_000)  # the last 500 of 700 adds
+    for n in range(700):
+        recent.add(n * 10, bytes([n % 256]) * 10)
+    spans = [(n * 10, 10) for n in range(700)] + [(6_985, 10), (6_995, 10)]
+    got = recent.read_many(spans)
+    assert got == [recent.read(offset, length) for offset, length in spans]
+    assert got[0] is None and got[699] == bytes([699 % 256]) * 10
+    assert got[-2] == bytes([698 % 256]) * 5 + bytes([699 % 256]) * 5 and got[-1] is None  # past the end
