@@ -310,6 +310,12 @@ def realtime_families(stats: RealtimeStatistics, transport: ServerStatistics) ->
         stats.lateness_handed_out,
     )
     yield counter(
+        prefix + "handed_out_early",
+        "Messages handed out before their deliver_at (counted as 0 s in the hand-out lateness): "
+        "those consumers fetching ahead (fetch_ahead) took, to hold until then",
+        stats.lateness_handed_out.get("early", 0),
+    )
+    yield counter(
         "delaymq_messages_acked",
         "Messages consumers acked (each once; ACK requests are counted apart)",
         stats.acked_messages,
@@ -366,6 +372,11 @@ def scheduler_families(
         ("filing_fsyncs", "filing_fsyncs", "fsyncs and file-system syncs of filing into schedule logs"),
         ("deleted_hours", "deleted_hours", "Fully delivered hours removed past their retention"),
         ("deleted_segments", "deleted_segments", "Message-log segments removed once filed"),
+        (
+            "schedule_waits",
+            "schedule_waits",
+            "SCHEDULE requests that waited for filing to catch up (max_unfiled_bytes)",
+        ),
     ):
         yield counter(prefix + name, documentation, getattr(stats, key))
     for key, name, documentation in (

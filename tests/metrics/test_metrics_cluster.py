@@ -173,6 +173,7 @@ async def test_metrics_of_a_cluster_show_the_counts_of_a_known_workload(tmp_path
     assert value(rt, "delaymq_realtime_accept_lateness_seconds_bucket", le="+Inf") == delivered
     assert value(rt, "delaymq_realtime_accepted_early_total") == 0
     assert value(rt, "delaymq_realtime_handout_lateness_seconds_count") == 2 * delivered
+    assert value(rt, "delaymq_realtime_handed_out_early_total") == 0  # nothing was sent ahead here
     assert value(rt, "delaymq_server_info", kind="realtime", group="realtime-1", **_info_rest(rt, "realtime")) == 1
     assert value(rt, "delaymq_server_is_master") == 1
     assert value(rt, "delaymq_connections_open") >= 1
@@ -183,6 +184,7 @@ async def test_metrics_of_a_cluster_show_the_counts_of_a_known_workload(tmp_path
     # The scheduler: the 23 scheduled and the retry; the 20 due ones dispatched, 4 pending.
     assert value(sched, "delaymq_scheduler_messages_scheduled_total") == due + later + 1
     assert value(sched, "delaymq_scheduler_messages_dispatched_total") == due
+    assert value(sched, "delaymq_scheduler_schedule_waits_total") == 0  # filing kept up
     assert value(sched, "delaymq_scheduler_fire_lateness_seconds_count") == due
     assert value(sched, "delaymq_scheduler_pending_messages") == later + 1
     windows = {
