@@ -178,6 +178,8 @@ def format_filing(stats: dict[str, Any]) -> list[str]:
     else:
         count = "?" if records < 0 else str(records) if stats.get("unfiled_exact") else f"about {records}"
         filing = f"  NOT YET FILED: {count} record(s), {unfiled} bytes; {held}"
+    if stats.get("schedule_waits"):
+        filing += f"; {stats['schedule_waits']} SCHEDULE(s) waited for filing to catch up since start"
     return [
         filing,
         f"  since created: {stats.get('scheduled', '?')} scheduled ({stats.get('rewritten', '?')} due at once), "

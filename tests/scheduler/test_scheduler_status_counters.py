@@ -90,6 +90,8 @@ async def test_a_schedule_waits_while_filing_is_too_far_behind_then_is_stored(
             stats = scheduler.statistics()
             assert trio.current_time() > started and stats.schedule_waits == 1
             assert stats.filed >= 100 and stats.unfiled_bytes == size and stats.scheduled == 200
+            shown = format_scheduler("scheduler-1", sched.SCHEDULER, await status(cluster, sched))
+            assert "1 SCHEDULE(s) waited for filing to catch up since start" in shown
 
 
 async def test_a_schedule_that_waited_too_long_for_filing_is_refused_retryable_and_nothing_is_stored(
