@@ -131,6 +131,8 @@ def test_the_producer_reads_the_time_from_its_clock() -> None:
         ({"at": datetime(2026, 12, 24, 18, 0)}, "at"),  # naive
         ({"delay": -1}, "delay"),
         ({"delay": float("nan")}, "delay"),
+        ({"delay": float("inf")}, "delay"),
+        ({"delay": 1.8e305}, "delay"),  # finite, but not in milliseconds (it overflowed)
         ({"delay": "90s"}, "delay"),
         ({"at": "2026-12-24"}, "at"),
         ({"delay": 5, "at": T0}, "at"),
