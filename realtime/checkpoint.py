@@ -171,7 +171,7 @@ class Snapshot:
     index_offset: int
     consume: list[tuple[ConsumeLog, int]]
     pull_logs: list[PullLog]
-    dedup_ids: list[tuple[str, int]]
+    dedup_ids: list[tuple[list[str], int]]  # batches: (ids, stored_at)
     shares: list[tuple[Share, bytes]]
     consumers: list[tuple[ConsumerState, bytes]]
     now: int

@@ -27,10 +27,14 @@ are the blocking lmdb parts, run in a worker thread.
 lmdb layout (named dbs of the state store)::
 
     dedup_ids      key: dedup key (UTF-8)          value: stored_at i64 BE
-    dedup_time     key: bucket u64 BE + dedup key  value: empty
+    dedup_time     key: bucket u64 BE + NUL + stored_at i64 BE + 16-byte BLAKE2b of its first dedup key
+                                                   value: msgpack array of the batch's dedup keys
+                   (before 2026-11-24 a row an id:  key: bucket u64 BE + dedup key, value empty;
+                   still read, and pruned, alike)
     dedup_buckets  key: bucket u64 BE              value: empty
 
-with ``bucket = stored_at // BUCKET_MS``, so pruning walks whole expired seconds.
+with ``bucket = stored_at // BUCKET_MS``, so pruning walks whole expired seconds; a
+checkpoint writes one ``dedup_time`` row per indexed batch, not per id.
 """
 
 from __future__ import annotations
@@ -39,6 +43,10 @@ import hashlib
 import struct
 from collections import deque
 from collections.abc import Iterable, Sequence
+from itertools import groupby, repeat
+from operator import itemgetter
+
+import msgpack
 
 from delaymq.protocol.records import MessageBatch
 from delaymq.storage.state import StateStore, WriteBatch
@@ -48,6 +56,8 @@ IDS_DB = "dedup_ids"
 TIME_DB = "dedup_time"
 BUCKETS_DB = "dedup_buckets"
 _I64 = struct.Struct(">q")
+#: After the bucket in a ``dedup_time`` key: the row lists a batch's ids (no id starts with NUL).
+_BATCH_ROW = b"\x00"
 _U64 = struct.Struct(">Q")
 
 
@@ -71,7 +81,15 @@ def dedup_keys(batch: MessageBatch) -> list[str]:
 
 
 class DedupWindow:
-    """Stored ids of the last ``window_ms``; see the module docstring."""
+    """Stored ids of the last ``window_ms``; see the module docstring.
+
+    Kept a batch at a time, so the per-id work stays in C (``dict.update``, ``isdisjoint``):
+    ``_known`` maps every id memory holds to when it was stored (or admitted, while its
+    append is under way), and ``_batches`` lists the indexed batches oldest first, whose
+    first ``_committed`` are in lmdb and may be evicted. Batches are committed in the order
+    they were indexed (checkpoints take them in order and give back a failed one whole), so
+    the committed ones are always a prefix.
+    """
 
     def __init__(self, *, window_ms: int, memory_ids: int, covers_from: int) -> None:
         if window_ms <= 0:
@@ -81,22 +99,22 @@ class DedupWindow:
         self.window_ms = window_ms
         self.memory_ids = memory_ids
         self.covers_from = covers_from
-        self._pending: dict[str, int] = {}
-        self._recent: dict[str, int] = {}
-        self._order: deque[tuple[int, str]] = deque()
-        self._unpersisted: list[tuple[str, int]] = []
-        self._batches: deque[tuple[int, int, list[str]]] = deque()  # (stored_at, base, keys), oldest first
-        self._batch_keys = 0
+        self._known: dict[str, int] = {}
+        #: (stored_at, base or None when loaded from lmdb, keys), oldest first.
+        self._batches: deque[tuple[int, int | None, list[str]]] = deque()
+        self._committed = 0  # how many of ``_batches``, from the left, are in lmdb
+        self._committed_keys = 0  # and their keys
+        self._unpersisted: list[tuple[list[str], int]] = []
 
     def __len__(self) -> int:
-        return len(self._pending) + len(self._recent)
+        return len(self._known)
 
     def to_look_up(self, ids: Sequence[str], now: int) -> list[str]:
         """The ids memory cannot settle at ``now``: look them up with ``lookup_stored``."""
         if now - self.window_ms >= self.covers_from:
             return []
-        pending, recent = self._pending, self._recent
-        return [message_id for message_id in ids if message_id not in pending and message_id not in recent]
+        known = self._known
+        return [message_id for message_id in ids if message_id not in known]
 
     def admit(self, ids: Sequence[str], now: int, stored: Iterable[str] = ()) -> list[bool]:
         """Which records are new (True) or duplicates (False); new ids become pending.
@@ -104,44 +122,35 @@ class DedupWindow:
         ``stored`` holds the ids lmdb reported stored within the window. A second
         record with the same id in one batch is a duplicate of the first.
         """
+        known = self._known
         stored = set(stored)
+        if not stored and known.keys().isdisjoint(ids) and len(set(ids)) == len(ids):
+            known.update(zip(ids, repeat(now)))  # the usual batch: every id new
+            return [True] * len(ids)
         oldest = now - self.window_ms
         fresh: list[bool] = []
-        pending, recent = self._pending, self._recent
         for message_id in ids:
-            stored_at = pending.get(message_id)  # known at (inline: once per record)
-            if stored_at is None:
-                stored_at = recent.get(message_id)
+            stored_at = known.get(message_id)
             if (stored_at is not None and stored_at > oldest) or message_id in stored:
                 fresh.append(False)
             else:
-                pending[message_id] = now
+                known[message_id] = now
                 fresh.append(True)
         return fresh
 
     def forget(self, ids: Iterable[str]) -> None:
         """Admitted ids whose records were not stored after all (the append failed)."""
         for message_id in ids:
-            self._pending.pop(message_id, None)
+            self._known.pop(message_id, None)
 
     def indexed(self, ids: list[str], stored_at: int, base: int | None = None) -> None:
         """Stored and indexed (their records back to back from message-log offset ``base``):
         to be committed with the next checkpoint."""
-        pending = self._pending
-        for message_id in ids:
-            pending[message_id] = stored_at
-            self._unpersisted.append((message_id, stored_at))
-        if base is not None and ids:
-            self._batches.append((stored_at, base, ids))
-            self._batch_keys += len(ids)
-            if self._batch_keys > self.memory_ids:
-                self._drop_batches(stored_at - self.window_ms)
-
-    def _drop_batches(self, oldest: int) -> None:
-        """Forget the places of batches past ``memory_ids`` keys or stored at ``oldest`` or before."""
-        batches = self._batches
-        while batches and (self._batch_keys > self.memory_ids or batches[0][0] <= oldest):
-            self._batch_keys -= len(batches.popleft()[2])
+        if not ids:
+            return
+        self._known.update(zip(ids, repeat(stored_at)))
+        self._unpersisted.append((ids, stored_at))
+        self._batches.append((stored_at, base, ids))
 
     def locate(self, ids: Iterable[str], now: int) -> dict[str, tuple[int, int, int]]:
         """``id -> (stored_at, base, index)`` for the ids of batches memory still places (the
@@ -152,7 +161,7 @@ class DedupWindow:
         for stored_at, base, keys in reversed(self._batches):
             if not wanted or stored_at <= oldest:
                 break
-            if wanted.isdisjoint(keys):
+            if base is None or wanted.isdisjoint(keys):
                 continue
             for index, key in enumerate(keys):
                 if key in wanted:
@@ -160,43 +169,47 @@ class DedupWindow:
                     found[key] = (stored_at, base, index)
         return found
 
-    def take_unpersisted(self) -> list[tuple[str, int]]:
-        """The ids for the next checkpoint (give them to ``committed`` once written)."""
+    def take_unpersisted(self) -> list[tuple[list[str], int]]:
+        """The batches of ids for the next checkpoint, ``(ids, stored_at)`` each, oldest first
+        (give them to ``committed`` once written, or back to ``restore_unpersisted``)."""
         taken, self._unpersisted = self._unpersisted, []
         return taken
 
-    def committed(self, entries: Iterable[tuple[str, int]], now: int) -> None:
-        """These ids are in lmdb: move them to ``recent`` and evict what is over."""
-        pending, recent, order = self._pending, self._recent, self._order
-        for message_id, stored_at in entries:
-            if pending.get(message_id) == stored_at:
-                del pending[message_id]
-            recent[message_id] = stored_at
-            order.append((stored_at, message_id))
+    def committed(self, batches: Sequence[tuple[list[str], int]], now: int) -> None:
+        """These batches (the oldest not committed yet) are in lmdb: they may be evicted now."""
+        self._committed += len(batches)
+        self._committed_keys += sum(len(ids) for ids, _ in batches)
         self.evict(now)
 
     def evict(self, now: int) -> None:
+        """Forget committed batches stored at ``now - window_ms`` or before, and the oldest ones
+        while more than ``memory_ids`` committed ids are held (then memory no longer covers
+        the whole window: ``covers_from`` moves past them)."""
         oldest = now - self.window_ms
-        self._drop_batches(oldest)
-        recent, order = self._recent, self._order
-        while order and (order[0][0] <= oldest or len(recent) > self.memory_ids):
-            stored_at, message_id = order.popleft()
-            if recent.get(message_id) == stored_at:
-                del recent[message_id]
-                if stored_at > oldest:  # evicted for the cap, not expired
-                    self.covers_from = max(self.covers_from, stored_at + 1)
+        batches, known = self._batches, self._known
+        while self._committed and (batches[0][0] <= oldest or self._committed_keys > self.memory_ids):
+            stored_at, _base, ids = batches.popleft()
+            self._committed -= 1
+            self._committed_keys -= len(ids)
+            for message_id in ids:
+                if known.get(message_id) == stored_at:
+                    del known[message_id]
+            if stored_at > oldest:  # evicted for the cap, not expired
+                self.covers_from = max(self.covers_from, stored_at + 1)
 
     def load(self, entries: list[tuple[str, int]], covers_from: int) -> None:
         """Committed ids read back at start-up (oldest first), holding every id from ``covers_from``."""
-        recent, order = self._recent, self._order
-        for message_id, stored_at in entries:
-            recent[message_id] = stored_at
-            order.append((stored_at, message_id))
+        for stored_at, group in groupby(entries, key=itemgetter(1)):
+            ids = [message_id for message_id, _ in group]
+            self._known.update(zip(ids, repeat(stored_at)))
+            self._batches.append((stored_at, None, ids))
+            self._committed += 1
+            self._committed_keys += len(ids)
         self.covers_from = covers_from
 
-    def restore_unpersisted(self, entries: list[tuple[str, int]]) -> None:
-        """A checkpoint failed: its ids go into the next one."""
-        self._unpersisted[:0] = entries
+    def restore_unpersisted(self, batches: list[tuple[list[str], int]]) -> None:
+        """A checkpoint failed: its batches go into the next one."""
+        self._unpersisted[:0] = batches
 
 
 # ------------------------------------------------------------ lmdb (blocking)
@@ -209,31 +222,40 @@ def lookup_stored(store: StateStore, ids: Iterable[str], since: int) -> set[str]
     return {message_id for message_id, value in zip(ids, values) if value is not None and _I64.unpack(value)[0] > since}
 
 
-def write_ids(batch: WriteBatch, entries: Iterable[tuple[str, int]]) -> set[int]:
-    """Add ids to a checkpoint's write batch; returns the buckets written.
+def write_ids(batch: WriteBatch, batches: Iterable[tuple[list[str], int]]) -> set[int]:
+    """Add batches of ids to a checkpoint's write batch; returns the buckets written.
 
-    Ids of one batch share their stored-at time: its value and bucket are packed once per run."""
+    Each id gets its ``dedup_ids`` row; each batch one ``dedup_time`` row listing its ids."""
     pack_i64, pack_u64 = _I64.pack, _U64.pack
     id_rows: list[tuple[bytes, bytes]] = []
     time_rows: list[tuple[bytes, bytes]] = []
     buckets: set[int] = set()
-    last: int | None = None
-    value = prefix = b""
-    for message_id, stored_at in entries:
-        key = message_id.encode()
-        if stored_at != last:
-            last = stored_at
-            value = pack_i64(stored_at)
-            bucket = max(stored_at // BUCKET_MS, 0)
-            buckets.add(bucket)
-            prefix = pack_u64(bucket)
-        id_rows.append((key, value))
-        time_rows.append((prefix + key, b""))
+    for ids, stored_at in batches:
+        keys = [message_id.encode() for message_id in ids]
+        value = pack_i64(stored_at)
+        id_rows += zip(keys, repeat(value))
+        bucket = max(stored_at // BUCKET_MS, 0)
+        buckets.add(bucket)
+        first = hashlib.blake2b(keys[0], digest_size=16).digest()  # unique with stored_at: ids are, in a window
+        time_rows.append((pack_u64(bucket) + _BATCH_ROW + value + first, msgpack.packb(keys)))
     batch.put_many(IDS_DB, id_rows)
     batch.put_many(TIME_DB, time_rows)
     for bucket in buckets:
         batch.put(BUCKETS_DB, pack_u64(bucket), b"")
     return buckets
+
+
+def _bucket_keys(store: StateStore, bucket: int) -> list[tuple[bytes, bytes]]:
+    """``(dedup_time row key, dedup key)`` of each id of ``bucket``, from rows of either form:
+    a batch's (``_BATCH_ROW`` after the bucket: its ids in the value) or one id's (the id in
+    the key; written before batches had rows)."""
+    keys: list[tuple[bytes, bytes]] = []
+    for row_key, value in store.items(TIME_DB, _U64.pack(bucket)):
+        if row_key[8:9] == _BATCH_ROW:
+            keys += zip(repeat(row_key), msgpack.unpackb(value))
+        else:
+            keys.append((row_key, row_key[8:]))
+    return keys
 
 
 def load_buckets(store: StateStore) -> list[int]:
@@ -259,17 +281,17 @@ def load_recent(
     for bucket in reversed(buckets):
         if (bucket + 1) * BUCKET_MS <= oldest:
             break  # this bucket and older ones are expired
-        keys = store.items(TIME_DB, _U64.pack(bucket))
+        keys = [key for _row, key in _bucket_keys(store, bucket)]
         if count + len(keys) > memory_ids:
             covers_from = (bucket + 1) * BUCKET_MS
             break
         entries = []
-        values = store.get_many(IDS_DB, [key[8:] for key, _ in keys])
-        for (key, _), value in zip(keys, values):
+        values = store.get_many(IDS_DB, keys)
+        for key, value in zip(keys, values):
             if value is not None:
                 stored_at = _I64.unpack(value)[0]
                 if stored_at > oldest:
-                    entries.append((key[8:].decode(), stored_at))
+                    entries.append((key.decode(), stored_at))
         entries.sort(key=lambda entry: entry[1])
         loaded.append(entries)
         count += len(keys)
@@ -288,15 +310,16 @@ def prune(store: StateStore, buckets: list[int], now: int, window_ms: int, *, ma
     with store.write() as batch:
         while buckets and buckets[0] < expired_before and done < max_buckets:
             bucket = buckets.pop(0)
-            prefix = _U64.pack(bucket)
-            for key, _ in store.items(TIME_DB, prefix):
-                message_id = key[8:]
+            rows: set[bytes] = set()
+            for row_key, message_id in _bucket_keys(store, bucket):
                 value = batch.get(IDS_DB, message_id)
                 if value is not None and _I64.unpack(value)[0] // BUCKET_MS <= bucket:
                     batch.delete(IDS_DB, message_id)
                     deleted += 1
-                batch.delete(TIME_DB, key)
-            batch.delete(BUCKETS_DB, prefix)
+                rows.add(row_key)
+            for row_key in rows:
+                batch.delete(TIME_DB, row_key)
+            batch.delete(BUCKETS_DB, _U64.pack(bucket))
             done += 1
     return deleted
 

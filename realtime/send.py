@@ -81,7 +81,8 @@ class SendHandler:
         #: ``deliver_at``, or ``created_at`` for an immediate message. A scheduler's SENDs make
         #: it the "accepted by realtime" stage of the delay path's lateness.
         self.lateness = LatencyHistogram()
-        self._appending: dict[str, trio.Event] = {}  # ids in an append not finished yet
+        #: The ids of each append not finished yet, and the event set when it is.
+        self._appending: list[tuple[set[str], trio.Event]] = []
         #: Under replication: waits until the in-sync slaves hold the log below an offset
         #: (None: all of it so far).
         self.replicated: Callable[[int | None], Awaitable[None]] | None = None
@@ -114,7 +115,7 @@ class SendHandler:
                     partial(dedup_store.lookup_stored, self._store, unsure, now - dedup.window_ms)
                 )
                 now = self._clock.now_ms()
-            busy = next((appending[i] for i in ids if i in appending), None) if appending else None
+            busy = next((done for busy_ids, done in appending if not busy_ids.isdisjoint(ids)), None)
             if busy is None:
                 break
             await busy.wait()  # stored or refused: look again
@@ -127,14 +128,14 @@ class SendHandler:
             return fresh
         if len(kept) == len(ids):
             data = batch.buf
+            kept_ids = ids
         else:
             starts, ends = batch.starts, batch.ends
             data = b"".join([batch.buf[starts[i] : ends[i]] for i in kept])
-        kept_ids = [ids[i] for i in kept]
+            kept_ids = [ids[i] for i in kept]
         assert self.writer is not None
-        done = trio.Event()
-        for message_id in kept_ids:
-            appending[message_id] = done
+        in_flight = (set(kept_ids), trio.Event())
+        appending.append(in_flight)
         try:
             # Shielded: once handed to the writer the batch may reach the log, and
             # then it must be indexed (the index moves in offset order only).
@@ -146,10 +147,8 @@ class SendHandler:
                 raise storage_refusal("the message log could not store the batch", error) from error
             raise
         finally:
-            for message_id in kept_ids:
-                if appending.get(message_id) is done:
-                    del appending[message_id]
-            done.set()
+            del appending[next(index for index, entry in enumerate(appending) if entry is in_flight)]
+            in_flight[1].set()
         items = batch_items(batch, base, kept)
         self._indexer.submit(base, base + len(data), items, kept_ids, self._clock.now_ms())
         self.stored += len(kept)

@@ -40,7 +40,7 @@ from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
-from delaymq.wheel import HOUR_MS, SECOND_MS, HourWheel, SecondWheel, Tick, WheelError, hour_of
+from delaymq.wheel import HOUR_MS, HourWheel, SecondWheel, Tick, WheelError, hour_of
 
 DEFAULT_LOAD_AHEAD_MS = 10_000
 DEFAULT_HOUR_PRELOAD_MS = 300_000
@@ -378,17 +378,7 @@ def _apply(wheel: SecondWheel, first_entry: int, ms_in_hour: Sequence[int], link
         raise WheelError(
             f"hour {wheel.hour}: arrivals start at entry {first_entry}, the wheel knows {known}: an arrival was lost"
         )
-    is_loaded, link, note = wheel.is_loaded, wheel.link, wheel.note_arrival
-    out: list[int] = []
-    entry = first_entry + skip
-    for ms in ms_in_hour[skip:] if skip else ms_in_hour:
-        second = ms // SECOND_MS
-        if is_loaded(second):
-            link(second, ms, entry)
-            out.append(entry)
-        else:
-            note(second)
-        entry += 1
+    out = wheel.arrive_many(first_entry + skip, ms_in_hour[skip:] if skip else ms_in_hour)
     if out:
         have = linked.get(wheel.hour)
         if have is None:

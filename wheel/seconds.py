@@ -145,6 +145,34 @@ class SecondWheel:
         self._unloaded.add(s)
         self._unloaded_total += 1
 
+    def arrive_many(self, first_entry: int, ms_in_hour: Sequence[int]) -> list[int]:
+        """Entries ``first_entry``, ``first_entry + 1``, ... filed at ``ms_in_hour``: each is
+        ``link``-ed when its second is loaded, else counted as ``note_arrival`` does. Returns
+        the linked ones' numbers. One loop for a filing step's entries of this hour."""
+        if not ms_in_hour:
+            return []
+        if min(ms_in_hour) < 0 or max(ms_in_hour) >= HOUR_MS:
+            raise WheelError(f"arrive_many: ms_in_hour outside 0..{HOUR_MS - 1}")
+        if self._known + len(ms_in_hour) > NO_LIMIT:
+            raise WheelError(f"hour {self._hour}: holds at most {NO_LIMIT} entries")
+        is_loaded, link, grow, unloaded = self._is_loaded, self.link, self._grow, self._unloaded
+        linked: list[int] = []
+        unloaded_seconds: set[int] = set()
+        entry = first_entry
+        for ms in ms_in_hour:
+            second = ms // SECOND_MS
+            if is_loaded[second]:
+                link(second, ms, entry)
+                linked.append(entry)
+            else:
+                grow(second)
+                unloaded_seconds.add(second)
+            entry += 1
+        if unloaded_seconds:
+            unloaded.update(unloaded_seconds)
+            self._unloaded_total += len(ms_in_hour) - len(linked)
+        return linked
+
     def mark_delivered(self, entry_nos: Iterable[int]) -> None:
         """Entries found in the dispatch log: ``load_second`` will skip them."""
         self._delivered.update(entry_nos)
@@ -439,9 +467,27 @@ class SecondWheel:
         return True
 
     def mark_done_many(self, items: Iterable[tuple[int, int]]) -> int:
-        """``mark_done`` for each ``(deliver_at_ms, entry_no)``; how many were in flight."""
-        mark = self.mark_done
-        return sum(mark(at, e) for at, e in items)
+        """``mark_done`` for each ``(deliver_at_ms, entry_no)``; how many were in flight.
+
+        The same steps in one loop (a confirm round marks a SEND's entries at once)."""
+        inflight, open_, slots, start = self._inflight, self._open, self._slots, self._start
+        done = 0
+        for deliver_at_ms, entry_no in items:
+            m = inflight.pop(entry_no, None)
+            if m is None:
+                continue
+            if m != deliver_at_ms - start:
+                inflight[entry_no] = m
+                raise WheelError(
+                    f"mark_done(entry_no={entry_no}): deliver_at_ms={deliver_at_ms}, it was handed out for {start + m}"
+                )
+            s = m // SECOND_MS
+            left = open_[s] - 1
+            open_[s] = left
+            if left == 0:
+                slots[s] = None  # all confirmed: free the second's entries
+            done += 1
+        return done
 
     def tick(self) -> Tick:
         """The fully confirmed prefix in firing order (see ``delaymq.wheel.tick``).

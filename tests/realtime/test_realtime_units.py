@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from delaymq.protocol.errors import RemoteProtocolError
 from delaymq.protocol.limits import Limits
 from delaymq.protocol.ranges import AckRanges
+from delaymq.realtime import dedup as dedup_store
 from delaymq.realtime.consumelog import (
     ENTRY_SIZE,
     HELD,
@@ -36,6 +37,7 @@ from delaymq.realtime.pulllog import (
 )
 from delaymq.realtime.requests import parse_ack, parse_heartbeat, parse_pull
 from delaymq.storage.errors import CorruptLog
+from delaymq.storage.state import StateStore
 
 # ----------------------------------------------------------------- consume log
 
@@ -367,6 +369,81 @@ def test_dedup_memory_cap_moves_coverage_forward() -> None:
     assert window.covers_from == 10_002  # id0 and id1 were evicted
     assert window.to_look_up(["id0", "id4"], now=15_000) == ["id0"]
     assert window.to_look_up(["id0"], now=20_002) == []  # memory covers the window again
+
+
+def test_dedup_batches_leave_memory_in_order_and_only_once_committed() -> None:
+    window = DedupWindow(window_ms=1000, memory_ids=2, covers_from=0)
+    for n, ids in enumerate((["a", "b"], ["c"], ["d"])):
+        assert window.admit(ids, now=10 + n) == [True] * len(ids)
+        window.indexed(ids, 10 + n, base=100 * n)
+    first = window.take_unpersisted()
+    assert first == [(["a", "b"], 10), (["c"], 11), (["d"], 12)]
+    window.restore_unpersisted(first)  # the checkpoint failed: nothing may leave memory
+    window.evict(now=5000)
+    assert len(window) == 4
+    assert window.locate(["c", "z"], now=12) == {"c": (11, 100, 0)}
+    window.committed(window.take_unpersisted(), now=13)
+    assert len(window) == 2  # over the cap: the oldest batch went, whole
+    assert window.covers_from == 11
+    assert window.admit(["c", "e"], now=14) == [False, True]
+    window.indexed(["e"], 14)
+    window.committed(window.take_unpersisted(), now=1011)  # c expired; d and e are the newest two
+    assert (len(window), window.covers_from) == (2, 11)  # c left as expired, not for the cap
+    assert window.admit(["d", "e", "c"], now=1011) == [False, False, True]
+
+
+@given(
+    st.lists(
+        st.tuples(st.lists(st.sampled_from("abcdefgh"), max_size=4), st.integers(0, 700), st.booleans()),
+        max_size=30,
+    )
+)
+def test_dedup_window_answers_as_a_plain_map_of_stored_times(steps: list[tuple[list[str], int, bool]]) -> None:
+    """Whatever the batches, repeats and failed appends, memory answers what a map of every
+    stored id's newest time answers (while it holds the whole window)."""
+    window = DedupWindow(window_ms=1000, memory_ids=1000, covers_from=0)
+    model: dict[str, int] = {}
+    now = 0
+    for ids, step, appended in steps:
+        now += step
+        expected = []
+        seen: set[str] = set()
+        for message_id in ids:
+            new = message_id not in seen and not (message_id in model and model[message_id] > now - 1000)
+            seen.add(message_id)
+            expected.append(new)
+        assert window.admit(ids, now) == expected
+        kept = [message_id for message_id, new in zip(ids, expected) if new]
+        if appended:
+            window.indexed(kept, now)
+            model.update(dict.fromkeys(kept, now))
+            window.committed(window.take_unpersisted(), now)
+        else:
+            window.forget(kept)
+
+
+def test_dedup_rows_of_both_forms_load_and_prune(tmp_path: Path) -> None:
+    """A checkpoint writes one ``dedup_time`` row a batch; rows of one id each, as earlier
+    versions wrote them, are still loaded and pruned."""
+    store = StateStore.open(tmp_path / "state")
+    try:
+        with store.write() as batch:
+            buckets = dedup_store.write_ids(batch, [(["m1", "m2"], 1500), (["m3"], 2100)])
+            batch.put(dedup_store.IDS_DB, b"old", struct.pack(">q", 1700))
+            batch.put(dedup_store.TIME_DB, struct.pack(">Q", 1) + b"old", b"")
+            batch.put(dedup_store.BUCKETS_DB, struct.pack(">Q", 1), b"")
+        assert buckets == {1, 2}
+        loaded = dedup_store.load_buckets(store)
+        entries, covers = dedup_store.load_recent(store, loaded, now=2500, window_ms=10_000, memory_ids=100)
+        assert entries == [("m1", 1500), ("m2", 1500), ("old", 1700), ("m3", 2100)]
+        assert covers == dedup_store.EVERYTHING
+        assert dedup_store.lookup_stored(store, ["m2", "old", "nope"], since=0) == {"m2", "old"}
+        assert dedup_store.prune(store, loaded, now=12_001, window_ms=10_000) == 3  # bucket 1: m1, m2, old
+        assert loaded == [2]
+        assert dedup_store.lookup_stored(store, ["m1", "m2", "old", "m3"], since=0) == {"m3"}
+        assert store.items(dedup_store.TIME_DB, struct.pack(">Q", 1)) == []
+    finally:
+        store.close()
 
 
 # ----------------------------------------------------------------- requests

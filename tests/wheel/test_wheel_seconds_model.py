@@ -99,7 +99,7 @@ def run_steps(wheel: SecondWheel, model: Model, data: st.DataObject) -> None:
         elif action == "load":
             load(wheel, model, data, now)
         elif action == "arrive" and model.known < len(model.ms):
-            arrive(wheel, model)
+            arrive(wheel, model, data)
         elif action == "confirm":
             confirm(wheel, model, data)
         check_agrees(wheel, model)
@@ -130,26 +130,43 @@ def confirm(wheel: SecondWheel, model: Model, data: st.DataObject) -> None:
         chosen = sorted(in_flight, key=model.key)[: data.draw(st.integers(0, len(in_flight)))]
     else:
         chosen = sorted(data.draw(st.sets(st.sampled_from(in_flight)), label="confirm"))
+    if data.draw(st.booleans(), label="confirm in one call"):
+        items = [(START + model.ms[e], e) for e in chosen]
+        assert wheel.mark_done_many(items) == len(chosen)
+        assert wheel.mark_done_many(items) == 0
+        model.confirmed.update(chosen)
+        return
     for e in chosen:
         assert wheel.mark_done(START + model.ms[e], e)
         assert not wheel.mark_done(START + model.ms[e], e)
         model.confirmed.add(e)
 
 
-def arrive(wheel: SecondWheel, model: Model) -> None:
-    e = model.known
-    s = model.sec(e)
-    assert wheel.is_loaded(s) == (s in model.loaded)
-    if s in model.loaded:
-        before = [x for x in range(e) if model.sec(x) == s]
-        if before and all(x in model.confirmed for x in before):
-            model.inexact.add(s)  # its memory was freed: the tick may claim less
-        wheel.link(s, model.ms[e], e)
-    else:
-        wheel.note_arrival(s)
-    if any(model.key(x) > model.key(e) for x in model.fired):
-        model.late.add(e)
-    model.known += 1
+def arrive(wheel: SecondWheel, model: Model, data: st.DataObject | None = None) -> None:
+    """The next entry arrives (``link`` or ``note_arrival``), or, drawn, the next ones in one
+    ``arrive_many`` call, which must do the same."""
+    left = len(model.ms) - model.known
+    many = data.draw(st.integers(0, min(left, 5)), label="arrivals in one call (0: one by one)") if data else 0
+    first = model.known
+    linked = []
+    for e in range(first, first + max(many, 1)):
+        s = model.sec(e)
+        if not many:
+            assert wheel.is_loaded(s) == (s in model.loaded)
+        if s in model.loaded:
+            before = [x for x in range(e) if model.sec(x) == s]
+            if before and all(x in model.confirmed for x in before):
+                model.inexact.add(s)  # its memory was freed: the tick may claim less
+            if not many:
+                wheel.link(s, model.ms[e], e)
+            linked.append(e)
+        elif not many:
+            wheel.note_arrival(s)
+        if any(model.key(x) > model.key(e) for x in model.fired):
+            model.late.add(e)
+        model.known += 1
+    if many:
+        assert wheel.arrive_many(first, model.ms[first : first + many]) == linked
 
 
 def pop(wheel: SecondWheel, model: Model, now: int) -> None:
