@@ -247,18 +247,21 @@ def test_a_server_that_cannot_start_ends_the_cluster_with_one_line_and_leaves_no
 
 def test_the_commands_send_ahead_by_default_within_the_dispatchers_limit() -> None:
     """The command line names its limit as text (it does not import the scheduler to start
-    sooner): it must be ``Dispatcher``'s. Both commands send 50 ms ahead, every 20 ms: the
-    interval and a round trip fit in the time sent ahead."""
+    sooner): it must be ``Dispatcher``'s. Both commands send 100 ms ahead, every 40 ms: the
+    interval and a round trip fit in the time sent ahead, which stays below a consumer's
+    default ``fetch_ahead`` (so one PULL takes each SEND's messages)."""
     from delaymq.cli.main import build_parser
     from delaymq.cli.options import duration_ms
     from delaymq.cli.scheduler_command import MAX_SEND_AHEAD_MS as COMMAND_MAX
+    from delaymq.client.delivery import DEFAULT_FETCH_AHEAD
     from delaymq.scheduler.dispatcher import MAX_SEND_AHEAD_MS
 
     assert COMMAND_MAX == MAX_SEND_AHEAD_MS
     parser, _commands = build_parser()
     for argv in (["scheduler", "--data", "d"], ["cluster"]):
         args = parser.parse_args(argv)
-        assert (duration_ms(args.send_ahead), duration_ms(args.send_interval)) == (50, 20)
+        assert (duration_ms(args.send_ahead), duration_ms(args.send_interval)) == (100, 40)
+    assert 100 < DEFAULT_FETCH_AHEAD * 1000
 
 
 def test_a_send_ahead_over_the_limit_is_refused_naming_the_option(tmp_path: Path) -> None:
