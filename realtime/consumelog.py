@@ -184,6 +184,21 @@ class ConsumeLog:
         self._pending += encode_entry(offset, size, tag_mask, stored_at)
         self.count += 1
 
+    def add_many(self, entries: list[tuple[int, int, int, int]]) -> None:
+        """``add`` each ``(offset, size, tag_mask, stored_at)``: an index step's entries of this
+        subject, encoded in one loop (recovery, re-checking entries on disk, takes them one by one)."""
+        if self._on_disk > self._written:
+            for entry in entries:
+                self.add(*entry)
+            return
+        pending = self._pending
+        pack_body, pack_crc, crc32 = _BODY.pack, _CRC.pack, zlib.crc32
+        for offset, size, tag_mask, stored_at in entries:
+            body = pack_body(offset, size, tag_mask, stored_at)
+            pending += body
+            pending += pack_crc(crc32(body))
+        self.count += len(entries)
+
     def write_pending(self) -> None:
         """Write the added entries in one ``pwrite`` (to the page cache)."""
         if not self._pending:

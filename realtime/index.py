@@ -242,20 +242,24 @@ class Indexer:
         ``created_at``) that came ahead of its ``deliver_at`` is flagged ``HELD`` with that
         moment rounded up to ``RELEASE_TICK_MS`` instead (``delaymq.realtime.delivery``)."""
         touched: dict[str, tuple[ConsumeLog, int]] = {}  # subject -> (its log, its count before)
+        entries: dict[str, list[tuple[int, int, int, int]]] = {}  # subject -> its entries of the step
         logs = self.logs
+        latest_held = stored_at + MAX_AHEAD_MS
         try:
             for subject, offset, size, mask, release_at in items:
-                step = touched.get(subject)
-                if step is None:
+                added = entries.get(subject)
+                if added is None:
                     consume_log = logs.get(subject)
                     if consume_log is None:
                         consume_log = logs[subject] = ConsumeLog.open(self.directory, subject)
-                    touched[subject] = step = (consume_log, consume_log.count)
-                if stored_at < release_at <= stored_at + MAX_AHEAD_MS:  # sent ahead: held until its tick
-                    step[0].add(offset, size, mask, HELD | -(-release_at // RELEASE_TICK_MS) * RELEASE_TICK_MS)
+                    touched[subject] = (consume_log, consume_log.count)
+                    added = entries[subject] = []
+                if stored_at < release_at <= latest_held:  # sent ahead: held until its tick
+                    added.append((offset, size, mask, HELD | -(-release_at // RELEASE_TICK_MS) * RELEASE_TICK_MS))
                 else:
-                    step[0].add(offset, size, mask, stored_at)
-            for consume_log, _count in touched.values():
+                    added.append((offset, size, mask, stored_at))
+            for subject, (consume_log, _count) in touched.items():
+                consume_log.add_many(entries[subject])
                 consume_log.write_pending()
         except OSError:
             for consume_log, count in touched.values():

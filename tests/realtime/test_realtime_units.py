@@ -54,10 +54,15 @@ def test_consume_entry_layout_is_fixed_and_checked() -> None:
     assert decode_entry(entry[:5] + b"\0" + entry[6:]) is None
 
 
-def test_consume_log_is_an_array_of_entries(tmp_path: Path) -> None:
+@pytest.mark.parametrize("at_once", [False, True])
+def test_consume_log_is_an_array_of_entries(tmp_path: Path, at_once: bool) -> None:
     log = ConsumeLog.open(tmp_path, "orders")
-    for n in range(5):
-        log.add(n * 100, 100, n, 7)
+    entries = [(n * 100, 100, n, 7) for n in range(5)]
+    if at_once:
+        log.add_many(entries)
+    else:
+        for entry in entries:
+            log.add(*entry)
     log.write_pending()
     assert log.count == 5
     data = (tmp_path / f"{log.path.stem}.log").read_bytes()
@@ -68,7 +73,8 @@ def test_consume_log_is_an_array_of_entries(tmp_path: Path) -> None:
     assert list_subjects(tmp_path) == {log.path.stem: "orders"}
 
 
-def test_consume_log_recovery_keeps_matching_entries_and_rewrites_the_rest(tmp_path: Path) -> None:
+@pytest.mark.parametrize("at_once", [False, True])
+def test_consume_log_recovery_keeps_matching_entries_and_rewrites_the_rest(tmp_path: Path, at_once: bool) -> None:
     log = ConsumeLog.open(tmp_path, "orders")
     for n in range(6):
         log.add(n * 100, 100, 0, 1000 + n)
@@ -81,8 +87,12 @@ def test_consume_log_recovery_keeps_matching_entries_and_rewrites_the_rest(tmp_p
     path.write_bytes(bytes(data[: 5 * ENTRY_SIZE + 10]))
     log = ConsumeLog.open(tmp_path, "orders", checkpoint_count=2)
     assert log.count == 2
-    for n in range(2, 6):  # replay of the message log from the checkpoint
-        log.add(n * 100, 100, 0, 2000 + n)
+    replayed = [(n * 100, 100, 0, 2000 + n) for n in range(2, 6)]  # replay from the checkpoint
+    if at_once:
+        log.add_many(replayed)
+    else:
+        for entry in replayed:
+            log.add(*entry)
     log.finish_recovery()
     stamps = [log.entry(n).stored_at for n in range(6)]
     assert stamps == [1000, 1001, 1002, 1003, 2004, 2005]  # confirmed entries keep their time
