@@ -33,7 +33,7 @@ from typing import IO, Any
 
 import trio
 
-from delaymq.cli.bench_redis import RedisRun, bench_redis_delay, cpu_seconds
+from delaymq.cli.bench_redis import RedisRun, bench_redis_delay, cpu_seconds, frozen_heap
 from delaymq.client import open_consumer, open_producer
 from delaymq.protocol.commands import Command
 from delaymq.protocol.histogram import LatencyHistogram
@@ -400,7 +400,10 @@ async def _delay_run(cluster: ClusterProcess, count: int, delay_range: tuple[flo
     before = await _statistics(addresses)
     cpu_before = _cpu_of(processes)
     started = time.perf_counter()
-    accepted, lateness, lost, duplicated = await _produce_and_consume(cluster.meta, "bench", count, 1000, delay_range)
+    with frozen_heap():
+        accepted, lateness, lost, duplicated = await _produce_and_consume(
+            cluster.meta, "bench", count, 1000, delay_range
+        )
     seconds = time.perf_counter() - started
     cpu_after = _cpu_of(processes)
     after = await _statistics(addresses)
