@@ -450,26 +450,12 @@ class SecondWheel:
     def mark_done(self, deliver_at_ms: int, entry_no: int) -> bool:
         """The realtime server accepted this handed-out entry. False if not in flight
         (already confirmed, or never handed out)."""
-        m = self._inflight.get(entry_no)
-        if m is None:
-            return False
-        if m != deliver_at_ms - self._start:
-            raise WheelError(
-                f"mark_done(entry_no={entry_no}): deliver_at_ms={deliver_at_ms}, "
-                f"it was handed out for {self._start + m}"
-            )
-        del self._inflight[entry_no]
-        s = m // SECOND_MS
-        left = self._open[s] - 1
-        self._open[s] = left
-        if left == 0:
-            self._slots[s] = None  # all confirmed: free the second's entries
-        return True
+        return self.mark_done_many(((deliver_at_ms, entry_no),)) == 1
 
     def mark_done_many(self, items: Iterable[tuple[int, int]]) -> int:
-        """``mark_done`` for each ``(deliver_at_ms, entry_no)``; how many were in flight.
-
-        The same steps in one loop (a confirm round marks a SEND's entries at once)."""
+        """``mark_done`` for each ``(deliver_at_ms, entry_no)``; how many were in flight (one
+        loop: a confirm round marks a SEND's entries at once). An entry handed out for
+        another time raises ``WheelError``, the entries before it marked."""
         inflight, open_, slots, start = self._inflight, self._open, self._slots, self._start
         done = 0
         for deliver_at_ms, entry_no in items:
