@@ -106,6 +106,17 @@ def test_link_into_a_fully_confirmed_second_still_fires():
     assert wheel.pop_due(START + 8_000) == [(START + 7_000, 1)]
 
 
+def test_a_confirmation_for_another_time_is_refused_and_leaves_the_entry_in_flight():
+    wheel = wheel_with([(5_100, 0), (5_200, 1)])
+    wheel.pop_due(START + 6_000)
+    with pytest.raises(WheelError, match="entry_no=1.*handed out for"):
+        wheel.mark_done_many([(START + 5_100, 0), (START + 5_100, 1)])
+    assert wheel.pending().in_flight == 1  # entry 0 was marked, entry 1 was not
+    assert not wheel.mark_done(START + 5_100, 0)
+    assert wheel.mark_done(START + 5_200, 1)
+    assert wheel.is_done()
+
+
 def test_tick_is_the_confirmed_prefix_in_firing_order():
     wheel = wheel_with([(5_100, 0), (5_200, 1), (5_300, 2), (9_000, 3)])
     assert wheel.tick() == Tick(HOUR * 3600 + 5, 0, 4)
