@@ -399,8 +399,8 @@ async def _delay_run(cluster: ClusterProcess, count: int, delay_range: tuple[flo
     processes = server_processes(cluster.process.pid, addresses)
     before = await _statistics(addresses)
     cpu_before = _cpu_of(processes)
-    started = time.perf_counter()
     with frozen_heap():
+        started = time.perf_counter()
         accepted, lateness, lost, duplicated = await _produce_and_consume(
             cluster.meta, "bench", count, 1000, delay_range
         )

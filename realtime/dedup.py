@@ -27,7 +27,7 @@ are the blocking lmdb parts, run in a worker thread.
 lmdb layout (named dbs of the state store)::
 
     dedup_ids      key: dedup key (UTF-8)          value: stored_at i64 BE
-    dedup_time     key: bucket u64 BE + NUL + stored_at i64 BE + 16-byte BLAKE2b of its first dedup key
+    dedup_time     key: bucket u64 BE + NUL + stored_at i64 BE + 16-byte BLAKE2b of the value
                                                    value: msgpack array of the batch's dedup keys
                    (before 2026-11-24 a row an id:  key: bucket u64 BE + dedup key, value empty;
                    still read, and pruned, alike)
@@ -236,8 +236,12 @@ def write_ids(batch: WriteBatch, batches: Iterable[tuple[list[str], int]]) -> se
         id_rows += zip(keys, repeat(value))
         bucket = max(stored_at // BUCKET_MS, 0)
         buckets.add(bucket)
-        first = hashlib.blake2b(keys[0], digest_size=16).digest()  # unique with stored_at: ids are, in a window
-        time_rows.append((pack_u64(bucket) + _BATCH_ROW + value + first, msgpack.packb(keys)))
+        # Named by its contents: two batches of one stored_at (a replay stamps a whole step with
+        # one time) share a row only when they list the same ids, so no row hides another's.
+        listed = msgpack.packb(keys)
+        time_rows.append(
+            (pack_u64(bucket) + _BATCH_ROW + value + hashlib.blake2b(listed, digest_size=16).digest(), listed)
+        )
     batch.put_many(IDS_DB, id_rows)
     batch.put_many(TIME_DB, time_rows)
     for bucket in buckets:

@@ -159,18 +159,20 @@ class SecondWheel:
         linked: list[int] = []
         unloaded_seconds: set[int] = set()
         entry = first_entry
-        for ms in ms_in_hour:
-            second = ms // SECOND_MS
-            if is_loaded[second]:
-                link(second, ms, entry)
-                linked.append(entry)
-            else:
-                grow(second)
-                unloaded_seconds.add(second)
-            entry += 1
-        if unloaded_seconds:
-            unloaded.update(unloaded_seconds)
-            self._unloaded_total += len(ms_in_hour) - len(linked)
+        try:
+            for ms in ms_in_hour:
+                second = ms // SECOND_MS
+                if is_loaded[second]:
+                    link(second, ms, entry)
+                    linked.append(entry)
+                else:
+                    grow(second)
+                    unloaded_seconds.add(second)
+                entry += 1
+        finally:  # what was counted is listed, even if a link refused (as one at a time would leave it)
+            if unloaded_seconds:
+                unloaded.update(unloaded_seconds)
+                self._unloaded_total += entry - first_entry - len(linked)
         return linked
 
     def mark_delivered(self, entry_nos: Iterable[int]) -> None:

@@ -456,6 +456,23 @@ def test_dedup_rows_of_both_forms_load_and_prune(tmp_path: Path) -> None:
         store.close()
 
 
+def test_batches_replayed_with_one_time_and_one_first_id_keep_their_own_rows(tmp_path: Path) -> None:
+    """A replay stamps a whole step with one time, and an id stored again past its window can
+    start two of its batches: neither batch's row may hide the other's ids (from loading,
+    which would let memory take one again, or from pruning, which would keep it forever)."""
+    store = StateStore.open(tmp_path / "state")
+    try:
+        with store.write() as batch:
+            dedup_store.write_ids(batch, [(["x", "a"], 100_000), (["x", "b"], 100_000)])
+        buckets = dedup_store.load_buckets(store)
+        entries, _covers = dedup_store.load_recent(store, buckets, now=100_001, window_ms=10_000, memory_ids=100)
+        assert sorted(message_id for message_id, _ in entries) == ["a", "b", "x", "x"]
+        dedup_store.prune(store, buckets, now=200_000, window_ms=10_000)
+        assert dedup_store.lookup_stored(store, ["a", "b", "x"], since=0) == set()
+    finally:
+        store.close()
+
+
 # ----------------------------------------------------------------- requests
 
 
