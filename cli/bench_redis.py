@@ -148,7 +148,8 @@ def frozen_heap() -> Iterator[None]:
     results of the runs before it are then not walked by this run's collections, whose pauses
     (measured: up to 25 ms with one run's results held, four or five full collections a run)
     would otherwise land in the next run's lateness, though no server caused them. What the run
-    itself allocates (producer, consumer, bookkeeping) is collected as usual."""
+    itself allocates (producer, consumer, bookkeeping) is collected as usual. Not nested: the
+    inner one's end would unfreeze the outer one's heap."""
     gc.collect()
     gc.freeze()
     try:
