@@ -41,6 +41,7 @@ import struct
 import threading
 import zlib
 from collections.abc import Iterator
+from itertools import starmap
 from pathlib import Path
 from typing import NamedTuple
 
@@ -191,12 +192,7 @@ class ConsumeLog:
             for entry in entries:
                 self.add(*entry)
             return
-        pending = self._pending
-        pack_body, pack_crc, crc32 = _BODY.pack, _CRC.pack, zlib.crc32
-        for offset, size, tag_mask, stored_at in entries:
-            body = pack_body(offset, size, tag_mask, stored_at)
-            pending += body
-            pending += pack_crc(crc32(body))
+        self._pending += b"".join(starmap(encode_entry, entries))
         self.count += len(entries)
 
     def write_pending(self) -> None:
