@@ -76,19 +76,17 @@ def seconds_to_ms(value: Any, *, name: str = "delay", field: str = "delay") -> i
 
     ``name`` is how a refusal names the value (``retry_delays[2]``), ``field`` the option it is in.
     """
-    if type(value) is float and math.isfinite(scaled := value * 1000):  # the common case first
-        return math.ceil(scaled)
-    if isinstance(value, timedelta):
-        return -(-value // _MS)
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value * 1000
-    if isinstance(value, float):  # (a float subclass: numpy's, say)
+    if isinstance(value, float):  # the common case first (a float subclass too: numpy's, say)
         if math.isfinite(scaled := value * 1000):
             return math.ceil(scaled)
         # Infinite, NaN, or so large its milliseconds are (1e306 s): never a moment to wait for.
         raise LocalProtocolError(
             f"{name} is {value!r}, not a finite number of seconds (in milliseconds)", code="bad_value", field=field
         )
+    if isinstance(value, timedelta):
+        return -(-value // _MS)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value * 1000
     raise LocalProtocolError(
         f"{name} is of type {type(value).__name__}; give seconds (int or float) or a timedelta",
         code="bad_value",
