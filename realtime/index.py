@@ -241,31 +241,30 @@ class Indexer:
         An entry's time is ``stored_at``; a scheduled record (``deliver_at`` after
         ``created_at``) that came ahead of its ``deliver_at`` is flagged ``HELD`` with that
         moment rounded up to ``RELEASE_TICK_MS`` instead (``delaymq.realtime.delivery``)."""
-        touched: dict[str, tuple[ConsumeLog, int]] = {}  # subject -> (its log, its count before)
-        entries: dict[str, list[tuple[int, int, int, int]]] = {}  # subject -> its entries of the step
+        # subject -> (its log, its count before, its entries of the step)
+        touched: dict[str, tuple[ConsumeLog, int, list[tuple[int, int, int, int]]]] = {}
         logs = self.logs
         latest_held = stored_at + MAX_AHEAD_MS
         try:
             for subject, offset, size, mask, release_at in items:
-                added = entries.get(subject)
-                if added is None:
+                step = touched.get(subject)
+                if step is None:
                     consume_log = logs.get(subject)
                     if consume_log is None:
                         consume_log = logs[subject] = ConsumeLog.open(self.directory, subject)
-                    touched[subject] = (consume_log, consume_log.count)
-                    added = entries[subject] = []
+                    step = touched[subject] = (consume_log, consume_log.count, [])
                 if stored_at < release_at <= latest_held:  # sent ahead: held until its tick
-                    added.append((offset, size, mask, HELD | -(-release_at // RELEASE_TICK_MS) * RELEASE_TICK_MS))
+                    step[2].append((offset, size, mask, HELD | -(-release_at // RELEASE_TICK_MS) * RELEASE_TICK_MS))
                 else:
-                    added.append((offset, size, mask, stored_at))
-            for subject, (consume_log, _count) in touched.items():
-                consume_log.add_many(entries[subject])
+                    step[2].append((offset, size, mask, stored_at))
+            for consume_log, _count, added in touched.values():
+                consume_log.add_many(added)
                 consume_log.write_pending()
         except OSError:
-            for consume_log, count in touched.values():
+            for consume_log, count, _added in touched.values():
                 consume_log.take_back(count)
             raise
-        for consume_log, _count in touched.values():
+        for consume_log, _count, _added in touched.values():
             self.dirty.add(consume_log)
             self.hold(consume_log)
         base, self.indexed_offset = self.indexed_offset, end

@@ -43,6 +43,7 @@ from delaymq.realtime.dedup import DedupWindow, dedup_keys
 from delaymq.realtime.fences import Fences
 from delaymq.realtime.index import MAX_AHEAD_MS, Indexer, batch_items
 from delaymq.storage.errors import StorageError, storage_refusal
+from delaymq.storage.inflight import KeysInFlight
 from delaymq.storage.state import StateStore
 from delaymq.storage.threads import RunBlocking
 from delaymq.storage.writer import LogWriter
@@ -81,8 +82,7 @@ class SendHandler:
         #: ``deliver_at``, or ``created_at`` for an immediate message. A scheduler's SENDs make
         #: it the "accepted by realtime" stage of the delay path's lateness.
         self.lateness = LatencyHistogram()
-        #: The ids of each append not finished yet, and the event set when it is.
-        self._appending: list[tuple[set[str], trio.Event]] = []
+        self._appending = KeysInFlight()  # the ids of appends not finished yet
         #: Under replication: waits until the in-sync slaves hold the log below an offset
         #: (None: all of it so far).
         self.replicated: Callable[[int | None], Awaitable[None]] | None = None
@@ -115,7 +115,7 @@ class SendHandler:
                     partial(dedup_store.lookup_stored, self._store, unsure, now - dedup.window_ms)
                 )
                 now = self._clock.now_ms()
-            busy = next((done for busy_ids, done in appending if not busy_ids.isdisjoint(ids)), None)
+            busy = appending.waiting_for(ids)
             if busy is None:
                 break
             await busy.wait()  # stored or refused: look again
@@ -134,8 +134,7 @@ class SendHandler:
             data = b"".join([batch.buf[starts[i] : ends[i]] for i in kept])
             kept_ids = [ids[i] for i in kept]
         assert self.writer is not None
-        in_flight = (set(kept_ids), trio.Event())
-        appending.append(in_flight)
+        done = appending.start(kept_ids)
         try:
             # Shielded: once handed to the writer the batch may reach the log, and
             # then it must be indexed (the index moves in offset order only).
@@ -147,8 +146,7 @@ class SendHandler:
                 raise storage_refusal("the message log could not store the batch", error) from error
             raise
         finally:
-            del appending[next(index for index, entry in enumerate(appending) if entry is in_flight)]
-            in_flight[1].set()
+            appending.end(done)
         items = batch_items(batch, base, kept)
         self._indexer.submit(base, base + len(data), items, kept_ids, self._clock.now_ms())
         self.stored += len(kept)

@@ -193,9 +193,7 @@ class ChangeCommands:
             data = move_record(moved)
         else:
             data = cancel_record(changing, taken_at=self._clock.now_ms())
-        done = trio.Event()
-        for k in changing:
-            session.cancelling[k] = done
+        done = session.cancelling.start(changing)
         try:
             with trio.CancelScope(shield=True):  # once handed to the writer it may reach the log
                 offset = await self._writer.append(data)
@@ -206,10 +204,7 @@ class ChangeCommands:
                 raise storage_refusal(f"{command}: the message log could not store the record", error) from error
             raise
         finally:
-            for k in changing:
-                if session.cancelling.get(k) is done:
-                    del session.cancelling[k]
-            done.set()
+            session.cancelling.end(done)
         session.holds.settle(holds, offset)
         end = offset + len(data)
         entries = []
@@ -231,7 +226,7 @@ class ChangeCommands:
     ) -> None:
         """Wait until an append or cancel of these ids is over, or replay has filed them."""
         k = wait[0]
-        event = session.appending.get(k) or session.cancelling.get(k)
+        event = session.appending.waiting_for((k,)) or session.cancelling.waiting_for((k,))
         if event is not None:
             await event.wait()
             return

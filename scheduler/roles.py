@@ -43,6 +43,7 @@ from delaymq.scheduler.replica import DispatchRecords, HeldTick, dispatch_record
 from delaymq.scheduler.schedulelog import ScheduleStore
 from delaymq.scheduler.staging import ReplayStep
 from delaymq.scheduler.wheelset import WheelSet
+from delaymq.storage.inflight import KeysInFlight
 from delaymq.storage.log import SegmentedLog
 from delaymq.storage.state import StateStore
 from delaymq.storage.threads import RunBlocking
@@ -128,8 +129,8 @@ class MasterSession:
         #: CANCEL / MOVE / QUERY / duplicates (``delaymq.scheduler.cancels``): the unfiled tail's
         #: word on ids, the ids being appended or cancelled now, the entries held back.
         self.tail = Tail()
-        self.appending: dict[str, trio.Event] = {}
-        self.cancelling: dict[str, trio.Event] = {}
+        self.appending = KeysInFlight()
+        self.cancelling = KeysInFlight()
         self.holds: Holds | None = None
         #: Set (and replaced) after each replay step: what waits for its records to be filed.
         self.step_filed = trio.Event()

@@ -512,9 +512,7 @@ class Scheduler(ChangeCommands):
                 parts.append(record)
             data = b"".join(parts)
         assert self._writer is not None
-        appending = session.appending
-        done = trio.Event()
-        appending.update(dict.fromkeys(kept_keys, done))
+        done = session.appending.start(kept_keys)
         try:
             # Shielded: once handed to the writer the batch may reach the log, and then the
             # tail must say so (a retry of it is a duplicate).
@@ -523,11 +521,7 @@ class Scheduler(ChangeCommands):
         except StorageError as error:  # the disk failed (full?): retried here later, or another group takes it
             raise storage_refusal("SCHEDULE: the message log could not store the batch", error) from error
         finally:
-            appending_get = appending.get
-            for k in kept_keys:
-                if appending_get(k) is done:
-                    del appending[k]
-            done.set()
+            session.appending.end(done)
         end = offset + len(data)
         # Each record's (index key, TailEntry): filed at max(deliver_at, now), at its offset in the log.
         sizes = map(sub, ends, starts) if not duplicates else [ends[i] - starts[i] for i in kept]
@@ -584,15 +578,16 @@ class Scheduler(ChangeCommands):
         tail, appending = session.tail, session.appending
         store = self.store
         while True:
-            if appending and not appending.keys().isdisjoint(keys):
-                await next(appending[k] for k in keys if k in appending).wait()
+            busy = appending.waiting_for(keys)
+            if busy is not None:
+                await busy.wait()
                 continue
             epoch = tail.begin_lookup()
             try:
                 found = await self._run_blocking(partial(look_up, store, keys))
             finally:
                 tail.end_lookup(epoch)
-            if not appending or appending.keys().isdisjoint(keys):
+            if appending.waiting_for(keys) is None:
                 break
         ids = tail.ids
         if ids.keys().isdisjoint(keys) and len(set(keys)) == len(keys):

@@ -190,3 +190,36 @@ async def test_a_wall_clock_step_neither_fires_nor_postpones_the_ack_timeout(
             again = await client.pull(10, timeout_ms=20_000)
             assert 5 <= trio.current_time() - pulled_at < 6  # five seconds after the hand-out, as set
             assert again.ids == first.ids and [m.attempts for m in again.messages] == [1, 1]
+
+
+async def test_a_copy_sent_while_the_first_is_being_appended_waits_and_is_a_duplicate(
+    rt: SimpleNamespace, local: Any, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A producer's retry that arrives while its first try is still being written is answered
+    only once the first is stored, and then as a duplicate: stored once, never twice."""
+    async with local.server() as server:
+        writer = server.member.writer
+        inner = writer._run_blocking
+
+        async def slow(work: Any) -> Any:
+            await trio.sleep(0.5)  # the first append is still on its way when the copy comes
+            return await inner(work)
+
+        writer._run_blocking = slow
+        answers: dict[str, tuple[float, list[str]]] = {}
+        sent = rt.messages(3)
+
+        async def send(name: str, messages: list[Message], after: float) -> None:
+            await trio.sleep(after)
+            async with rt.memory_client(server) as client:
+                results = await client.send(messages)
+                answers[name] = (trio.current_time(), results)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send, "first", sent, 0)
+            nursery.start_soon(send, "copy", [sent[1]], 0.1)
+        assert answers["first"][1] == ["stored"] * 3
+        assert answers["copy"][1] == ["duplicate"]
+        assert answers["copy"][0] >= answers["first"][0]  # answered once the first was stored
+        stats = server.statistics()
+        assert (stats.messages_stored, stats.duplicates) == (3, 1)
