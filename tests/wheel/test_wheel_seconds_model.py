@@ -148,25 +148,25 @@ def arrive(wheel: SecondWheel, model: Model, data: st.DataObject | None = None) 
     left = len(model.ms) - model.known
     many = data.draw(st.integers(0, min(left, 5)), label="arrivals in one call (0: one by one)") if data else 0
     first = model.known
-    linked = []
-    for e in range(first, first + max(many, 1)):
-        s = model.sec(e)
-        if not many:
-            assert wheel.is_loaded(s) == (s in model.loaded)
-        if s in model.loaded:
-            before = [x for x in range(e) if model.sec(x) == s]
-            if before and all(x in model.confirmed for x in before):
-                model.inexact.add(s)  # its memory was freed: the tick may claim less
-            if not many:
-                wheel.link(s, model.ms[e], e)
-            linked.append(e)
-        elif not many:
+    arrivals = range(first, first + max(many, 1))
+    linked = [e for e in arrivals if model.sec(e) in model.loaded]
+    if many:
+        assert wheel.arrive_many(first, model.ms[first : first + many]) == linked
+    else:
+        s = model.sec(first)
+        assert wheel.is_loaded(s) == (s in model.loaded)
+        if linked:
+            wheel.link(s, model.ms[first], first)
+        else:
             wheel.note_arrival(s)
+    for e in arrivals:  # the model's side, the same either way
+        s = model.sec(e)
+        before = [x for x in range(e) if model.sec(x) == s]
+        if s in model.loaded and before and all(x in model.confirmed for x in before):
+            model.inexact.add(s)  # its memory was freed: the tick may claim less
         if any(model.key(x) > model.key(e) for x in model.fired):
             model.late.add(e)
         model.known += 1
-    if many:
-        assert wheel.arrive_many(first, model.ms[first : first + many]) == linked
 
 
 def pop(wheel: SecondWheel, model: Model, now: int) -> None:
