@@ -153,9 +153,9 @@ class SecondWheel:
             return []
         if min(ms_in_hour) < 0 or max(ms_in_hour) >= HOUR_MS:
             raise WheelError(f"arrive_many: ms_in_hour outside 0..{HOUR_MS - 1}")
-        if self._known + len(ms_in_hour) > NO_LIMIT:
-            raise WheelError(f"hour {self._hour}: holds at most {NO_LIMIT} entries")
-        is_loaded, link, grow, unloaded = self._is_loaded, self.link, self._grow, self._unloaded
+        if self._known + len(ms_in_hour) > NO_LIMIT or not 0 <= first_entry <= NO_LIMIT - len(ms_in_hour):
+            raise WheelError(f"hour {self._hour}: holds at most {NO_LIMIT} entries (arrivals from entry {first_entry})")
+        is_loaded, link, grow, unloaded = self._is_loaded, self._link, self._grow, self._unloaded
         linked: list[int] = []
         unloaded_seconds: set[int] = set()
         entry = first_entry
@@ -346,6 +346,10 @@ class SecondWheel:
             raise WheelError(f"link(second={s}): entry_no={e} outside 0..{NO_LIMIT - 1}")
         if not self._is_loaded[s]:
             raise WheelError(f"link(second={s}): second not loaded, note_arrival() it instead")
+        self._link(s, m, e)
+
+    def _link(self, s: int, m: int, e: int) -> None:
+        """``link`` once its arguments are checked (``arrive_many`` checks a batch's at once)."""
         slot = self._slots[s]
         if slot is None:
             slot = self._slots[s] = _Slot([], {}, [])
