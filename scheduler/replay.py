@@ -32,8 +32,8 @@ DEFAULT_STEP_BYTES = 8 << 20
 UNFILED_COUNT_BYTES = 4 << 20
 _CHUNK_BYTES = 1 << 20
 #: What the scheduler's message log keeps of its newest appends in memory
-#: (``SegmentedLog.keep_recent``): replay, behind by ``FilingPace``'s wait, files them from there.
-REPLAY_RECENT_BYTES = 16 << 20
+#: (``SegmentedLog.keep_recent``): replay, behind by at most ``FilingPace``'s wait, files them from there.
+REPLAY_RECENT_BYTES = 32 << 20
 
 
 def replay_step(

@@ -115,11 +115,9 @@ SCHEDULER_SEGMENT_SIZE = 64 << 20
 COUNTERS_SAVE_MS = 1_000
 #: How long a SCHEDULE waits for ``min_insync`` slaves under sync replication.
 DEFAULT_REPLICATION_TIMEOUT_MS = 5_000
-#: A SCHEDULE waits while replay is more than this far behind (``Scheduler._filing_room``).
-#: Room for a burst of 100,000 messages of 100 bytes to be answered before it is filed
-#: (``FilingPace``); what replay is further behind than ``REPLAY_RECENT_BYTES`` it reads
-#: from the log's file.
-DEFAULT_MAX_UNFILED_BYTES = 24 << 20
+#: A SCHEDULE waits while replay is more than this far behind (``Scheduler._filing_room``):
+#: under the bytes the message log keeps in memory, so replay files from there.
+DEFAULT_MAX_UNFILED_BYTES = REPLAY_RECENT_BYTES * 3 // 4
 #: ... and is refused ``unavailable`` (the client retries) after waiting this long.
 FILING_WAIT_MS = 5_000
 
