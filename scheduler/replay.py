@@ -32,8 +32,8 @@ DEFAULT_STEP_BYTES = 8 << 20
 UNFILED_COUNT_BYTES = 4 << 20
 _CHUNK_BYTES = 1 << 20
 #: What the scheduler's message log keeps of its newest appends in memory
-#: (``SegmentedLog.keep_recent``): replay, behind by at most ``FilingPace``'s wait, files them from there.
-REPLAY_RECENT_BYTES = 32 << 20
+#: (``SegmentedLog.keep_recent``): replay, a few milliseconds behind, files them from there.
+REPLAY_RECENT_BYTES = 16 << 20
 
 
 def replay_step(
@@ -70,8 +70,8 @@ def replay_step(
             budget = min(_CHUNK_BYTES, max(max_bytes - (position - start), 1))
             # What this process appended lately is in memory, written by it: no read, no CRC again.
             buf = log.read_recent_whole(position, end, budget) or log.read_raw(position, budget)[0]
-            if not buf or (position > start and position - start + len(buf) > max_bytes):
-                break  # the end, or a batch that would take the step past max_bytes: the next step's
+            if not buf:
+                break
             stop = min(len(buf), end - position)
             consumed = store.stage(buf, position, stop)
             position += consumed

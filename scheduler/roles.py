@@ -38,7 +38,6 @@ from delaymq.replication.roles import Handover, Mastership
 from delaymq.replication.source import ReplicationSource
 from delaymq.scheduler.cancels import Holds, Tail
 from delaymq.scheduler.dispatcher import Deliver, Dispatcher
-from delaymq.scheduler.filingpace import DEFAULT_FILING_MAX_WAIT_MS, DEFAULT_FILING_QUIET_MS, FilingPace
 from delaymq.scheduler.replay import replay_step, replay_until_caught_up
 from delaymq.scheduler.replica import DispatchRecords, HeldTick, dispatch_record, snapshot_records
 from delaymq.scheduler.schedulelog import ScheduleStore
@@ -75,10 +74,6 @@ class Member:
     peers: AsyncCaller | None
     registration: Registration | None
     replay_bytes: int
-    #: How the master paces its filing behind accepting (``FilingPace``): anything due within
-    #: ``filing_lead_ms`` is filed at once, and filing starts once ``filing_max_bytes`` are unfiled.
-    filing_lead_ms: int
-    filing_max_bytes: int
     mode: str  # "sync" | "async"
     min_insync: int
     #: Held around each filing step and dispatch-record write of a slave, and around a
@@ -124,12 +119,6 @@ class MasterSession:
         self._deliver = deliver
         self.dispatcher: Dispatcher | None = None
         self.replay_alarm = Alarm(member.clock)
-        self.pace = FilingPace(
-            lead_ms=member.filing_lead_ms,
-            quiet_ms=DEFAULT_FILING_QUIET_MS,
-            max_wait_ms=DEFAULT_FILING_MAX_WAIT_MS,
-            max_bytes=member.filing_max_bytes,
-        )
         self.source.on_acked = self.replay_alarm.poke
         if member.registration is not None:
             registration = member.registration
@@ -189,46 +178,27 @@ class MasterSession:
         dispatcher = self.dispatcher
         sync = member.mode == "sync" and member.min_insync > 0
         while True:
-            await self._file_when_due()
-            until = self.source.high_watermark() if sync else None
-            step = await member.run_blocking(
-                partial(replay_step, member.log, member.store, max_bytes=member.replay_bytes, until=until)
-            )
-            if step.idle:
-                if (
-                    member.log.flushed_offset < member.log.end_offset
-                    or member.store.checkpoint < member.log.flushed_offset
-                ):
-                    await self.replay_alarm.wait_ms(_UNFLUSHED_POLL_MS)
-                else:
-                    await self.replay_alarm.wait(None)
-                continue
-            self.filed += step.filed
-            self.cancelled += sum(map(len, step.cancelled.values()))
-            for hour, arrivals in step.arrivals.items():
-                wheels.arrive(hour, arrivals.first_entry, arrivals.ms_in_hour)
-            self.tail.filed(step.checkpoint)
-            self.pace.filed(step.checkpoint)
-            if self.holds is not None:
-                self.holds.prune(step.checkpoint, member.clock.now_ms())
-            filed, self.step_filed = self.step_filed, trio.Event()
-            filed.set()
-            dispatcher.poke()
-
-    async def _file_when_due(self) -> None:
-        """Wait while ``FilingPace`` lets filing wait for accepting (each append pokes the
-        alarm, and the wait is worked out again)."""
-        member, pace = self.member, self.pace
-        clock, log, store = member.clock, member.log, member.store
-        while True:
-            wait = pace.wait_ms(
-                now_ms=clock.now_ms(),
-                monotonic_ms=clock.monotonic_ms(),
-                unfiled_bytes=log.end_offset - store.checkpoint,
-            )
-            if not wait:
-                return
-            await self.replay_alarm.wait_ms(wait)
+            while True:
+                until = self.source.high_watermark() if sync else None
+                step = await member.run_blocking(
+                    partial(replay_step, member.log, member.store, max_bytes=member.replay_bytes, until=until)
+                )
+                if step.idle:
+                    break
+                self.filed += step.filed
+                self.cancelled += sum(map(len, step.cancelled.values()))
+                for hour, arrivals in step.arrivals.items():
+                    wheels.arrive(hour, arrivals.first_entry, arrivals.ms_in_hour)
+                self.tail.filed(step.checkpoint)
+                if self.holds is not None:
+                    self.holds.prune(step.checkpoint, member.clock.now_ms())
+                filed, self.step_filed = self.step_filed, trio.Event()
+                filed.set()
+                dispatcher.poke()
+            if member.log.flushed_offset < member.log.end_offset or member.store.checkpoint < member.log.flushed_offset:
+                await self.replay_alarm.wait_ms(_UNFLUSHED_POLL_MS)
+            else:
+                await self.replay_alarm.wait(None)
 
     async def _hand_over(self, target: str) -> None:
         member = self.member

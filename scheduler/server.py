@@ -70,7 +70,6 @@ from delaymq.scheduler.dispatcher import (
     Deliver,
     Dispatcher,
 )
-from delaymq.scheduler.filingpace import DEFAULT_FILING_LEAD_MS
 from delaymq.scheduler.hours import DEFAULT_RETENTION_MS, MAX_DELIVER_AT, ScheduleError, hour_name
 from delaymq.scheduler.idindex import (
     KEY_FIELDS,
@@ -529,7 +528,7 @@ class Scheduler(ChangeCommands):
         positions = accumulate(sizes, initial=offset)
         ats = [at if at > now else now for at in kept_ats] if overdue else kept_ats
         entries = list(zip(kept_keys, map(TailEntry, ats, positions, repeat(end), repeat(SCHEDULED), kept_hashes)))
-        await self._logged(session, entries, end, "SCHEDULE", earliest_at=min(ats))
+        await self._logged(session, entries, end, "SCHEDULE")
         self._requests += 1
         self._scheduled += len(kept)
         self._wake_housekeeping()
@@ -559,20 +558,11 @@ class Scheduler(ChangeCommands):
         )
 
     async def _logged(
-        self,
-        session: MasterSession,
-        entries: list[tuple[str, TailEntry]],
-        end: int,
-        command: str,
-        *,
-        earliest_at: int | None = None,
+        self, session: MasterSession, entries: list[tuple[str, TailEntry]], end: int, command: str
     ) -> None:
         """What a SCHEDULE, CANCEL or MOVE appended (up to ``end``): in the unfiled tail for
-        replay, then replicated as the policy asks, before the answer. ``earliest_at``: the
-        earliest ``deliver_at`` of a SCHEDULE's records, which replay may wait to file until
-        shortly before (``FilingPace``); None (a CANCEL or MOVE) is filed at once."""
+        replay, then replicated as the policy asks, before the answer."""
         session.tail.add(entries, end)
-        session.pace.appended(end, earliest_at, self._clock.monotonic_ms())
         session.source.poke()
         session.replay_alarm.poke()
         await session.source.confirm_replicated(
@@ -967,8 +957,6 @@ async def open_scheduler(
                 peers=peers,
                 registration=None,
                 replay_bytes=replay_bytes,
-                filing_lead_ms=send_ahead_ms + DEFAULT_FILING_LEAD_MS,
-                filing_max_bytes=max(1, max_unfiled_bytes * 7 // 8),
                 mode=replication,
                 min_insync=min_insync,
             )

@@ -256,18 +256,10 @@ def message(name: str, deliver_at: int, *, subject: str = "orders", created_at: 
     return encode_message(name, subject, body=name.encode(), deliver_at=deliver_at, created_at=created_at)
 
 
-async def filed(scheduler: Scheduler) -> None:
-    """Until the scheduler has filed all it accepted: replay lets filing wait for a pause in
-    accepting (``FilingPace``), so this passes the mock clock (it autojumps) until then."""
-    with trio.fail_after(120):
-        while scheduler.statistics().unfiled_bytes:
-            await trio.sleep(0.005)
-
-
 @pytest.fixture
 def sched() -> SimpleNamespace:
     """The helpers above, for the scheduler's tests."""
     return SimpleNamespace(
-        open_cluster=open_cluster, folder=schedule_folder, message=message, filed=filed,
+        open_cluster=open_cluster, folder=schedule_folder, message=message,
         EPOCH_MS=EPOCH_MS, DAY_MS=DAY_MS, SCHEDULER=SCHEDULER,
     )  # fmt: skip

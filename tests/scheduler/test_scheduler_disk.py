@@ -57,7 +57,7 @@ async def test_filed_segments_go_within_a_minute_and_the_folder_stays_under_2_5x
             await cluster.schedule_raw(
                 [message(n, now + 60_000 + rng.randrange(2 * HOUR_MS), now) for n in range(first, first + 1_000)]
             )
-        await sched.filed(scheduler)
+        await trio.testing.wait_all_tasks_blocked()  # replay has caught up
         stats = scheduler.statistics()
         assert (stats.filed, stats.unfiled_bytes) == (count, 0)
         assert stats.message_log_segments > 10  # rolled by size while they came in

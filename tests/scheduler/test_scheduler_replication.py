@@ -347,7 +347,6 @@ async def test_async_replication_answers_at_once_and_the_slave_follows(
         slave = await start_member(cluster, B, replication="async", min_insync=1)
         await wait_until(lambda: slave.role == "slave")
         await wait_until(lambda: log_bytes(slave) == log_bytes(master) != b"")
-        await wait_until(lambda: slave.store.checkpoint == master.store.checkpoint == master.member.log.end_offset)
         assert hour_files(slave) == hour_files(master)
 
 
@@ -367,7 +366,7 @@ async def test_a_slave_far_behind_catches_up_over_many_fetches(sched: Any, tmp_p
             frame = await cluster.net.call(A, Command.SCHEDULE, {}, b"".join(records))
             assert len(frame.metadata["results"]) == 100
         slave = await start_member(cluster, B, min_insync=0)
-        await wait_until(lambda: slave.store.checkpoint == master.store.checkpoint == master.member.log.end_offset)
+        await wait_until(lambda: slave.store.checkpoint == master.member.log.end_offset)
         assert slave.statistics().replication["fetches"] >= 2  # 4 MiB at most per answer
         assert log_bytes(slave) == log_bytes(master)
         assert hour_files(slave) == hour_files(master)
@@ -394,12 +393,7 @@ async def test_under_async_a_deposed_master_cuts_even_what_it_had_filed_and_coun
         await wait_until(lambda: new.role == "master")
         await schedule(cluster, sched, ["after-the-failover"], due, B)  # takes the lost one's entry number
         rejoined = await start_member(cluster, A, replication="async", min_insync=1)
-        await wait_until(
-            lambda: (
-                rejoined.role == "slave"
-                and rejoined.store.checkpoint == new.store.checkpoint == new.member.log.end_offset
-            )
-        )
+        await wait_until(lambda: rejoined.role == "slave" and rejoined.store.checkpoint == new.member.log.end_offset)
         assert rejoined.statistics().replication["cut_records"] == 1
         assert log_bytes(rejoined) == log_bytes(new)
         assert hour_files(rejoined) == hour_files(new)
