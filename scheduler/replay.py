@@ -70,8 +70,8 @@ def replay_step(
             budget = min(_CHUNK_BYTES, max(max_bytes - (position - start), 1))
             # What this process appended lately is in memory, written by it: no read, no CRC again.
             buf = log.read_recent_whole(position, end, budget) or log.read_raw(position, budget)[0]
-            if not buf:
-                break
+            if not buf or (position > start and position - start + len(buf) > max_bytes):
+                break  # the end, or a batch that would take the step past max_bytes: the next step's
             stop = min(len(buf), end - position)
             consumed = store.stage(buf, position, stop)
             position += consumed

@@ -257,6 +257,30 @@ def test_records_still_in_the_message_logs_memory_are_read_from_there_and_the_re
                 reader.read_records([3])
 
 
+@pytest.mark.parametrize("recent", [True, False], ids=["from memory", "from the file"])
+def test_a_step_files_at_most_max_bytes_but_always_one_batch(
+    tmp_path: Path, scheduler_folder: Any, recent: bool
+) -> None:
+    """A step's memory is bounded by ``max_bytes``: a batch that would take it past them is
+    the next step's; a batch bigger than ``max_bytes`` is a step of its own (it moves on)."""
+    records = [message(i, BASE + 60_000 + i, body=b"x" * 100) for i in range(40)]
+    size = len(records[0])
+    with scheduler_folder(tmp_path) as (log, store):
+        if recent:
+            log.keep_recent(1 << 20)
+        append(log, records, batch=10)
+        steps = []
+        while not (step := replay_step(log, store, max_bytes=int(15.5 * size))).idle:
+            steps.append(step.filed)
+        # Memory hands whole batches (two would be 20 records, past 15.5); the file, records.
+        assert steps == ([10, 10, 10, 10] if recent else [15, 15, 10])
+        assert sum(len(v) for v in filed(store).values()) == 40
+
+        append(log, [message(100 + i, BASE + 90_000, body=b"y" * 100) for i in range(10)], batch=10)
+        step = replay_step(log, store, max_bytes=size)  # smaller than the batch
+        assert step.filed == (10 if recent else 1)
+
+
 def test_chain_below_and_floor(tmp_path: Path, scheduler_folder: Any) -> None:
     records = [message(i, BASE + 3_000 + i) for i in range(10)]
     with scheduler_folder(tmp_path) as (log, store):
