@@ -24,14 +24,15 @@ from delaymq.wheel.clock import SystemClock
 MAX_SEND_AHEAD_MS = 10_000
 #: What a scheduler run by command sends with (``open_scheduler``'s own defaults are 0: each
 #: message fired at its millisecond, as the in-process tests expect). Each message goes to
-#: realtime 100 ms before its time, in one SEND per subject per 40 ms: the SEND's round trip
-#: and the interval come before the moment, and SENDs (with realtime's fsyncs and the pulls
-#: they wake) follow the interval rather than the round trip. A consumer fetching ahead
-#: releases each message by its own clock, so a longer interval costs no lateness, only
-#: the cancel cut-off (a cancel in the last 100 ms is too late); 40 / 100 ms cost the
-#: servers about a sixth less CPU than 20 / 50 (docs/performance.md, fifth session).
+#: realtime 100 ms before its time, in one SEND per subject per 60 ms: the SEND's round trip
+#: and the interval come before the moment (40 ms are left for the round trip), and SENDs
+#: (with realtime's fsyncs and the pulls they wake) follow the interval rather than the round
+#: trip. A consumer fetching ahead releases each message by its own clock, so a longer
+#: interval costs no lateness, only the cancel cut-off (a cancel in the last 100 ms is too
+#: late); 40 / 100 ms cost the servers about a sixth less CPU than 20 / 50, and 60 / 100
+#: about a tenth less again (docs/performance.md, fifth and sixth sessions).
 SEND_AHEAD = "100ms"
-SEND_INTERVAL = "40ms"
+SEND_INTERVAL = "60ms"
 
 if TYPE_CHECKING:
     from delaymq.cli.metrics import MetricsSource

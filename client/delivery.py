@@ -284,8 +284,9 @@ SETTLE_BACKOFF = Backoff(initial_ms=100, maximum_ms=5_000, jitter="equal")
 #: do not wait): each ACK waits for a checkpoint of the realtime server (fsyncs and an lmdb
 #: transaction), so the acks of a round's worth of messages travel as one range instead
 #: of one request and one checkpoint every few milliseconds. Acks are at-least-once
-#: either way: a consumer that dies has its unsent acks' messages handed out again.
-SETTLE_INTERVAL = 0.1
+#: either way: a consumer that dies has its unsent acks' messages handed out again. A quarter
+#: of a second cost the realtime server about a fifth less CPU than 0.1 s (docs/performance.md).
+SETTLE_INTERVAL = 0.25
 #: At most this many ACK/NACK requests of one round on the way at once (each is one range).
 SETTLE_CONCURRENCY = 16
 #: How long before their ``deliver_at`` a consumer takes messages a scheduler sent ahead

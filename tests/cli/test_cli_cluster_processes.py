@@ -260,7 +260,7 @@ def test_the_commands_send_ahead_by_default_within_the_dispatchers_limit() -> No
     parser, _commands = build_parser()
     for argv in (["scheduler", "--data", "d"], ["cluster"]):
         args = parser.parse_args(argv)
-        assert (duration_ms(args.send_ahead), duration_ms(args.send_interval)) == (100, 40)
+        assert (duration_ms(args.send_ahead), duration_ms(args.send_interval)) == (100, 60)
     assert 100 < DEFAULT_FETCH_AHEAD * 1000
 
 
