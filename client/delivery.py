@@ -291,7 +291,7 @@ SETTLE_INTERVAL = 0.25
 SETTLE_CONCURRENCY = 16
 #: How long before their ``deliver_at`` a consumer takes messages a scheduler sent ahead
 #: (seconds; it holds them until due): more than a scheduler's default send-ahead and
-#: send interval (50 + 20 ms), so a PULL takes a SEND's records as they are stored.
+#: send interval (100 + 60 ms), so a PULL takes a SEND's records as they are stored.
 DEFAULT_FETCH_AHEAD = 0.2
 
 

@@ -247,7 +247,7 @@ def test_a_server_that_cannot_start_ends_the_cluster_with_one_line_and_leaves_no
 
 def test_the_commands_send_ahead_by_default_within_the_dispatchers_limit() -> None:
     """The command line names its limit as text (it does not import the scheduler to start
-    sooner): it must be ``Dispatcher``'s. Both commands send 100 ms ahead, every 40 ms: the
+    sooner): it must be ``Dispatcher``'s. Both commands send 100 ms ahead, every 60 ms: the
     interval and a round trip fit in the time sent ahead, which stays below a consumer's
     default ``fetch_ahead`` (so one PULL takes each SEND's messages)."""
     from delaymq.cli.main import build_parser
