@@ -25,7 +25,7 @@ MAX_SEND_AHEAD_MS = 10_000
 #: What a scheduler run by command sends with (``open_scheduler``'s own defaults are 0: each
 #: message fired at its millisecond, as the in-process tests expect). Each message goes to
 #: realtime 100 ms before its time, in one SEND per subject per 60 ms: the SEND's round trip
-#: and the interval come before the moment (40 ms are left for the round trip), and SENDs
+#: and the interval come before the moment (38 ms are left for the round trip), and SENDs
 #: (with realtime's fsyncs and the pulls they wake) follow the interval rather than the round
 #: trip. A consumer fetching ahead releases each message by its own clock, so a longer
 #: interval costs no lateness, only the cancel cut-off (a cancel in the last 100 ms is too
