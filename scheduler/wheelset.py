@@ -42,7 +42,11 @@ from dataclasses import dataclass
 
 from delaymq.wheel import HOUR_MS, HourWheel, SecondWheel, Tick, WheelError, hour_of
 
-DEFAULT_LOAD_AHEAD_MS = 10_000
+#: Seconds are read ahead this long before they are due: ample for a disk read (a second of
+#: 100,000 records is about 10 MB), and short, because an arrival into a second already read
+#: costs more (linked one by one, its record read alone) than one counted in a second read
+#: later; a producer sending flat out into 2-20 s was accepted 12 % faster than at 10 s.
+DEFAULT_LOAD_AHEAD_MS = 3_000
 DEFAULT_HOUR_PRELOAD_MS = 300_000
 DEFAULT_MAX_OPEN_HOURS = 8
 DEFAULT_MAX_LOADED = 500_000
