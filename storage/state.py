@@ -18,6 +18,7 @@ import os
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from operator import itemgetter
 from pathlib import Path
 from types import TracebackType
 from typing import Any, NoReturn
@@ -203,22 +204,24 @@ class StateStore:
         self._check_open()
         return WriteBatch(self)
 
-    def _apply(self, ops: list[tuple[str, bytes, object]]) -> None:
+    def _apply(self, runs: list[Run]) -> None:
         max_key = self._max_key
-        for db, key, _value in ops:
-            if not key or len(key) > max_key:
-                self._check_key(db, key)
-        handles = {db: self._handle(db) for db in {op[0] for op in ops}}
+        for db, deleting, items in runs:
+            lengths = list(map(len, items if deleting else map(_first, items)))
+            if min(lengths) == 0 or max(lengths) > max_key:
+                for key in items if deleting else map(_first, items):
+                    self._check_key(db, key)
+        handles = {db: self._handle(db) for db in {run[0] for run in runs}}
         while True:
             seen_map_size = self.map_size
             try:
                 with self._gate.transaction(), self._env.begin(write=True) as txn:
-                    _write_ops(txn, ops, handles)
+                    _write_runs(txn, runs, handles)
                 return
             except lmdb.MapFullError:
                 self._grow(seen_map_size)
             except lmdb.Error as error:
-                self._raise_io_error(error, f"a write of {len(ops)} change(s)")
+                self._raise_io_error(error, f"a write of {sum(len(run[2]) for run in runs)} change(s)")
 
     def _raise_io_error(self, error: lmdb.Error, what: str) -> NoReturn:
         """``StoreIOError`` for an lmdb error the disk caused (its ``OSError`` as cause); else ``error``."""
@@ -315,66 +318,83 @@ class StateStore:
         self.close()
 
 
-def _write_ops(txn: lmdb.Transaction, ops: list[tuple[str, bytes, object]], handles: dict[str, Any]) -> None:
-    """Apply ``ops`` in order: each run of puts into one db with one ``putmulti`` (one call into lmdb)."""
-    run: list[tuple[bytes, bytes]] = []
-    run_db = ""
-    for db, key, value in ops:
-        if value is _DELETE:
-            if run:
-                txn.cursor(db=handles[run_db]).putmulti(run)
-                run = []
-            txn.delete(key, db=handles[db])
+_first = itemgetter(0)
+#: A run of a write batch: ``(db, False, [(key, value), ...])`` puts, ``(db, True, [key, ...])``
+#: deletes, each into one db.
+Run = tuple[str, bool, list[Any]]
+
+
+def _write_runs(txn: lmdb.Transaction, runs: list[Run], handles: dict[str, Any]) -> None:
+    """Apply ``runs`` in order: each run of puts with one ``putmulti`` (one call into lmdb)."""
+    for db, deleting, items in runs:
+        handle = handles[db]
+        if not deleting:
+            txn.cursor(db=handle).putmulti(items)
             continue
-        if db != run_db and run:
-            txn.cursor(db=handles[run_db]).putmulti(run)
-            run = []
-        run_db = db
-        run.append((key, value))  # type: ignore[arg-type]
-    if run:
-        txn.cursor(db=handles[run_db]).putmulti(run)
+        for key in items:
+            txn.delete(key, db=handle)
 
 
 class WriteBatch:
     """Puts and deletes for one write transaction.
 
     ``get`` sees the batch's own pending writes first. Nothing is written if the
-    ``with`` block raises.
+    ``with`` block raises. Kept as runs of puts or deletes into one db (``Run``), so a
+    batch of many puts costs a list extend here and one ``putmulti`` at the end.
     """
 
     def __init__(self, store: StateStore) -> None:
         self._store = store
-        self._ops: list[tuple[str, bytes, object]] = []
+        self._runs: list[Run] = []
         #: The batch's own writes by key, built by the first ``get`` (most batches never read).
         self._pending: dict[tuple[str, bytes], object] | None = None
+
+    def _run(self, db: str, deleting: bool) -> list[Any]:
+        """The items of the last run if it is of ``db`` and this kind, else of a new one."""
+        runs = self._runs
+        if runs:
+            last_db, last_deleting, items = runs[-1]
+            if last_db == db and last_deleting == deleting:
+                return items
+        items = []
+        runs.append((db, deleting, items))
+        return items
 
     def put(self, db: str, key: Bytes, value: Bytes) -> None:
         if type(key) is not bytes:
             key = bytes(key)
         if type(value) is not bytes:
             value = bytes(value)
-        self._ops.append((db, key, value))
+        self._run(db, False).append((key, value))
         if self._pending is not None:
             self._pending[(db, key)] = value
 
     def put_many(self, db: str, items: Iterable[tuple[bytes, bytes]]) -> None:
         """``put`` each ``(key, value)`` (both ``bytes``) into ``db``."""
-        ops = [(db, key, value) for key, value in items]
-        self._ops += ops
+        added = list(items)
+        if not added:
+            return
+        self._run(db, False).extend(added)
         if self._pending is not None:
-            for _db, key, value in ops:
+            for key, value in added:
                 self._pending[(db, key)] = value
 
     def delete(self, db: str, key: Bytes) -> None:
         key = bytes(key)
-        self._ops.append((db, key, _DELETE))
+        self._run(db, True).append(key)
         if self._pending is not None:
             self._pending[(db, key)] = _DELETE
 
     def get(self, db: str, key: Bytes) -> bytes | None:
         key = bytes(key)
         if self._pending is None:
-            self._pending = {(op_db, op_key): value for op_db, op_key, value in self._ops}
+            pending: dict[tuple[str, bytes], object] = {}
+            for run_db, deleting, items in self._runs:
+                if deleting:
+                    pending.update(((run_db, key), _DELETE) for key in items)
+                else:
+                    pending.update(((run_db, key), value) for key, value in items)
+            self._pending = pending
         pending = self._pending.get((db, key))
         if pending is _DELETE:
             return None
@@ -383,7 +403,7 @@ class WriteBatch:
         return self._store.get(db, key)
 
     def __len__(self) -> int:
-        return len(self._ops)
+        return sum(len(items) for _db, _deleting, items in self._runs)
 
     def __enter__(self) -> WriteBatch:
         return self
@@ -394,5 +414,5 @@ class WriteBatch:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        if exc_type is None and self._ops:
-            self._store._apply(self._ops)
+        if exc_type is None and self._runs:
+            self._store._apply(self._runs)

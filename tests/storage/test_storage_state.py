@@ -118,6 +118,32 @@ async def test_called_from_trio_through_threads(tmp_path: Path) -> None:
         store.close()
 
 
+def test_a_batch_applies_its_puts_and_deletes_in_the_order_given(tmp_path: Path) -> None:
+    with StateStore.open(tmp_path) as store:
+        store.put("a", b"gone", b"0")
+        with store.write() as batch:
+            batch.put_many("a", [(b"k1", b"1"), (b"k2", b"1")])
+            batch.put("b", b"k1", b"b1")
+            batch.delete("a", b"k1")  # after its put: deleted
+            batch.delete("a", b"gone")
+            batch.put_many("a", [(b"gone", b"back")])  # after its delete: put
+            batch.put_many("a", [])
+            batch.put("a", b"k2", b"2")  # the later put wins
+            assert len(batch) == 7
+            assert batch.get("a", b"k1") is None and batch.get("a", b"gone") == b"back"
+        assert store.items("a") == [(b"gone", b"back"), (b"k2", b"2")]
+        assert store.items("b") == [(b"k1", b"b1")]
+
+
+def test_a_batch_with_one_key_outside_lmdb_limits_writes_nothing(tmp_path: Path) -> None:
+    with StateStore.open(tmp_path) as store:
+        with pytest.raises(StateStoreError, match=r"key of 600 bytes for db 'db'"):
+            with store.write() as batch:
+                batch.put("db", b"first", b"v")
+                batch.put_many("db", [(b"ok", b"v"), (bytes(600), b"v")])
+        assert store.items("db") == []
+
+
 def test_keys_outside_lmdb_limits_are_refused_by_size(tmp_path: Path) -> None:
     with StateStore.open(tmp_path) as store:
         with pytest.raises(StateStoreError, match=r"key of 600 bytes for db 'db' .* \(1 to 511 bytes\)"):
