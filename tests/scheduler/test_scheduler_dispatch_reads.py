@@ -91,16 +91,16 @@ async def running(tmp_path: Path, records: list[bytes], **options: Any) -> Async
 async def test_arrivals_linked_into_loaded_seconds_fire_from_memory_with_their_own_bytes(
     tmp_path: Path, autojump_clock: trio.testing.MockClock
 ) -> None:
-    first = message("first", EPOCH_MS + 5_000)
+    first = message("first", EPOCH_MS + 2_000)
     async with running(tmp_path, [first]) as run:
-        # Second 5 is within the load-ahead (10 s): read ahead with its record.
+        # Second 2 is within the load-ahead (3 s): read ahead with its record.
         wheels = run.dispatcher.wheels
         with trio.fail_after(5):
-            while not (wheels.open_hours() and wheels.wheel(wheels.open_hours()[0]).is_loaded(5)):
+            while not (wheels.open_hours() and wheels.wheel(wheels.open_hours()[0]).is_loaded(2)):
                 await trio.lowlevel.checkpoint()
-        later = [message(f"late{i}", EPOCH_MS + 5_000 + 200 * i) for i in range(1, 9)]
-        run.file(later[:4])  # linked into second 5, already loaded
-        run.file(later[4:])  # ... and into seconds 5 and 6, in a second round
+        later = [message(f"late{i}", EPOCH_MS + 2_000 + 200 * i) for i in range(1, 9)]
+        run.file(later[:4])  # linked into second 2, already loaded
+        run.file(later[4:])  # ... and into seconds 2 and 3, in a second round
         await run.wait_until(lambda: len(run.delivered) == 9)
         stats = run.dispatcher.statistics()
     sent = dict(zip(["first"] + [f"late{i}" for i in range(1, 9)], [first, *later]))

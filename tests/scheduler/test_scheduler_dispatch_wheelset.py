@@ -94,7 +94,7 @@ def test_overdue_hours_open_oldest_first_within_the_window_then_the_current_and_
 def test_pop_due_hands_out_in_millisecond_order_and_never_anything_later() -> None:
     model = Model()
     model.file(H, 5_002, 5_000, 5_001, 5_000, 9_999)
-    wheels = WheelSet([H])
+    wheels = WheelSet([H], load_ahead_ms=10_000)
     open_all(wheels, model, START)
     load_all(wheels, model, START)
     assert wheels.next_due_ms() == START + 5_000

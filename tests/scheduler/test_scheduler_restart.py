@@ -30,7 +30,7 @@ async def test_killed_then_restarted_three_hours_later_delivers_overdue_at_once_
         hour = t0 // HOUR_MS * HOUR_MS
         plan = {
             "a-before-crash": hour + 5 * MINUTE,
-            "b-loaded-at-crash": hour + 10 * MINUTE + 5_000,  # read ahead when the crash comes
+            "b-loaded-at-crash": hour + 10 * MINUTE + 2_000,  # read ahead (3 s) when the crash comes
             "c-this-hour": hour + 30 * MINUTE,
             "d-next-hour": hour + HOUR_MS + 20 * MINUTE,
             "e-3h-overdue": hour + 3 * HOUR_MS + 5 * MINUTE,
