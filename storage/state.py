@@ -388,13 +388,13 @@ class WriteBatch:
     def get(self, db: str, key: Bytes) -> bytes | None:
         key = bytes(key)
         if self._pending is None:
-            pending: dict[tuple[str, bytes], object] = {}
+            writes: dict[tuple[str, bytes], object] = {}
             for run_db, deleting, items in self._runs:
                 if deleting:
-                    pending.update(((run_db, key), _DELETE) for key in items)
+                    writes.update(((run_db, k), _DELETE) for k in items)
                 else:
-                    pending.update(((run_db, key), value) for key, value in items)
-            self._pending = pending
+                    writes.update(((run_db, k), v) for k, v in items)
+            self._pending = writes
         pending = self._pending.get((db, key))
         if pending is _DELETE:
             return None
