@@ -25,10 +25,10 @@ from that moment it is never handed out unless the cancel's write fails.
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from itertools import islice
-from typing import Protocol
+from itertools import islice, repeat
+from typing import Any, NamedTuple, Protocol
 
 from delaymq.scheduler.idindex import SCHEDULED, IdEntry, lookup
 from delaymq.scheduler.schedulelog import ScheduleStore
@@ -43,15 +43,25 @@ DURABLE = 1  # the cancel is in the message log (and replicated as the policy as
 RECENT_DISPATCHES = 100_000
 
 
-@dataclass(slots=True)
-class TailEntry:
-    """What the unfiled tail says of one index key."""
+class TailEntry(NamedTuple):
+    """What the unfiled tail says of one index key. A tuple: a SCHEDULE makes one per record,
+    ``make_tail_entries`` a batch of them without a Python call each."""
 
     deliver_at: int
     source: int  # message-log offset of the record that set it
     end: int  # message-log offset after that record: filed once the checkpoint reaches it
     state: int  # idindex.SCHEDULED or idindex.CANCELLED
     key_hash: bytes | None
+
+
+def make_tail_entries(
+    deliver_ats: Iterable[int], sources: Iterable[int], end: int, state: int, key_hashes: Iterable[bytes | None]
+) -> Iterator[TailEntry]:
+    """``TailEntry(deliver_at, source, end, state, key_hash)`` of each record of one append."""
+    return map(_new_tuple, repeat(TailEntry), zip(deliver_ats, sources, repeat(end), repeat(state), key_hashes))
+
+
+_new_tuple: Any = tuple.__new__
 
 
 class Tail:
@@ -283,6 +293,7 @@ __all__ = [
     "RecentDispatches",
     "Tail",
     "TailEntry",
+    "make_tail_entries",
     "handed_out",
     "look_up",
 ]

@@ -38,7 +38,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import asdict, replace
 from functools import partial
-from itertools import accumulate, repeat
+from itertools import accumulate
 from operator import sub
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -59,7 +59,7 @@ from delaymq.protocol.transport import AsyncCaller, FrameServer, Request, open_p
 from delaymq.replication.membership import member_identity
 from delaymq.replication.roles import Mastership, NotMaster, RoleLoop
 from delaymq.replication.wire import FetchRequest
-from delaymq.scheduler.cancels import RecentDispatches, TailEntry, look_up
+from delaymq.scheduler.cancels import RecentDispatches, TailEntry, look_up, make_tail_entries
 from delaymq.scheduler.changes import ChangeCommands
 from delaymq.scheduler.cutback import cut_schedule_folder
 from delaymq.scheduler.dispatcher import (
@@ -527,7 +527,7 @@ class Scheduler(ChangeCommands):
         sizes = map(sub, ends, starts) if not duplicates else [ends[i] - starts[i] for i in kept]
         positions = accumulate(sizes, initial=offset)
         ats = [at if at > now else now for at in kept_ats] if overdue else kept_ats
-        entries = list(zip(kept_keys, map(TailEntry, ats, positions, repeat(end), repeat(SCHEDULED), kept_hashes)))
+        entries = list(zip(kept_keys, make_tail_entries(ats, positions, end, SCHEDULED, kept_hashes)))
         await self._logged(session, entries, end, "SCHEDULE")
         self._requests += 1
         self._scheduled += len(kept)
