@@ -11,7 +11,8 @@ from __future__ import annotations
 import gc
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -79,23 +80,30 @@ async def serve_until_stopped(
 #: A server allocates a few container objects per message it handles, most of them freed
 #: at once or kept long (the unfiled tail, the dedup window); at 700 the scheduler spent
 #: about 11 % of its CPU in collections while a producer sent flat out (docs/performance.md).
-SERVER_GC_THRESHOLDS = (10_000, 20, 20)
+SERVER_GC_THRESHOLDS = (10_000, 10, 10)
 
 
-def tune_collector() -> None:
-    """Collect cycles less often, and never scan what start-up left (modules, classes):
-    ``gc.freeze`` moves it out of the collector's sight for good."""
+@contextmanager
+def tuned_collector() -> Iterator[None]:
+    """For the block, collect cycles less often and never scan what start-up left (modules,
+    classes: ``gc.freeze``); the collector as it was afterwards (a server run in-process)."""
+    thresholds = gc.get_threshold()
     gc.collect()
     gc.freeze()
     gc.set_threshold(*SERVER_GC_THRESHOLDS)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.unfreeze()
 
 
 def run_server(serve: Callable[..., Awaitable[Any]], *args: Any, what: str) -> int:
-    """``trio.run(serve, *args)`` in a process tuned for serving (``tune_collector``); a
-    start-up failure becomes one logged line and exit 1."""
-    tune_collector()
+    """``trio.run(serve, *args)`` with the collector tuned for serving (``tuned_collector``);
+    a start-up failure becomes one logged line and exit 1."""
     try:
-        trio.run(serve, *args)
+        with tuned_collector():
+            trio.run(serve, *args)
     except BaseException as raised:  # noqa: B036 - sorted below: start-up errors are one line, the rest re-raised
         if not isinstance(raised, (*STARTUP_ERRORS, BaseExceptionGroup)):
             raise

@@ -340,7 +340,7 @@ class WriteBatch:
 
     ``get`` sees the batch's own pending writes first. Nothing is written if the
     ``with`` block raises. Kept as runs of puts or deletes into one db (``Run``), so a
-    batch of many puts costs a list extend here and one ``putmulti`` at the end.
+    batch of many puts costs a list of pairs here and one ``putmulti`` at the end.
     """
 
     def __init__(self, store: StateStore) -> None:
@@ -371,7 +371,7 @@ class WriteBatch:
 
     def put_many(self, db: str, items: Iterable[tuple[bytes, bytes]]) -> None:
         """``put`` each ``(key, value)`` (both ``bytes``) into ``db``."""
-        added = list(items)
+        added = [(key, value) for key, value in items]  # pairs as tuples: what putmulti takes
         if not added:
             return
         self._run(db, False).extend(added)

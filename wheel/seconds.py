@@ -5,7 +5,7 @@ and every method that needs "now" takes it as an argument):
 
 1. ``SecondWheel.from_counts(hour, counts)`` from the hour's second-heads table: the
    wheel knows how many entries each second holds, not yet which.
-2. About 10 s ahead of a second (``seconds_to_load`` / ``next_load_ms``) the scheduler
+2. About ``ahead_ms`` (3 s) ahead of a second (``seconds_to_load`` / ``next_load_ms``) the scheduler
    walks that second's chain in the delay index and hands the ``(ms_in_hour, entry_no)``
    pairs to ``load_second``, in any order. Until then an arrival for that second only
    bumps its count (``note_arrival``); once loaded, an arrival is ``link``-ed in place.
@@ -49,7 +49,9 @@ from sortedcontainers import SortedSet
 from delaymq.wheel.hours import HOUR_MS, SECOND_MS, SECONDS_PER_HOUR, WheelError, _check_hour
 from delaymq.wheel.tick import NO_LIMIT, Tick
 
-DEFAULT_AHEAD_MS = 10_000
+#: How long before a second is due it is loaded, unless the caller says (the scheduler's
+#: ``WheelSet.load_ahead_ms``; why 3 s: ``delaymq.scheduler.wheelset``).
+DEFAULT_AHEAD_MS = 3_000
 _ENTRY_MASK = 0xFFFF_FFFF  # key = ms_in_hour << 32 | entry_no: one int sorts like (ms, entry)
 
 

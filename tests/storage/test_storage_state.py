@@ -124,15 +124,16 @@ def test_a_batch_applies_its_puts_and_deletes_in_the_order_given(tmp_path: Path)
         with store.write() as batch:
             batch.put_many("a", [(b"k1", b"1"), (b"k2", b"1")])
             batch.put("b", b"k1", b"b1")
+            batch.put_many("b", [[b"k2", b"b2"]])  # pairs as lists (msgpack decodes them so)
             batch.delete("a", b"k1")  # after its put: deleted
             batch.delete("a", b"gone")
             batch.put_many("a", [(b"gone", b"back")])  # after its delete: put
             batch.put_many("a", [])
             batch.put("a", b"k2", b"2")  # the later put wins
-            assert len(batch) == 7
+            assert len(batch) == 8
             assert batch.get("a", b"k1") is None and batch.get("a", b"gone") == b"back"
         assert store.items("a") == [(b"gone", b"back"), (b"k2", b"2")]
-        assert store.items("b") == [(b"k1", b"b1")]
+        assert store.items("b") == [(b"k1", b"b1"), (b"k2", b"b2")]
 
 
 def test_a_batch_with_one_key_outside_lmdb_limits_writes_nothing(tmp_path: Path) -> None:

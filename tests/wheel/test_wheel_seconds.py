@@ -60,10 +60,10 @@ def test_unloaded_seconds_are_counted_then_walked_about_ten_seconds_ahead():
     wheel = SecondWheel.from_counts(HOUR, counts_of(30_500, 30_600, 45_000))
     assert not wheel.is_loaded(30)
     assert wheel.pending().unloaded == 3
-    assert wheel.next_load_ms() == START + 20_000
-    assert wheel.seconds_to_load(START + 19_999) == []
-    assert wheel.seconds_to_load(START + 20_000) == [30]
-    assert wheel.seconds_to_load(START + 40_000) == [30, 45]
+    assert wheel.next_load_ms(10_000) == START + 20_000
+    assert wheel.seconds_to_load(START + 19_999, 10_000) == []
+    assert wheel.seconds_to_load(START + 20_000, 10_000) == [30]
+    assert wheel.seconds_to_load(START + 40_000, 10_000) == [30, 45]
     # Before the walk, the earliest possible moment is the second's start: "load it".
     assert wheel.next_due_ms() == START + 30_000
     wheel.note_arrival(30)  # filed while unloaded: only counted
@@ -160,7 +160,7 @@ def test_skip_to_a_tick_fires_only_the_rest():
     entries = [(5_100, 0), (5_100, 4), (5_500, 1), (5_900, 2), (3_000, 3)]
     wheel = SecondWheel.from_counts(HOUR, counts_of(*(ms for ms, _ in entries)))
     wheel.skip_to(Tick(HOUR * 3600 + 5, 2, 5))  # second 3 done; (5100,0), (5100,4) done
-    assert wheel.seconds_to_load(START) == [5]  # second 3 needs no walk
+    assert wheel.seconds_to_load(START, 10_000) == [5]  # second 3 needs no walk
     wheel.load_second(5, [(ms, e) for ms, e in entries if ms // 1000 == 5])
     assert wheel.tick() == Tick(HOUR * 3600 + 5, 2, 5)
     assert wheel.pop_due(START + 10_000) == [(START + 5_500, 1), (START + 5_900, 2)]
@@ -172,7 +172,7 @@ def test_skip_to_respects_the_tick_limit_for_entries_filed_after_it():
     wheel = SecondWheel.from_counts(HOUR, counts_of(*(ms for ms, _ in entries)))
     wheel.skip_to(Tick(HOUR * 3600 + 2, 2, 3))
     assert wheel.walk_floor(1) == 3 and wheel.walk_floor(2) == 0
-    assert wheel.seconds_to_load(START) == [1, 2]
+    assert wheel.seconds_to_load(START, 10_000) == [1, 2]
     wheel.load_second(1, [(1_000, 3)])
     wheel.load_second(2, [(ms, e) for ms, e in entries if ms // 1000 == 2])
     fired = wheel.pop_due(START + 10_000)
