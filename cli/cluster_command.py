@@ -39,7 +39,7 @@ import trio
 
 from delaymq.cli import options
 from delaymq.cli.connection_options import add_tls_options, tls_settings
-from delaymq.cli.scheduler_command import SEND_AHEAD, SEND_INTERVAL
+from delaymq.cli.scheduler_command import LOAD_AHEAD, SEND_AHEAD, SEND_INTERVAL
 from delaymq.cli.serving import STARTUP_ERRORS, fail
 from delaymq.cli.supervisor import StartFailed, Supervisor, open_supervisor
 from delaymq.client.producer import DEFAULT_META
@@ -102,6 +102,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         SEND_AHEAD,
         "the scheduler's --send-ahead: each message goes to realtime this long before its deliver_at "
         "(held there until then)",
+    )
+    options.add_duration(
+        parser,
+        "--load-ahead",
+        LOAD_AHEAD,
+        "the scheduler's --load-ahead: each second's messages are read from disk this long before they fall due",
     )
     parser.add_argument(
         "--replicas",
@@ -269,6 +275,7 @@ async def _start_servers(
     dispatch_options = (
         *("--send-interval", f"{options.duration_ms(args.send_interval)}ms"),
         *("--send-ahead", f"{options.duration_ms(args.send_ahead)}ms"),
+        *("--load-ahead", f"{options.duration_ms(args.load_ahead)}ms"),
     )
 
     def member(kind: str, folder: str) -> Callable[[str], list[str]]:

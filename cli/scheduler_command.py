@@ -33,6 +33,8 @@ MAX_SEND_AHEAD_MS = 10_000
 #: about a tenth less again (docs/performance.md, fifth and sixth sessions).
 SEND_AHEAD = "100ms"
 SEND_INTERVAL = "60ms"
+#: scheduler.wheelset.DEFAULT_LOAD_AHEAD_MS, as text (a test checks they agree).
+LOAD_AHEAD = "3s"
 
 if TYPE_CHECKING:
     from delaymq.cli.metrics import MetricsSource
@@ -68,6 +70,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "and hands it out from deliver_at, so the SEND's round trip and the send interval come before the "
         "moment; a message this close to its time can no longer be cancelled",
     )
+    add_duration(
+        parser,
+        "--load-ahead",
+        LOAD_AHEAD,
+        "read each second's messages from disk this long before they fall due: longer if a second may hold "
+        "many hundred thousand messages or the disk may stall (what is not read by then is read, late, when "
+        "it falls due); shorter, a message arriving for a second already read costs a little more",
+    )
     add_replication_options(parser, writes="each SCHEDULE")
     parser.set_defaults(func=run)
 
@@ -80,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         retention_ms = options.duration_ms(args.retention)
         send_interval_ms = options.duration_ms(args.send_interval)
         send_ahead_ms = options.duration_ms(args.send_ahead)
+        load_ahead_ms = options.duration_ms(args.load_ahead)
         if send_ahead_ms > MAX_SEND_AHEAD_MS:
             return fail(f"--send-ahead: {send_ahead_ms} ms is over the limit of {MAX_SEND_AHEAD_MS} ms")
         token, tokens = server_auth(args, listen=args.listen)
@@ -96,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
         return fail(f"--horizon: {error}")
     meta = args.meta or [DEFAULT_META]
     what = f"scheduler {args.group} on {args.listen} with data {args.data}"
-    return run_server(_serve, args, meta, limits, retention_ms, send_interval_ms, send_ahead_ms, what=what)
+    dispatch = {"send_interval_ms": send_interval_ms, "send_ahead_ms": send_ahead_ms, "load_ahead_ms": load_ahead_ms}
+    return run_server(_serve, args, meta, limits, retention_ms, dispatch, what=what)
 
 
 async def _serve(
@@ -104,8 +116,7 @@ async def _serve(
     meta: list[str],
     limits: Limits,
     retention_ms: int,
-    send_interval_ms: int,
-    send_ahead_ms: int,
+    dispatch: dict[str, int],
 ) -> None:
     # Imported here, not by ``delaymq`` itself: every command (each server of a cluster too) starts sooner.
     from delaymq.scheduler.server import open_scheduler
@@ -119,8 +130,7 @@ async def _serve(
         flush=args.flush,
         limits=limits,
         retention_ms=retention_ms,
-        send_interval_ms=send_interval_ms,
-        send_ahead_ms=send_ahead_ms,
+        **dispatch,
         replication=args.replication,
         min_insync=args.min_insync,
     ) as scheduler:

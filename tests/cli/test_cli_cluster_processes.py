@@ -150,7 +150,9 @@ def processes_using(folder: Path) -> list[str]:
 
 def test_each_server_runs_in_a_process_of_its_own_and_none_outlives_a_sigkilled_cluster(tmp_path: Path) -> None:
     data = tmp_path / "cluster"
-    with cluster(data, "--replicas", "1", "--send-interval", "7ms", "--send-ahead", "30ms") as running:
+    with cluster(
+        data, "--replicas", "1", "--send-interval", "7ms", "--send-ahead", "30ms", "--load-ahead", "9s"
+    ) as running:
         servers = running.servers()
         assert len(servers) == 5
         pids = server_processes(running.process.pid, servers)
@@ -165,11 +167,15 @@ def test_each_server_runs_in_a_process_of_its_own_and_none_outlives_a_sigkilled_
                 kind = name.split("-")[0].encode()
                 assert command[command.index(b"delaymq.cli") + 3] == kind  # delaymq --log-level L KIND ...
                 assert str(data / name).encode() in command  # --data DATA/NAME
-                if kind == b"scheduler":  # the cluster's --send-interval and --send-ahead go to its schedulers
+                if (
+                    kind == b"scheduler"
+                ):  # the cluster's --send-interval, --send-ahead, --load-ahead go to its schedulers
                     assert command[command.index(b"--send-interval") + 1] == b"7ms"
                     assert command[command.index(b"--send-ahead") + 1] == b"30ms"
+                    assert command[command.index(b"--load-ahead") + 1] == b"9000ms"
                 else:
                     assert b"--send-interval" not in command and b"--send-ahead" not in command
+                    assert b"--load-ahead" not in command
         # Each answers STATUS (the metaserver the routes, each member its own).
         answer: dict[str, Any] = json.loads(delaymq("status", "--json", "--meta", running.meta).stdout)
         asked = {**answer["realtime"], **answer["schedulers"]}
@@ -255,12 +261,14 @@ def test_the_commands_send_ahead_by_default_within_the_dispatchers_limit() -> No
     from delaymq.cli.scheduler_command import MAX_SEND_AHEAD_MS as COMMAND_MAX
     from delaymq.client.delivery import DEFAULT_FETCH_AHEAD
     from delaymq.scheduler.dispatcher import MAX_SEND_AHEAD_MS
+    from delaymq.scheduler.wheelset import DEFAULT_LOAD_AHEAD_MS
 
     assert COMMAND_MAX == MAX_SEND_AHEAD_MS
     parser, _commands = build_parser()
     for argv in (["scheduler", "--data", "d"], ["cluster"]):
         args = parser.parse_args(argv)
         assert (duration_ms(args.send_ahead), duration_ms(args.send_interval)) == (100, 60)
+        assert duration_ms(args.load_ahead) == DEFAULT_LOAD_AHEAD_MS  # the command reads ahead as the wheel does
     assert 100 < DEFAULT_FETCH_AHEAD * 1000
 
 
