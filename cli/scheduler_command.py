@@ -107,8 +107,8 @@ def run(args: argparse.Namespace) -> int:
         return fail(f"--horizon: {error}")
     meta = args.meta or [DEFAULT_META]
     what = f"scheduler {args.group} on {args.listen} with data {args.data}"
-    dispatch = {"send_interval_ms": send_interval_ms, "send_ahead_ms": send_ahead_ms, "load_ahead_ms": load_ahead_ms}
-    return run_server(_serve, args, meta, limits, retention_ms, dispatch, what=what)
+    dispatch = (send_interval_ms, send_ahead_ms, load_ahead_ms)
+    return run_server(_serve, args, meta, limits, retention_ms, *dispatch, what=what)
 
 
 async def _serve(
@@ -116,7 +116,9 @@ async def _serve(
     meta: list[str],
     limits: Limits,
     retention_ms: int,
-    dispatch: dict[str, int],
+    send_interval_ms: int,
+    send_ahead_ms: int,
+    load_ahead_ms: int,
 ) -> None:
     # Imported here, not by ``delaymq`` itself: every command (each server of a cluster too) starts sooner.
     from delaymq.scheduler.server import open_scheduler
@@ -130,7 +132,9 @@ async def _serve(
         flush=args.flush,
         limits=limits,
         retention_ms=retention_ms,
-        **dispatch,
+        send_interval_ms=send_interval_ms,
+        send_ahead_ms=send_ahead_ms,
+        load_ahead_ms=load_ahead_ms,
         replication=args.replication,
         min_insync=args.min_insync,
     ) as scheduler:
