@@ -107,8 +107,9 @@ def run(args: argparse.Namespace) -> int:
         return fail(f"--horizon: {error}")
     meta = args.meta or [DEFAULT_META]
     what = f"scheduler {args.group} on {args.listen} with data {args.data}"
-    dispatch = (send_interval_ms, send_ahead_ms, load_ahead_ms)
-    return run_server(_serve, args, meta, limits, retention_ms, *dispatch, what=what)
+    return run_server(
+        _serve, args, meta, limits, retention_ms, send_interval_ms, send_ahead_ms, load_ahead_ms, what=what
+    )
 
 
 async def _serve(

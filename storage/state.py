@@ -371,7 +371,7 @@ class WriteBatch:
 
     def put_many(self, db: str, items: Iterable[tuple[bytes, bytes]]) -> None:
         """``put`` each ``(key, value)`` (both ``bytes``) into ``db``."""
-        added = [(key, value) for key, value in items]  # pairs as tuples: what putmulti takes
+        added = list(map(tuple, items))  # pairs as tuples (what putmulti takes), made in C
         if not added:
             return
         self._run(db, False).extend(added)

@@ -167,9 +167,8 @@ def test_each_server_runs_in_a_process_of_its_own_and_none_outlives_a_sigkilled_
                 kind = name.split("-")[0].encode()
                 assert command[command.index(b"delaymq.cli") + 3] == kind  # delaymq --log-level L KIND ...
                 assert str(data / name).encode() in command  # --data DATA/NAME
-                if (
-                    kind == b"scheduler"
-                ):  # the cluster's --send-interval, --send-ahead, --load-ahead go to its schedulers
+                # The cluster's --send-interval, --send-ahead and --load-ahead go to its schedulers.
+                if kind == b"scheduler":
                     assert command[command.index(b"--send-interval") + 1] == b"7ms"
                     assert command[command.index(b"--send-ahead") + 1] == b"30ms"
                     assert command[command.index(b"--load-ahead") + 1] == b"9000ms"
