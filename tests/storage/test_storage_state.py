@@ -7,10 +7,14 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from delaymq.protocol.records import new_message_id
 from delaymq.storage.errors import (
     DirectoryLocked,
     FormatMismatch,
@@ -19,7 +23,7 @@ from delaymq.storage.errors import (
 )
 from delaymq.storage.format import read_format, write_format
 from delaymq.storage.log import SegmentedLog
-from delaymq.storage.state import StateStore, pack, unpack
+from delaymq.storage.state import StateStore, absent_runs_skipped, pack, unpack
 
 
 def test_values_survive_a_reopen(tmp_path: Path) -> None:
@@ -216,3 +220,60 @@ def test_opening_a_named_db_while_another_thread_writes_does_not_hang_the_proces
         env={**os.environ, "PYTHONSAFEPATH": "1"},
     )
     assert (done.returncode, done.stdout.strip()) == (0, "value"), done.stderr
+
+
+class _CountingCursor:
+    """A cursor that counts its ``set_range`` calls (each one releases the GIL in lmdb)."""
+
+    def __init__(self, cursor: Any) -> None:
+        self._cursor = cursor
+        self.calls = 0
+
+    def set_range(self, key: bytes) -> bool:
+        self.calls += 1
+        return bool(self._cursor.set_range(key))
+
+    def key(self) -> bytes:
+        return bytes(self._cursor.key())
+
+    def value(self) -> bytes:
+        return bytes(self._cursor.value())
+
+
+_short_keys = st.binary(min_size=1, max_size=3)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(stored=st.sets(_short_keys, max_size=40), wanted=st.lists(_short_keys, max_size=40))
+def test_get_many_answers_as_one_get_per_key_does(tmp_path: Path, stored: set[bytes], wanted: list[bytes]) -> None:
+    # Many keys go through one cursor that skips runs of absent keys: same answers, in
+    # the order asked, duplicates and memoryviews included.
+    folder = tmp_path / os.urandom(4).hex()
+    with StateStore.open(folder) as store:
+        with store.write() as batch:
+            for key in stored:
+                batch.put("ids", key, b"v" + key)
+        asked: list[bytes | memoryview] = [memoryview(k) if i % 3 == 0 else k for i, k in enumerate(wanted)]
+        assert store.get_many("ids", asked) == [b"v" + k if k in stored else None for k in wanted]
+        assert [store.get("ids", k) for k in wanted] == [b"v" + k if k in stored else None for k in wanted]
+
+
+def test_new_time_ordered_ids_cost_one_cursor_call_for_the_batch(tmp_path: Path) -> None:
+    # Ids made now sort after every id stored before: the batch is known absent in one call,
+    # where one lmdb call per key would give up the GIL a thousand times.
+    older = [new_message_id(1_000 + i // 100).encode() for i in range(2_000)]
+    newer = [new_message_id(9_000 + i // 100).encode() for i in range(1_000)]
+    with StateStore.open(tmp_path) as store:
+        with store.write() as batch:
+            for key in older:
+                batch.put("ids", key, b"v")
+        env = store._env
+        with env.begin(db=store._handle("ids"), buffers=False) as txn:
+            cursor = _CountingCursor(txn.cursor())
+            assert absent_runs_skipped(cursor, sorted(newer)) == {}
+            assert cursor.calls == 1
+            cursor = _CountingCursor(txn.cursor())
+            mixed = sorted([*newer, older[5], older[1_500]])
+            assert absent_runs_skipped(cursor, mixed) == {older[5]: b"v", older[1_500]: b"v"}
+            assert cursor.calls == 3  # the first stored one, the second, then past the end
+        assert store.get_many("ids", [*newer[:10], older[7]]) == [None] * 10 + [b"v"]
