@@ -90,6 +90,7 @@ from delaymq.scheduler.hours import (
 )
 from delaymq.scheduler.idindex import (
     CANCELLED_DB,
+    IDS_DB,
     cancelled_counts,
     cancelled_entries,
     cancelled_key,
@@ -236,6 +237,7 @@ class ScheduleStore:
             sync_fs = None if syncfs is None else partial(syncfs, folder)
             tables = HeadsTables(folder.path, fsync=fsync, syncfs=sync_fs)
             recovered = recover_hours(folder, state, names, tables)
+            state.keep_highest_key(IDS_DB)  # for ``past_every_indexed``
         except BaseException:
             folder.close()
             raise
@@ -266,6 +268,11 @@ class ScheduleStore:
         """The message-log offset replay resumes from: every record below it is filed
         (and fsynced), so ``message_log.delete_before(checkpoint)`` is safe."""
         return self._checkpoint
+
+    def past_every_indexed(self, keys: list[str]) -> bool:
+        """Whether every one of ``keys`` sorts after every key the id index holds, so none is
+        in it: known from memory, no read. New time-ordered ids (``new_message_id``) do."""
+        return bool(keys) and min(keys).encode() > self._state.highest_key(IDS_DB)
 
     def hours_with_messages(self) -> list[int]:
         """The hours holding at least one committed entry, oldest first."""

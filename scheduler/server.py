@@ -75,6 +75,7 @@ from delaymq.scheduler.idindex import (
     KEY_FIELDS,
     KEY_FIELDS_AT,
     SCHEDULED,
+    IdEntry,
     drop_from,
     record_key,
 )
@@ -577,11 +578,15 @@ class Scheduler(ChangeCommands):
         being appended right now waits for that append: a duplicate only once it is stored."""
         tail, appending = session.tail, session.appending
         store = self.store
+        found: list[tuple[IdEntry | None, bool]]
         while True:
             busy = appending.waiting_for(keys)
             if busy is not None:
                 await busy.wait()
                 continue
+            if store.past_every_indexed(keys):  # new time-ordered ids: none indexed, no thread needed
+                found = [(None, False)] * len(keys)
+                break
             epoch = tail.begin_lookup()
             try:
                 found = await self._run_blocking(partial(look_up, store, keys))

@@ -106,6 +106,9 @@ class StateStore:
         self._max_key = env.max_key_size()
         self._closed = False
         self._resizes = 0
+        #: For the dbs named by ``keep_highest_key``: a key at or above every key stored (b"": none).
+        self._highest: dict[str, bytes] = {}
+        self._highest_lock = threading.Lock()
 
     @classmethod
     def open(
@@ -185,6 +188,27 @@ class StateStore:
             found = absent_runs_skipped(txn.cursor(), sorted(set(wanted)))
         return list(map(found.get, wanted))
 
+    def keep_highest_key(self, db: str) -> None:
+        """From now on, keep in memory a key at or above every key ``db`` holds
+        (``highest_key``): its last key, read here (blocking), then raised by each write
+        before it commits. Deletes do not lower it."""
+        handle = self._handle(db)
+        self._raise_highest(db, b"")
+        with self._gate.transaction(), self._env.begin(db=handle, buffers=False) as txn:
+            cursor = txn.cursor()
+            last = bytes(cursor.key()) if cursor.last() else b""
+        self._raise_highest(db, last)
+
+    def highest_key(self, db: str) -> bytes:
+        """A key at or above every key ``db`` holds (b"" if it holds none), from memory:
+        a key above it is not in ``db``, known without a read. ``db`` must be one named by
+        ``keep_highest_key``."""
+        return self._highest[db]
+
+    def _raise_highest(self, db: str, key: bytes) -> None:
+        with self._highest_lock:
+            self._highest[db] = max(self._highest.get(db, b""), key)
+
     def items(self, db: str, prefix: Bytes = b"") -> list[tuple[bytes, bytes]]:
         """Every ``(key, value)`` of ``db`` whose key starts with ``prefix``, in key order."""
         handle = self._handle(db)
@@ -223,6 +247,9 @@ class StateStore:
                 for key in items if deleting else map(_first, items):
                     self._check_key(db, key)
         handles = {db: self._handle(db) for db in {run[0] for run in runs}}
+        for db, deleting, items in runs:
+            if not deleting and db in self._highest:  # raised before the commit: never below what is stored
+                self._raise_highest(db, bytes(max(map(_first, items))))
         while True:
             seen_map_size = self.map_size
             try:
@@ -343,10 +370,10 @@ def absent_runs_skipped(cursor: lmdb.Cursor, wanted: list[bytes]) -> dict[bytes,
     found: dict[bytes, bytes] = {}
     i, count = 0, len(wanted)
     while i < count and cursor.set_range(wanted[i]):
-        key = cursor.key()
+        key = bytes(cursor.key())
         i = bisect_left(wanted, key, i)
         if i < count and wanted[i] == key:
-            found[key] = cursor.value()
+            found[key] = bytes(cursor.value())
             i += 1
     return found
 

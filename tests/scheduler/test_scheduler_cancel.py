@@ -16,7 +16,7 @@ import trio.lowlevel
 
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError
-from delaymq.protocol.records import encode_message
+from delaymq.protocol.records import encode_message, new_message_id
 from delaymq.scheduler.cancels import RecentDispatches
 from delaymq.wheel import HOUR_MS
 
@@ -225,6 +225,31 @@ async def test_a_retried_schedule_is_stored_once(sched: Any, tmp_path: Path, aut
         async with cluster.scheduler():
             again = await cluster.schedule_raw([keyed("d0", now + 30 * SECOND)])
             assert again.metadata["results"] == ["scheduled"]
+
+
+async def test_new_time_ordered_ids_skip_the_index_read_and_stored_ones_are_still_duplicates(
+    sched: Any, tmp_path: Path, autojump_clock: Any
+) -> None:
+    # Ids made now sort past every id the index holds: the scheduler knows them new without
+    # reading it. A batch holding one stored id among newer ones reads it, and refuses that one.
+    async with sched.open_cluster(tmp_path) as cluster:
+        now = cluster.clock.now_ms()
+        ids = [new_message_id(now) for _ in range(30)]
+        first = [keyed(i, now + 60 * SECOND) for i in ids[:20]]
+        async with cluster.scheduler() as scheduler:
+            answered = (await cluster.schedule_raw(first)).metadata["results"]
+            assert answered == ["scheduled"] * 20
+            await wait_until(lambda: scheduler.store.checkpoint == scheduler.member.log.end_offset)
+            assert not scheduler.session.tail.ids  # filed: only the index knows them now
+            newer = [keyed(i, now + 60 * SECOND) for i in ids[20:]]
+            assert scheduler.store.past_every_indexed(ids[20:])
+            assert not scheduler.store.past_every_indexed([ids[19], *ids[20:]])
+            mixed = (await cluster.schedule_raw([*newer[:5], first[19], *newer[5:]])).metadata["results"]
+            assert mixed == ["scheduled"] * 5 + ["duplicate"] + ["scheduled"] * 5
+            again = (await cluster.schedule_raw(first[:3])).metadata["results"]
+            assert again == ["duplicate"] * 3
+            stats = scheduler.statistics()
+        assert stats.scheduled == 30
 
 
 BAD_METADATA = [

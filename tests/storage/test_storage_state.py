@@ -277,3 +277,33 @@ def test_new_time_ordered_ids_cost_one_cursor_call_for_the_batch(tmp_path: Path)
             assert absent_runs_skipped(cursor, mixed) == {older[5]: b"v", older[1_500]: b"v"}
             assert cursor.calls == 3  # the first stored one, the second, then past the end
         assert store.get_many("ids", [*newer[:10], older[7]]) == [None] * 10 + [b"v"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    before=st.sets(_short_keys, max_size=20),
+    writes=st.lists(st.tuples(st.booleans(), st.lists(_short_keys, min_size=1, max_size=5)), max_size=10),
+)
+def test_the_highest_key_kept_is_never_below_a_stored_key(
+    tmp_path: Path, before: set[bytes], writes: list[tuple[bool, list[bytes]]]
+) -> None:
+    # What was stored before ``keep_highest_key`` (a reopen) is read; every write after it
+    # raises the bound before it commits, deletes included in the mix (they never lower it).
+    folder = tmp_path / os.urandom(4).hex()
+    with StateStore.open(folder) as store:
+        with store.write() as batch:
+            for key in before:
+                batch.put("ids", key, b"v")
+    with StateStore.open(folder) as store:
+        store.keep_highest_key("ids")
+        assert store.highest_key("ids") == max(before, default=b"")
+        for deleting, keys in writes:
+            with store.write() as batch:
+                for key in keys:
+                    if deleting:
+                        batch.delete("ids", key)
+                    else:
+                        batch.put("ids", key, b"v")
+            stored = [key for key, _ in store.items("ids")]
+            assert all(key <= store.highest_key("ids") for key in stored)
+        assert store.highest_key("ids") == max([*before, *(k for d, ks in writes if not d for k in ks)], default=b"")
