@@ -231,19 +231,62 @@ class StagedStep:
         self._read_slots(self._slots_to_read(buf, stop))
         view = memoryview(buf)
         unpack = RECORD_TIMES.unpack_from
+        pos = 0
+        while pos < stop:
+            pos = self._file_messages(buf, view, pos, stop, source)
+            if pos >= stop:
+                break
+            size, _magic, _version, kind, _crc, _at, _created = unpack(buf, pos)
+            if kind == _MESSAGE:
+                break  # the step touched max_step_hours hours
+            end = pos + HEADER_SIZE + size
+            if end > stop:
+                raise ScheduleError(
+                    f"record at message-log offset {source + pos} ends at {source + end}, "
+                    f"past the end of what was given to stage ({source + stop})"
+                )
+            if kind == CANCEL_KIND or kind == MOVE_KIND:
+                if not self._stage_change(buf, view, pos, end, source, kind):
+                    break  # the step touched max_step_hours hours
+            else:
+                self._step_skipped += 1
+            pos = end
+        if len(self._heads) > self._heads_max:
+            self._heads_max = len(self._heads)
+        return pos
+
+    def _file_messages(self, buf: bytes, view: memoryview, pos: int, stop: int, source: int) -> int:
+        """File the message records from ``buf[pos:]`` on (message-log offset ``source + pos``),
+        until ``stop``, a record of another kind, or one that would take the step past
+        ``max_step_hours`` hours; returns where it stopped.
+
+        The one place an entry is made (messages and moved records alike), and the hot loop
+        of replay: the hour being filed into lives in local names (entry count, log end, the
+        run of adjacent records, ...) and goes back to its ``StagedHour`` when the next record
+        is of another hour or the loop ends, so a step whose records fall in few hours pays
+        for no attribute per record."""
+        unpack = RECORD_TIMES.unpack_from
         unpack_key_fields = KEY_FIELDS.unpack_from
         # A plain message (no retry, no properties): its index key is its id's bytes, its
         # value packed here (``IdChanges.filed`` without a key hash); anything else asks idindex.
         plain = type(buf) is bytes
         pack_value = ID_VALUE.pack
+        pack_body, pack_crc, crc32 = _pack_body, _pack_crc, _crc32
         values = self.changes.values
-        append_entry = self._append_entry
+        file_id = self.changes.filed
         staged = self._staged
         heads = self._heads
+        heads_get = heads.get
         limit = self._max_step_hours
-        file_id = self.changes.filed
-        filed = already = skipped = 0
-        pos = 0
+        filed = already = 0
+        # The hour in local names (``w`` None: none yet; no time falls in the hour of ``base_ms``).
+        w: StagedHour | None = None
+        hour = n = log_end = key_base = last_source = run_start = run_end = -1
+        base_ms = -HOUR_MS - 1
+        index = bytearray()
+        ms_append = array("I").append
+        run_view: memoryview | None = None
+        first = False  # the hour's first entry ever is still to come
         try:
             while pos < stop:
                 size, _magic, _version, kind, _crc, at, created = unpack(buf, pos)
@@ -254,27 +297,53 @@ class StagedStep:
                         f"past the end of what was given to stage ({source + stop})"
                     )
                 if kind != _MESSAGE:
-                    if kind == CANCEL_KIND or kind == MOVE_KIND:
-                        if not self._stage_change(view, pos, end, source, kind):
-                            break  # the step touched max_step_hours hours
-                    else:
-                        skipped += 1
-                    pos = end
-                    continue
+                    break
                 if at <= 0:
                     at = created if created > 0 else 0
-                hour = at // HOUR_MS
-                w = staged.get(hour)
-                if w is None:
-                    if len(staged) >= limit:
-                        break
-                    w = self._stage_hour(hour, at, source + pos)
+                if not base_ms <= at < base_ms + HOUR_MS:
+                    if w is not None:
+                        w.entries, w.log_end, w.last_source = n, log_end, last_source
+                        w.run_view, w.run_start, w.run_end = run_view, run_start, run_end
+                    hour = at // HOUR_MS
+                    w = staged.get(hour)
+                    if w is None:
+                        if len(staged) >= limit:
+                            w = None  # parked already
+                            break
+                        w = self._stage_hour(hour, at, source + pos)
+                    n, log_end, last_source = w.entries, w.log_end, w.last_source
+                    run_view, run_start, run_end = w.run_view, w.run_start, w.run_end
+                    base_ms, key_base, index, ms_append = w.base_ms, w.key_base, w.index, w.ms.append
+                    first = w.first_source < 0
                 src = source + pos
-                if src <= w.last_source:
+                if src <= last_source:
                     already += 1
                     pos = end
                     continue
-                n = append_entry(w, view, pos, end, at, src)
+                if n >= MAX_ENTRIES:
+                    raise ScheduleError(
+                        f"hour {hour_name(hour)}: an hour holds at most {MAX_ENTRIES} entries (MAX_ENTRIES)"
+                    )
+                ms = at - base_ms
+                key = key_base | ms // 1000
+                head = heads_get(key, 0)  # _read_slots put every stored non-empty slot there
+                heads[key] = (n + 1) << 32 | ((head & 0xFFFF_FFFF) + 1)
+                length = end - pos
+                body = pack_body(log_end, length, ms, (head >> 32) - 1, src)
+                index += body
+                index += pack_crc(crc32(body))
+                log_end += length
+                if run_end == pos and run_view is view:
+                    run_end = end
+                else:
+                    if run_view is not None:
+                        w.parts.append(run_view[run_start:run_end])  # type: ignore[union-attr]
+                    run_view, run_start, run_end = view, pos, end
+                ms_append(ms)
+                last_source = src
+                if first:
+                    w.first_source = src  # type: ignore[union-attr]
+                    first = False
                 attempts, id_len, props_len = unpack_key_fields(buf, pos + KEY_FIELDS_AT)
                 if plain and not attempts and not props_len:
                     p = pos + ID_AT
@@ -282,17 +351,18 @@ class StagedStep:
                 else:
                     index_key, hashed = record_index_key(buf, pos)
                     file_id(index_key, hashed, at, n, src)
+                n += 1
                 filed += 1
                 pos = end
         finally:
+            if w is not None:
+                w.entries, w.log_end, w.last_source = n, log_end, last_source
+                w.run_view, w.run_start, w.run_end = run_view, run_start, run_end
             self._step_filed += filed
             self._step_already += already
-            self._step_skipped += skipped
-            if len(heads) > self._heads_max:
-                self._heads_max = len(heads)
         return pos
 
-    def _stage_change(self, view: memoryview, pos: int, end: int, source: int, kind: int) -> bool:
+    def _stage_change(self, buf: bytes, view: memoryview, pos: int, end: int, source: int, kind: int) -> bool:
         """Apply a CANCEL or MOVE record (at ``view[pos:end]``, message-log offset ``source + pos``).
         False, with nothing done, if its moved records would take the step past ``max_step_hours``."""
         src = source + pos
@@ -303,64 +373,15 @@ class StagedStep:
                 self.changes.cancel(index_key, src, read=read)
             return True
         spans = move_spans(view, pos, end)
-        times = [(start, inner_end, _delivery(view, start)) for start, inner_end in spans]
-        new_hours = {at // HOUR_MS for _s, _e, at in times} - self._staged.keys()
+        new_hours = {_delivery(view, start) // HOUR_MS for start, _end in spans} - self._staged.keys()
         if new_hours and len(self._staged) + len(new_hours) > self._max_step_hours:
             return False
-        for start, inner_end, at in times:
-            index_key, hashed, _key = record_key(view, start)
+        for start, inner_end in spans:
+            index_key, _hashed, _key = record_key(view, start)
             self.changes.cancel(index_key, src, moving=True)
-            self._file_one(view, start, inner_end, at, source + start, index_key, hashed)
+            if self._file_messages(buf, view, start, inner_end, source) != inner_end:
+                raise ScheduleError(f"MOVE record at message-log offset {src}: a moved record was not filed")
         return True
-
-    def _file_one(
-        self, view: memoryview, pos: int, end: int, at: int, src: int, index_key: str, hashed: bytes | None
-    ) -> None:
-        """File one record (a moved one) as the hot loop of ``stage`` files a message."""
-        hour = at // HOUR_MS
-        w = self._staged.get(hour)
-        if w is None:
-            w = self._stage_hour(hour, at, src)
-        if src <= w.last_source:
-            self._step_already += 1
-            return
-        n = self._append_entry(w, view, pos, end, at, src)
-        self.changes.filed(index_key.encode(), hashed, at, n, src)
-        self._step_filed += 1
-
-    def _append_entry(self, w: StagedHour, view: memoryview, pos: int, end: int, at: int, src: int) -> int:
-        """Append the record at ``view[pos:end]`` to hour ``w`` as its next entry, linked into its
-        second's chain; returns the entry number. The one place an entry is made (messages and
-        moved records alike)."""
-        n = w.entries
-        if n >= MAX_ENTRIES:
-            raise ScheduleError(f"hour {hour_name(w.hour)}: an hour holds at most {MAX_ENTRIES} entries (MAX_ENTRIES)")
-        ms = at - w.base_ms
-        key = w.key_base | ms // 1000
-        heads = self._heads
-        head = heads.get(key, 0)  # _read_slots put every stored non-empty slot there
-        heads[key] = (n + 1) << 32 | ((head & 0xFFFF_FFFF) + 1)
-        w.entries = n + 1
-        length = end - pos
-        log_end = w.log_end
-        body = _pack_body(log_end, length, ms, (head >> 32) - 1, src)
-        index = w.index
-        index += body
-        index += _pack_crc(_crc32(body))
-        w.log_end = log_end + length
-        if w.run_end == pos and w.run_view is view:
-            w.run_end = end
-        else:
-            if w.run_view is not None:
-                w.parts.append(w.run_view[w.run_start : w.run_end])
-            w.run_view = view
-            w.run_start = pos
-            w.run_end = end
-        w.ms.append(ms)
-        w.last_source = src
-        if w.first_source < 0:
-            w.first_source = src
-        return n
 
     def _stage_hour(self, hour: int, at: int, src: int) -> StagedHour:
         if not 0 <= hour <= (MAX_DELIVER_AT // HOUR_MS):
