@@ -34,7 +34,7 @@ from __future__ import annotations
 import os
 import struct
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from delaymq.scheduler.delayindex import HEAD, Heads, Slots
@@ -109,23 +109,26 @@ class HeadsTables:
             os.close(fd)
         return heads_from_table(hour, data) if len(data) == TABLE_BYTES else None
 
-    def read_slots(self, hour: int, seconds: Iterable[int]) -> dict[int, int]:
-        """``{second: (newest + 1) << 32 | count}`` of the non-empty ones among ``seconds``."""
-        found: dict[int, int] = {}
-        unpack = HEAD.unpack
-        fd = self._open_existing(self.path(hour), hour, os.O_RDONLY)
-        try:
-            with self._lock:
-                for second in seconds:
-                    data = os.pread(fd, 8, second * 8)
-                    if len(data) != 8:
-                        raise CorruptSchedule(f"{self.path(hour)} is cut short: no slot for second {second}")
-                    newest, count = unpack(data)
-                    if count:
-                        found[second] = (newest + 1) << 32 | count
-        finally:
+    def read_slot(self, hour: int, second: int, open_tables: dict[int, int]) -> int:
+        """``(newest + 1) << 32 | count`` of one slot, 0 if empty. Through ``open_tables``
+        (hour -> fd, the caller's: opened here at its first use, closed by ``close_all``), so
+        a replay step reading many slots of one hour opens its table once."""
+        fd = open_tables.get(hour)
+        if fd is None:
+            fd = open_tables[hour] = self._open_existing(self.path(hour), hour, os.O_RDONLY)
+        with self._lock:
+            data = os.pread(fd, HEAD.size, second * HEAD.size)
+        if len(data) != HEAD.size:
+            raise CorruptSchedule(f"{self.path(hour)} is cut short: no slot for second {second}")
+        newest, count = HEAD.unpack(data)
+        return (newest + 1) << 32 | count if count else 0
+
+    @staticmethod
+    def close_all(open_tables: dict[int, int]) -> None:
+        """Close the files ``read_slot`` opened into ``open_tables``, and empty it."""
+        for fd in open_tables.values():
             os.close(fd)
-        return found
+        open_tables.clear()
 
     def newest(self, hour: int, second: int) -> int:
         """The newest entry of ``second`` as the table says, -1 for none."""

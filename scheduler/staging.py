@@ -57,8 +57,6 @@ from delaymq.scheduler.idindex import (
 )
 from delaymq.storage.state import StateStore
 
-#: A step reading more slots of one hour than this reads its whole table at once.
-_WHOLE_TABLE_FROM = 64
 _MESSAGE = int(RecordKind.MESSAGE)
 _pack_body = ENTRY_BODY.pack
 _pack_crc = ENTRY_CRC.pack
@@ -182,6 +180,8 @@ class StagedStep:
         # on abort: nothing of the heads stays in memory between steps.
         self._heads: dict[int, int] = {}
         self._heads_max = 0
+        #: The heads tables the step read a slot from, open until it ends (hour -> fd).
+        self._open_tables: dict[int, int] = {}
         self._staged: dict[int, StagedHour] = {}
         self._step_filed = self._step_already = self._step_skipped = 0
         #: The step's changes to the id and key index (``delaymq.scheduler.idindex``), and
@@ -228,7 +228,6 @@ class StagedStep:
         offset ``source``); returns how many bytes were consumed (see ``ScheduleStore.stage``).
         Raises on a record it cannot file, leaving what it staged before it: the caller
         aborts the step."""
-        self._read_slots(self._slots_to_read(buf, stop))
         view = memoryview(buf)
         unpack = RECORD_TIMES.unpack_from
         pos = 0
@@ -277,6 +276,7 @@ class StagedStep:
         staged = self._staged
         heads = self._heads
         heads_get = heads.get
+        stored_head = self._stored_head
         limit = self._max_step_hours
         filed = already = 0
         # The hour in local names (``w`` None: none yet; no time falls in the hour of ``base_ms``).
@@ -326,7 +326,9 @@ class StagedStep:
                     )
                 ms = at - base_ms
                 key = key_base | ms // 1000
-                head = heads_get(key, 0)  # _read_slots put every stored non-empty slot there
+                head = heads_get(key, -1)
+                if head < 0:
+                    head = stored_head(key)  # the step's first entry of this second
                 heads[key] = (n + 1) << 32 | ((head & 0xFFFF_FFFF) + 1)
                 length = end - pos
                 body = pack_body(log_end, length, ms, (head >> 32) - 1, src)
@@ -399,78 +401,32 @@ class StagedStep:
         w = self._staged[hour] = StagedHour(hour, summary)
         return w
 
-    def _slots_to_read(self, buf: bytes, stop: int) -> set[int]:
-        """The heads slots (``hour << 12 | second``) the records ``_stage`` will file from
-        ``buf[:stop]`` fall in and the step does not hold yet (stopping where it stops)."""
-        unpack = RECORD_TIMES.unpack_from
-        heads = self._heads
-        hours = set(self._staged)
-        limit = self._max_step_hours
-        wanted: set[int] = set()
-        pos = 0
-        while pos < stop:
-            size, _magic, _version, kind, _crc, at, created = unpack(buf, pos)
-            end = pos + HEADER_SIZE + size
-            if end > stop:
-                break  # _stage refuses it
-            if kind == _MESSAGE:  # the common case, without a list of one
-                if at <= 0:
-                    at = created if created > 0 else 0
-                hour = at // HOUR_MS
-                if hour not in hours:
-                    if len(hours) >= limit:
-                        return wanted
-                    hours.add(hour)
-                key = hour << 12 | (at - hour * HOUR_MS) // 1000
-                if key not in heads:
-                    wanted.add(key)
-            elif kind == MOVE_KIND:
-                for start, _end in move_spans(buf, pos, end):
-                    at = _delivery(buf, start)
-                    hour = at // HOUR_MS
-                    if hour not in hours:
-                        if len(hours) >= limit:
-                            return wanted
-                        hours.add(hour)
-                    key = hour << 12 | (at - hour * HOUR_MS) // 1000
-                    if key not in heads:
-                        wanted.add(key)
-            pos = end
-        return wanted
-
-    def _read_slots(self, keys: set[int]) -> None:
-        """Put the stored value of each non-empty slot of ``keys`` in the step's heads,
-        one table at a time. The first read of an hour since open reads its whole table
-        and checks it counts the hour's entries (lost or stale heads would link new
-        entries wrongly)."""
-        by_hour: dict[int, list[int]] = {}
-        for key in keys:
-            by_hour.setdefault(key >> 12, []).append(key & 0xFFF)
-        heads = self._heads
-        for hour, seconds in sorted(by_hour.items()):
-            summary = self._summaries.get(hour)
-            if summary is None or not summary.entries:
-                continue  # a new hour: every slot is empty
-            base = hour << 12
-            if hour in self._checked_hours and len(seconds) < _WHOLE_TABLE_FROM:
-                for second, value in self._tables.read_slots(hour, sorted(seconds)).items():
-                    heads[base | second] = value
-                continue
-            table = self._tables.read(hour)
-            if table is None or table.entries != summary.entries:
-                found = "no whole table" if table is None else f"a table counting {table.entries}"
-                raise CorruptSchedule(
-                    f"hour {hour_name(hour)}: holds {summary.entries} entries but its heads have {found}; "
-                    f"run rebuild_heads({hour})"
-                )
-            self._checked_hours.add(hour)
-            newest, counts = table.newest, table.counts
-            for second in seconds:
-                count = counts[second]
-                if count:
-                    heads[base | second] = (newest[second] + 1) << 32 | count
+    def _stored_head(self, key: int) -> int:
+        """The stored heads slot ``key`` (``hour << 12 | second``): ``(newest + 1) << 32 | count``,
+        0 if empty. Read when the step first files into that second (each later record of it
+        finds the step's own value), from a file the step keeps open until it ends. The first
+        read of an hour since open reads its whole table and checks it counts the hour's
+        entries (lost or stale heads would link new entries wrongly)."""
+        hour = key >> 12
+        summary = self._summaries.get(hour)
+        if summary is None or not summary.entries:
+            return 0  # a new hour: every slot is empty
+        second = key & 0xFFF
+        if hour in self._checked_hours:
+            return self._tables.read_slot(hour, second, self._open_tables)
+        table = self._tables.read(hour)
+        if table is None or table.entries != summary.entries:
+            found = "no whole table" if table is None else f"a table counting {table.entries}"
+            raise CorruptSchedule(
+                f"hour {hour_name(hour)}: holds {summary.entries} entries but its heads have {found}; "
+                f"run rebuild_heads({hour})"
+            )
+        self._checked_hours.add(hour)
+        count = table.counts[second]
+        return (table.newest[second] + 1) << 32 | count if count else 0
 
     def clear(self) -> None:
+        self._tables.close_all(self._open_tables)
         self._staged = {}
         self._heads = {}
         self.changes.clear()
