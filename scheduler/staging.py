@@ -375,7 +375,7 @@ class StagedStep:
                 self.changes.cancel(index_key, src, read=read)
             return True
         spans = move_spans(view, pos, end)
-        new_hours = {_delivery(view, start) // HOUR_MS for start, _end in spans} - self._staged.keys()
+        new_hours = {_filed_at(view, start) // HOUR_MS for start, _end in spans} - self._staged.keys()
         if new_hours and len(self._staged) + len(new_hours) > self._max_step_hours:
             return False
         for start, inner_end in spans:
@@ -433,9 +433,14 @@ class StagedStep:
         self._step_filed = self._step_already = self._step_skipped = 0
 
 
-def _delivery(buf: bytes | memoryview, pos: int) -> int:
-    """The ``deliver_at`` of the message record at ``buf[pos:]``."""
-    return int(RECORD_TIMES.unpack_from(buf, pos)[5])
+def _filed_at(buf: bytes | memoryview, pos: int) -> int:
+    """When the message record at ``buf[pos:]`` is filed: its ``deliver_at``, or for 0 or below
+    (immediate) its ``created_at`` (0 if that is not above 0), as ``_file_messages`` files it."""
+    fields = RECORD_TIMES.unpack_from(buf, pos)
+    at, created = int(fields[5]), int(fields[6])
+    if at <= 0:
+        at = created if created > 0 else 0
+    return at
 
 
 __all__ = ["HourArrivals", "ReplayStep", "StagedHour", "StagedStep"]

@@ -191,7 +191,8 @@ class StateStore:
     def keep_highest_key(self, db: str) -> None:
         """From now on, keep in memory a key at or above every key ``db`` holds
         (``highest_key``): its last key, read here (blocking), then raised by each write
-        before it commits. Deletes do not lower it."""
+        before it commits. Deletes do not lower it. Call it before anything writes ``db``
+        (at open): a write already under way when it is called may be missed."""
         handle = self._handle(db)
         self._raise_highest(db, b"")
         with self._gate.transaction(), self._env.begin(db=handle, buffers=False) as txn:

@@ -15,6 +15,7 @@ from delaymq.protocol.envelope import RecordKind, encode
 from delaymq.protocol.records import decode_message, encode_message
 from delaymq.scheduler.delayindex import ENTRY_SIZE, heads_from_index
 from delaymq.scheduler.hours import HOUR_MS, HourOutOfRange, ReplayGap, ScheduleError, hour_name
+from delaymq.scheduler.idindex import move_record
 from delaymq.scheduler.replay import replay_step, replay_until_caught_up
 from delaymq.scheduler.schedulefiles import syncfs as _syncfs
 from delaymq.scheduler.schedulelog import INDEX_SUFFIX, LOG_SUFFIX, ScheduleStore
@@ -178,6 +179,23 @@ def test_a_step_touches_at_most_max_step_hours(tmp_path: Path, scheduler_folder:
         got = filed(store)
         for h in range(10):
             assert [record for _, _, record in got[HOUR + h]] == records[h::10]
+
+
+def test_a_moved_immediate_record_counts_against_max_step_hours_in_the_hour_it_is_filed_in(
+    tmp_path: Path, scheduler_folder: Any
+) -> None:
+    # A moved record whose deliver_at is 0 is filed at its created_at, as a message is: the
+    # step limit is checked against that hour (not hour 0), so it joins the step filing it.
+    moved = message(7, 0, created_at=BASE + 5 * HOUR_MS + 1_500)
+    records = [message(1, BASE + 5 * HOUR_MS + 2_000), move_record([moved]), message(2, BASE + 2_000)]
+    with scheduler_folder(tmp_path, max_step_hours=1) as (log, store):
+        append(log, records)
+        first = replay_step(log, store)
+        assert first.filed == 2 and list(first.arrivals) == [HOUR + 5]
+        assert list(first.arrivals[HOUR + 5].ms_in_hour) == [2_000, 1_500]
+        second = replay_step(log, store)
+        assert second.filed == 1 and list(second.arrivals) == [HOUR]
+        assert [record for _, _, record in filed(store)[HOUR + 5]] == [records[0], moved]
 
 
 @pytest.mark.skipif(_syncfs is None, reason="no syncfs(2) here")
