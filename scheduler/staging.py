@@ -12,7 +12,7 @@ Memory is the step's, never the backlog's: nothing of the heads stays between st
 
 A record whose message-log offset is not after its hour's last filed one was filed
 before a crash (or before its hour was deleted) and is skipped, so re-reading from the
-checkpoint files nothing twice. ``stage`` is the hot loop of replay: its aliases of
+checkpoint files nothing twice. ``_file_messages`` is the hot loop of replay: its aliases of
 bound methods and attributes are deliberate.
 """
 
