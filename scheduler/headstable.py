@@ -116,11 +116,7 @@ class HeadsTables:
         fd = open_tables.get(hour)
         if fd is None:
             fd = open_tables[hour] = self._open_existing(self.path(hour), hour, os.O_RDONLY)
-        with self._lock:
-            data = os.pread(fd, HEAD.size, second * HEAD.size)
-        if len(data) != HEAD.size:
-            raise CorruptSchedule(f"{self.path(hour)} is cut short: no slot for second {second}")
-        newest, count = HEAD.unpack(data)
+        newest, count = self._read_head(fd, hour, second)
         return (newest + 1) << 32 | count if count else 0
 
     @staticmethod
@@ -134,14 +130,19 @@ class HeadsTables:
         """The newest entry of ``second`` as the table says, -1 for none."""
         fd = self._open_existing(self.path(hour), hour, os.O_RDONLY)
         try:
-            with self._lock:
-                data = os.pread(fd, 8, second * 8)
+            newest, count = self._read_head(fd, hour, second)
         finally:
             os.close(fd)
-        if len(data) != 8:
+        return newest if count else -1
+
+    def _read_head(self, fd: int, hour: int, second: int) -> tuple[int, int]:
+        """``(newest, count)`` of one slot of the table open as ``fd``."""
+        with self._lock:
+            data = os.pread(fd, HEAD.size, second * HEAD.size)
+        if len(data) != HEAD.size:
             raise CorruptSchedule(f"{self.path(hour)} is cut short: no slot for second {second}")
         newest, count = HEAD.unpack(data)
-        return newest if count else -1
+        return newest, count
 
     def write(self, slots: Slots) -> None:
         """Write the slots of a committed journal into their tables (which must exist).
