@@ -180,7 +180,7 @@ class StateStore:
         and a thread giving it up thousands of times while another runs Python waits up
         to a switch interval (5 ms) to have it back each time. New time-ordered ids
         (``new_message_id``) all fall past the db's last key: one call for the batch."""
-        wanted = [key if type(key) is bytes else bytes(key) for key in keys]
+        wanted = list(map(bytes, keys))  # bytes as they are (no copy), others copied: sortable, hashable
         handle = self._handle(db)
         with self._gate.transaction(), self._env.begin(db=handle, buffers=False) as txn:
             if len(wanted) < _CURSOR_FROM:
