@@ -39,10 +39,12 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_left
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from itertools import repeat
+from operator import floordiv
 
 from sortedcontainers import SortedSet
 
@@ -157,25 +159,40 @@ class SecondWheel:
             raise WheelError(f"arrive_many: ms_in_hour outside 0..{HOUR_MS - 1}")
         if self._known + len(ms_in_hour) > NO_LIMIT or not 0 <= first_entry <= NO_LIMIT - len(ms_in_hour):
             raise WheelError(f"hour {self._hour}: holds at most {NO_LIMIT} entries (arrivals from entry {first_entry})")
-        is_loaded, link, grow, unloaded = self._is_loaded, self._link, self._grow, self._unloaded
-        linked: list[int] = []
-        unloaded_seconds: set[int] = set()
-        entry = first_entry
-        try:
-            for ms in ms_in_hour:
-                second = ms // SECOND_MS
-                if is_loaded[second]:
-                    link(second, ms, entry)
-                    linked.append(entry)
-                else:
-                    grow(second)
-                    unloaded_seconds.add(second)
-                entry += 1
-        finally:  # what was counted is listed, even if a link refused (as one at a time would leave it)
-            if unloaded_seconds:
-                unloaded.update(unloaded_seconds)
-                self._unloaded_total += entry - first_entry - len(linked)
+        seconds = list(map(floordiv, ms_in_hour, repeat(SECOND_MS)))
+        is_loaded = self._is_loaded
+        per_second = Counter(seconds)
+        loaded = {s for s in per_second if is_loaded[s]}
+        for s in loaded:
+            del per_second[s]
+        # Those beyond what is loaded (most) counted per second, not per entry; then the rest
+        # linked in entry order: each second's counts and chain are its own.
+        self._count_unloaded(per_second)
+        if not loaded:
+            return []
+        link = self._link
+        linked = [e for e, s in enumerate(seconds, first_entry) if s in loaded]
+        for e in linked:
+            i = e - first_entry
+            link(seconds[i], ms_in_hour[i], e)
         return linked
+
+    def _count_unloaded(self, per_second: Counter[int]) -> None:
+        """``note_arrival`` of ``per_second[s]`` entries into each unloaded second ``s`` at once."""
+        if not per_second:
+            return
+        counts, open_ = self._counts, self._open
+        total = 0
+        for s, n in per_second.items():
+            counts[s] += n
+            open_[s] += n
+            total += n
+        self._known += total
+        self._unloaded_total += total
+        self._unloaded.update(per_second)
+        low = min(per_second)
+        if low < self._low:
+            self._low = low
 
     def mark_delivered(self, entry_nos: Iterable[int]) -> None:
         """Entries found in the dispatch log: ``load_second`` will skip them."""

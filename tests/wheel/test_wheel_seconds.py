@@ -268,3 +268,32 @@ def test_an_empty_second_can_be_loaded_ahead_so_arrivals_link_directly():
     wheel.link(10, 10_500, 0)
     assert wheel.next_due_ms() == START + 10_500
     assert wheel.pop_due(START + 10_500) == [(START + 10_500, 0)]
+
+
+def test_a_batch_of_arrivals_leaves_the_wheel_as_arriving_one_by_one_would():
+    """``arrive_many`` counts a batch's unloaded seconds per second and links the rest in entry
+    order; the wheel must come out as from ``note_arrival`` and ``link`` one at a time."""
+    ms_values = [(s * 1000 + (e * 37) % 1000) for e, s in enumerate([12, 10, 11, 12, 40, 10, 41, 12, 40, 11] * 30)]
+
+    def fed(batch: bool) -> SecondWheel:
+        wheel = SecondWheel(HOUR)
+        wheel.load_second(10, [])
+        wheel.load_second(12, [])
+        if batch:
+            assert wheel.arrive_many(0, ms_values) == [e for e, ms in enumerate(ms_values) if ms // 1000 in (10, 12)]
+        else:
+            for e, ms in enumerate(ms_values):
+                if wheel.is_loaded(ms // 1000):
+                    wheel.link(ms // 1000, ms, e)
+                else:
+                    wheel.note_arrival(ms // 1000)
+        return wheel
+
+    batch, single = fed(True), fed(False)
+    assert batch.pending() == single.pending()
+    assert [batch.count(s) for s in range(3600)] == [single.count(s) for s in range(3600)]
+    assert batch.next_due_ms() == single.next_due_ms() == START + min(ms for ms in ms_values if ms // 1000 == 10)
+    assert (
+        batch.seconds_to_load(START + 45_000, 10_000) == single.seconds_to_load(START + 45_000, 10_000) == [11, 40, 41]
+    )
+    assert batch.pop_due(START + 13_000) == single.pop_due(START + 13_000)
