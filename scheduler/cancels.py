@@ -25,10 +25,11 @@ from that moment it is never handed out unless the cancel's write fails.
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice, repeat
-from typing import Any, NamedTuple, Protocol
+from operator import is_
+from typing import ClassVar, NamedTuple, Protocol
 
 from delaymq.scheduler.idindex import SCHEDULED, IdEntry, lookup
 from delaymq.scheduler.schedulelog import ScheduleStore
@@ -44,8 +45,7 @@ RECENT_DISPATCHES = 100_000
 
 
 class TailEntry(NamedTuple):
-    """What the unfiled tail says of one index key. A tuple: a SCHEDULE makes one per record,
-    ``make_tail_entries`` a batch of them without a Python call each."""
+    """What the unfiled tail says of one index key (a SCHEDULE's records: ``ScheduledBatch``)."""
 
     deliver_at: int
     source: int  # message-log offset of the record that set it
@@ -54,43 +54,69 @@ class TailEntry(NamedTuple):
     key_hash: bytes | None
 
 
-def make_tail_entries(
-    deliver_ats: Iterable[int], sources: Iterable[int], end: int, state: int, key_hashes: Iterable[bytes | None]
-) -> Iterator[TailEntry]:
-    """``TailEntry(deliver_at, source, end, state, key_hash)`` of each record of one append."""
-    return map(_new_tuple, repeat(TailEntry), zip(deliver_ats, sources, repeat(end), repeat(state), key_hashes))
+@dataclass(frozen=True, slots=True, eq=False)
+class ScheduledBatch:
+    """The records one SCHEDULE appended, held once in the tail for all its keys: a batch
+    costs one object, not a ``TailEntry`` per record; ``entry`` makes a key's when asked
+    (a CANCEL, MOVE or QUERY of a record not filed yet, or a retried id)."""
+
+    keys: list[str]  # index keys, in log order
+    deliver_ats: Sequence[int]  # when each is filed (``max(deliver_at, now)``)
+    key_hashes: Sequence[bytes | None]
+    kept: Sequence[int]  # which records of the received batch were appended, in log order
+    starts: Sequence[int]  # where each record of the received batch starts, and ends
+    ends: Sequence[int]
+    offset: int  # message-log offset of the first appended record
+    end: int  # message-log offset after the last: filed once the checkpoint reaches it
+    state: ClassVar[int] = SCHEDULED
+
+    def entry(self, key: str) -> TailEntry:
+        i = self.keys.index(key)
+        starts, ends = self.starts, self.ends
+        source = self.offset + sum(ends[k] - starts[k] for k in self.kept[:i])
+        return TailEntry(self.deliver_ats[i], source, self.end, SCHEDULED, self.key_hashes[i])
 
 
-_new_tuple: Any = tuple.__new__
+#: What the tail holds per key: a CANCEL's or MOVE's entry, or the SCHEDULE batch that set it.
+Held = TailEntry | ScheduledBatch
 
 
 class Tail:
     """Index keys set by records of the message log that replay has not filed yet."""
 
     def __init__(self) -> None:
-        self.ids: dict[str, TailEntry] = {}
+        self.ids: dict[str, Held] = {}
         self.keys: dict[bytes, set[str]] = {}
-        self._unfiled: deque[tuple[int, list[tuple[str, TailEntry]]]] = deque()
-        self._retired: deque[tuple[int, list[tuple[str, TailEntry]]]] = deque()
+        self._unfiled: deque[tuple[int, list[tuple[str, TailEntry]] | ScheduledBatch]] = deque()
+        self._retired: deque[tuple[int, list[tuple[str, TailEntry]] | ScheduledBatch]] = deque()
         self._epoch = 0
         self._lookups: Counter[int] = Counter()
 
-    def add(self, entries: list[tuple[str, TailEntry]], end: int) -> None:
+    def add(self, entries: list[tuple[str, TailEntry]] | ScheduledBatch, end: int) -> None:
         """Records up to message-log offset ``end`` set these keys (appended, in log order)."""
-        self.ids.update(entries)
         keys = self.keys
-        for key, entry in entries:
-            if entry.key_hash is not None:
-                keys.setdefault(entry.key_hash, set()).add(key)
+        if isinstance(entries, ScheduledBatch):
+            self.ids.update(zip(entries.keys, repeat(entries)))
+            if entries.key_hashes.count(None) != len(entries.key_hashes):
+                for key, hashed in zip(entries.keys, entries.key_hashes):
+                    if hashed is not None:
+                        keys.setdefault(hashed, set()).add(key)
+        else:
+            self.ids.update(entries)
+            for key, entry in entries:
+                if entry.key_hash is not None:
+                    keys.setdefault(entry.key_hash, set()).add(key)
         self._unfiled.append((end, entries))
 
     def unfiled(self, key: str, checkpoint: int) -> TailEntry | None:
         """The tail's word on ``key`` if replay has not filed it (None: ask the index)."""
-        entry = self.ids.get(key)
-        return entry if entry is not None and entry.end > checkpoint else None
+        held = self.ids.get(key)
+        if held is None or held.end <= checkpoint:
+            return None
+        return held.entry(key) if isinstance(held, ScheduledBatch) else held
 
     def with_key(self, hashed: bytes) -> list[str]:
-        return [key for key in self.keys.get(hashed, ()) if self.ids[key].key_hash == hashed]
+        return [key for key in self.keys.get(hashed, ()) if _entry(self.ids[key], key).key_hash == hashed]
 
     def filed(self, checkpoint: int) -> None:
         """Replay filed everything below ``checkpoint``."""
@@ -115,17 +141,30 @@ class Tail:
     def _expire(self) -> None:
         oldest = min(self._lookups) if self._lookups else self._epoch + 1
         retired, ids = self._retired, self.ids
-        ids_get = ids.get
         while retired and retired[0][0] < oldest:
-            for key, entry in retired.popleft()[1]:
-                if ids_get(key) is entry:
+            entries = retired.popleft()[1]
+            if isinstance(entries, ScheduledBatch):
+                keys = entries.keys
+                if all(map(is_, map(ids.get, keys), repeat(entries))) and entries.key_hashes.count(None) == len(keys):
+                    deque(map(ids.__delitem__, keys), 0)  # the common case: no key set again since
+                    continue
+                pairs: Iterable[tuple[str, Held]] = zip(keys, repeat(entries))
+            else:
+                pairs = entries
+            for key, held in pairs:
+                if ids.get(key) is held:
                     del ids[key]
-                    if entry.key_hash is not None:
-                        same = self.keys.get(entry.key_hash)
+                    hashed = _entry(held, key).key_hash
+                    if hashed is not None:
+                        same = self.keys.get(hashed)
                         if same is not None:
                             same.discard(key)
                             if not same:
-                                del self.keys[entry.key_hash]
+                                del self.keys[hashed]
+
+
+def _entry(held: Held, key: str) -> TailEntry:
+    return held.entry(key) if isinstance(held, ScheduledBatch) else held
 
 
 class Firing(Protocol):
@@ -293,7 +332,7 @@ __all__ = [
     "RecentDispatches",
     "Tail",
     "TailEntry",
-    "make_tail_entries",
+    "ScheduledBatch",
     "handed_out",
     "look_up",
 ]

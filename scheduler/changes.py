@@ -21,7 +21,7 @@ from delaymq.protocol.limits import Limits
 from delaymq.protocol.records import redeliver_at
 from delaymq.protocol.transport import Request
 from delaymq.replication.roles import NotMaster
-from delaymq.scheduler.cancels import Hold, RecentDispatches, TailEntry, handed_out, look_up
+from delaymq.scheduler.cancels import Hold, RecentDispatches, ScheduledBatch, TailEntry, handed_out, look_up
 from delaymq.scheduler.hours import HOUR_MS
 from delaymq.scheduler.idindex import (
     CANCELLED,
@@ -65,7 +65,11 @@ class ChangeCommands:
         def session(self) -> MasterSession | SlaveSession | None: ...
         def _master(self, what: str) -> MasterSession: ...
         async def _logged(
-            self, session: MasterSession, entries: list[tuple[str, TailEntry]], end: int, command: str
+            self,
+            session: MasterSession,
+            entries: list[tuple[str, TailEntry]] | ScheduledBatch,
+            end: int,
+            command: str,
         ) -> None: ...
 
     async def _cancel(self, request: Request) -> dict[str, Any]:

@@ -38,8 +38,6 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import asdict, replace
 from functools import partial
-from itertools import accumulate
-from operator import sub
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -59,7 +57,7 @@ from delaymq.protocol.transport import AsyncCaller, FrameServer, Request, open_p
 from delaymq.replication.membership import member_identity
 from delaymq.replication.roles import Mastership, NotMaster, RoleLoop
 from delaymq.replication.wire import FetchRequest
-from delaymq.scheduler.cancels import RecentDispatches, TailEntry, look_up, make_tail_entries
+from delaymq.scheduler.cancels import RecentDispatches, ScheduledBatch, TailEntry, look_up
 from delaymq.scheduler.changes import ChangeCommands
 from delaymq.scheduler.cutback import cut_schedule_folder
 from delaymq.scheduler.dispatcher import (
@@ -524,12 +522,10 @@ class Scheduler(ChangeCommands):
         finally:
             session.appending.end(done)
         end = offset + len(data)
-        # Each record's (index key, TailEntry): filed at max(deliver_at, now), at its offset in the log.
-        sizes = map(sub, ends, starts) if not duplicates else [ends[i] - starts[i] for i in kept]
-        positions = accumulate(sizes, initial=offset)
+        # The tail holds the batch once for all its keys: each filed at max(deliver_at, now).
         ats = [at if at > now else now for at in kept_ats] if overdue else kept_ats
-        entries = list(zip(kept_keys, make_tail_entries(ats, positions, end, SCHEDULED, kept_hashes)))
-        await self._logged(session, entries, end, "SCHEDULE")
+        appended = ScheduledBatch(kept_keys, ats, kept_hashes, kept, starts, ends, offset, end)
+        await self._logged(session, appended, end, "SCHEDULE")
         self._requests += 1
         self._scheduled += len(kept)
         self._wake_housekeeping()
@@ -559,7 +555,7 @@ class Scheduler(ChangeCommands):
         )
 
     async def _logged(
-        self, session: MasterSession, entries: list[tuple[str, TailEntry]], end: int, command: str
+        self, session: MasterSession, entries: list[tuple[str, TailEntry]] | ScheduledBatch, end: int, command: str
     ) -> None:
         """What a SCHEDULE, CANCEL or MOVE appended (up to ``end``): in the unfiled tail for
         replay, then replicated as the policy asks, before the answer."""
