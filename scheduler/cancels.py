@@ -143,18 +143,18 @@ class Tail:
         retired, ids = self._retired, self.ids
         while retired and retired[0][0] < oldest:
             entries = retired.popleft()[1]
+            held_keys: Iterable[tuple[str, Held, bytes | None]]
             if isinstance(entries, ScheduledBatch):
-                keys = entries.keys
-                if all(map(is_, map(ids.get, keys), repeat(entries))) and entries.key_hashes.count(None) == len(keys):
+                keys, hashes = entries.keys, entries.key_hashes
+                if all(map(is_, map(ids.get, keys), repeat(entries))) and hashes.count(None) == len(keys):
                     deque(map(ids.__delitem__, keys), 0)  # the common case: no key set again since
                     continue
-                pairs: Iterable[tuple[str, Held]] = zip(keys, repeat(entries))
+                held_keys = zip(keys, repeat(entries), hashes)
             else:
-                pairs = entries
-            for key, held in pairs:
+                held_keys = ((key, entry, entry.key_hash) for key, entry in entries)
+            for key, held, hashed in held_keys:
                 if ids.get(key) is held:
                     del ids[key]
-                    hashed = _entry(held, key).key_hash
                     if hashed is not None:
                         same = self.keys.get(hashed)
                         if same is not None:
