@@ -38,6 +38,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import asdict, replace
 from functools import partial
+from itertools import repeat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -574,14 +575,14 @@ class Scheduler(ChangeCommands):
         being appended right now waits for that append: a duplicate only once it is stored."""
         tail, appending = session.tail, session.appending
         store = self.store
-        found: list[tuple[IdEntry | None, bool]]
+        found: list[tuple[IdEntry | None, bool]] | None  # None: no key is in the index
         while True:
             busy = appending.waiting_for(keys)
             if busy is not None:
                 await busy.wait()
                 continue
             if store.past_every_indexed(keys):  # new time-ordered ids: none indexed, no thread needed
-                found = [(None, False)] * len(keys)
+                found = None
                 break
             epoch = tail.begin_lookup()
             try:
@@ -593,10 +594,12 @@ class Scheduler(ChangeCommands):
         ids = tail.ids
         if ids.keys().isdisjoint(keys) and len(set(keys)) == len(keys):
             # The common case: no key in the tail, none twice: the index alone decides.
+            if found is None:
+                return [True] * len(keys)
             return [value is None or value.state != SCHEDULED or logged for value, logged in found]
         fresh = []
         seen: set[str] = set()
-        for k, (value, logged) in zip(keys, found):
+        for k, (value, logged) in zip(keys, repeat((None, False)) if found is None else found):
             entry = ids.get(k)
             if k in seen:
                 new = False

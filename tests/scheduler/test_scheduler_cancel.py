@@ -249,8 +249,12 @@ async def test_new_time_ordered_ids_skip_the_index_read_and_stored_ones_are_stil
             assert mixed == ["scheduled"] * 5 + ["duplicate"] + ["scheduled"] * 5
             again = (await cluster.schedule_raw(first[:3])).metadata["results"]
             assert again == ["duplicate"] * 3
+            # A new id twice in one batch: none indexed, and still stored once.
+            twice = keyed(new_message_id(now), now + 60 * SECOND)
+            assert scheduler.store.past_every_indexed([new_message_id(now)])
+            assert (await cluster.schedule_raw([twice, twice])).metadata["results"] == ["scheduled", "duplicate"]
             stats = scheduler.statistics()
-        assert stats.scheduled == 30
+        assert stats.scheduled == 31
 
 
 BAD_METADATA = [
