@@ -181,18 +181,11 @@ class SecondWheel:
         """``note_arrival`` of ``per_second[s]`` entries into each unloaded second ``s`` at once."""
         if not per_second:
             return
-        counts, open_ = self._counts, self._open
-        total = 0
+        grow = self._grow
         for s, n in per_second.items():
-            counts[s] += n
-            open_[s] += n
-            total += n
-        self._known += total
-        self._unloaded_total += total
+            grow(s, n)
+        self._unloaded_total += per_second.total()
         self._unloaded.update(per_second)
-        low = min(per_second)
-        if low < self._low:
-            self._low = low
 
     def mark_delivered(self, entry_nos: Iterable[int]) -> None:
         """Entries found in the dispatch log: ``load_second`` will skip them."""
@@ -540,12 +533,13 @@ class SecondWheel:
             raise WheelError(f"second={second!r}: must be a second of the hour, 0..{SECONDS_PER_HOUR - 1}")
         return second
 
-    def _grow(self, s: int) -> None:
-        if self._known >= NO_LIMIT:
+    def _grow(self, s: int, n: int = 1) -> None:
+        """``n`` more entries in second ``s`` (counted, not yet done)."""
+        if self._known + n > NO_LIMIT:
             raise WheelError(f"hour {self._hour}: holds at most {NO_LIMIT} entries")
-        self._known += 1
-        self._counts[s] += 1
-        self._open[s] += 1
+        self._known += n
+        self._counts[s] += n
+        self._open[s] += n
         if s < self._low:
             self._low = s
 
