@@ -15,7 +15,7 @@ from delaymq.protocol.envelope import RecordKind, encode
 from delaymq.protocol.records import decode_message, encode_message
 from delaymq.scheduler.delayindex import ENTRY_SIZE, heads_from_index
 from delaymq.scheduler.hours import HOUR_MS, HourOutOfRange, ReplayGap, ScheduleError, hour_name
-from delaymq.scheduler.idindex import move_record
+from delaymq.scheduler.idindex import cancel_record, move_record
 from delaymq.scheduler.replay import replay_step, replay_until_caught_up
 from delaymq.scheduler.schedulefiles import syncfs as _syncfs
 from delaymq.scheduler.schedulelog import INDEX_SUFFIX, LOG_SUFFIX, ScheduleStore
@@ -401,3 +401,21 @@ def test_replay_files_what_was_just_appended_from_memory_as_it_would_from_the_di
     (from_disk, disk_checkpoint, disk_read), (from_memory, memory_checkpoint, memory_read) = results
     assert from_memory == from_disk and memory_checkpoint == disk_checkpoint
     assert disk_read and not memory_read  # held in memory: no read of the log at all
+
+
+@pytest.mark.parametrize("cut", ["message", "cancel"])
+def test_staging_refuses_a_record_cut_by_stop_naming_where_it_ends(
+    tmp_path: Path, scheduler_folder: Any, cut: str
+) -> None:
+    # A record ending past what was given to stage (a message, or a CANCEL after filed
+    # messages) is refused with both offsets, and the step is dropped: nothing filed.
+    whole = message(1, BASE + 2_000)
+    last = message(2, BASE + 3_000) if cut == "message" else cancel_record(["m1"])
+    buf = whole + last
+    stop = len(buf) - 5
+    with scheduler_folder(tmp_path) as (_log, store):
+        with pytest.raises(
+            ScheduleError, match=rf"offset {1_000 + len(whole)} ends at {1_000 + len(buf)}, past .*\({1_000 + stop}\)"
+        ):
+            store.stage(buf, 1_000, stop)
+        assert filed(store) == {} and store.checkpoint == 0
