@@ -250,7 +250,7 @@ class StateStore:
         handles = {db: self._handle(db) for db in {run[0] for run in runs}}
         for db, deleting, items in runs:
             if not deleting and db in self._highest:  # raised before the commit: never below what is stored
-                self._raise_highest(db, bytes(max(map(_first, items))))
+                self._raise_highest(db, max(map(_first, items)))
         while True:
             seen_map_size = self.map_size
             try:
