@@ -29,8 +29,9 @@ from delaymq.protocol.cancel import KEY_PROPERTY, MAX_KEY
 from delaymq.protocol.cancel import check_key as check_key_field
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import LocalProtocolError, RemoteProtocolError
+from delaymq.protocol.fields import encode_name
 from delaymq.protocol.limits import DEFAULT_LIMITS, FRAME_RESERVE, Limits, MiB
-from delaymq.protocol.records import Message, make_encoded_message, make_message, new_message_id
+from delaymq.protocol.records import Message, make_message, make_plain_message, new_message_id
 from delaymq.protocol.routes import RouteKind
 
 DEFAULT_BATCH_BYTES = 4 * MiB
@@ -170,7 +171,8 @@ def build_message(
     anyway), so a message sent at once is encoded only once.
     """
     if (  # the common case, a producer's hot path (``_plain_message``)
-        type(body) is bytes
+        type(subject) is str
+        and type(body) is bytes
         and type(tags) is tuple
         and not tags
         and properties is None
@@ -234,12 +236,31 @@ def _plain_message(subject: str, body: bytes, delay: Delay | None, now_ms: int, 
     them can fail for these arguments); None when a field breaks a limit, so that
     ``build_message``'s own path names it (or, with ``check=False``, leaves it to ``plan_frames``).
     """
-    deliver_at = now_ms if delay is None else now_ms + _delay_ms(delay)
+    if delay is None:
+        deliver_at = now_ms
+    elif type(delay) is float and 0.0 <= (scaled := delay * 1000) < _INFINITY:  # (NaN is neither)
+        deliver_at = now_ms + _ceil(scaled)  # as ``seconds_to_ms`` rounds: a delay never ends early
+    else:
+        deliver_at = now_ms + _delay_ms(delay)
     check_horizon(deliver_at, now_ms, limits)
-    try:
-        return make_encoded_message(new_message_id(now_ms), subject, body, deliver_at, now_ms, limits)
-    except LocalProtocolError:
-        return None
+    subject_bytes = _SUBJECT_BYTES.get(subject)
+    if subject_bytes is None:
+        try:
+            subject_bytes = encode_name(subject, "subject", limits.max_subject)
+        except LocalProtocolError:
+            return None
+        if len(_SUBJECT_BYTES) >= SUBJECTS_KEPT:
+            _SUBJECT_BYTES.clear()
+        _SUBJECT_BYTES[subject] = subject_bytes
+    return make_plain_message(subject, subject_bytes, body, deliver_at, now_ms, limits)
+
+
+#: How many subjects ``_plain_message`` keeps checked and encoded (a producer sends a few again
+#: and again); past it, it starts over.
+SUBJECTS_KEPT = 1024
+_SUBJECT_BYTES: dict[str, bytes] = {}
+_INFINITY = math.inf
+_ceil = math.ceil
 
 
 # --------------------------------------------------------------------- frames

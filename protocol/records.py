@@ -744,15 +744,32 @@ def make_message(
     return message
 
 
-def make_encoded_message(
-    id: str, subject: str, body: bytes, deliver_at: int, created_at: int, limits: Limits
-) -> Message:
-    """A message with no tags, properties or attempts, encoded (so checked) against ``limits`` now:
-    its ``encode(limits)`` returns that record. A producer's common case, built in one pass.
+def make_plain_message(
+    subject: str, subject_bytes: bytes, body: bytes, deliver_at: int, created_at: int, limits: Limits
+) -> Message | None:
+    """A message with a new time-ordered id (``new_message_id(created_at)``) and no tags,
+    properties or attempts, encoded now, so its ``encode(limits)`` returns that record: a
+    producer's common case in one call, about a third cheaper than ``encode_message``.
 
-    ``LocalProtocolError`` names a field or limit broken, as ``encode_message`` does.
+    ``subject_bytes`` is what ``encode_name`` made of ``subject`` (the caller keeps it per
+    subject); the id, hex digits, needs no check but its length. None, with nothing made, when the
+    subject or the body is over its limit or a time is out of range: the caller's general
+    path then names the field.
     """
-    record = encode_message(id, subject, body=body, deliver_at=deliver_at, created_at=created_at, limits=limits)
+    id = new_message_id(created_at)
+    id_bytes = id.encode()
+    if len(subject_bytes) > limits.max_subject or len(body) > limits.max_body or len(id_bytes) > limits.max_id:
+        return None
+    try:
+        header = _pack_message_header(
+            deliver_at, created_at, 0, len(id_bytes), len(subject_bytes), 0, 0, 0, 0, len(body)
+        )
+    except struct.error:
+        return None
+    payload = _join((header, id_bytes, subject_bytes, body))
+    size = len(payload)
+    crc = _crc32(payload, _crc32(_pack_prefix(size, MAGIC, VERSION, _MESSAGE)))
+    record = _pack_envelope(size, MAGIC, VERSION, _MESSAGE, crc) + payload
     return make_message(id, subject, (), {}, body, deliver_at, created_at, 0, record, limits)
 
 
@@ -912,7 +929,7 @@ __all__ = [
     "decode_message",
     "encode_batch",
     "encode_message",
-    "make_encoded_message",
+    "make_plain_message",
     "make_message",
     "new_message_id",
     "redeliver_at",

@@ -18,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from delaymq.client import messages
 from delaymq.client.messages import SentId, build_message, plan_frames
 from delaymq.protocol import records
 from delaymq.protocol.errors import LocalProtocolError
@@ -105,16 +106,35 @@ valid_subjects = st.text(st.characters(blacklist_categories=("Cc", "Cs")), min_s
 def test_a_fast_message_is_the_message_asked_for_encoded_once(
     subject: str, body: bytes, delay: float | int | None, now: int, check: bool
 ) -> None:
-    with patch.object(records, "encode_message", wraps=records.encode_message) as encode:
+    with (
+        patch.object(messages, "make_plain_message", wraps=messages.make_plain_message) as make,
+        patch.object(records, "encode_message", wraps=records.encode_message) as encode,
+    ):
         message = build_message(subject, body, delay=delay, now_ms=now, check=check)
-        assert encode.call_count == 1  # even with check=False (the general path then encodes in plan_frames)
+        # Encoded once, by the fast path, even with check=False (the general path then encodes in plan_frames).
+        assert (make.call_count, encode.call_count) == (1, 0)
         deliver_at = now if delay is None else now + math.ceil(delay * 1000)
         assert message == Message(message.id, subject, body=body, deliver_at=deliver_at, created_at=now)
         record = message.encode()
         assert plan_frames([message], now_ms=now).frames[0].body == record
-        assert encode.call_count == 1
+        assert (make.call_count, encode.call_count) == (1, 0)
     assert record == encode_message(message.id, subject, body=body, deliver_at=deliver_at, created_at=now)
     assert len(message.id) == 32
+
+
+def test_a_subject_kept_encoded_is_still_checked_against_each_producers_limits() -> None:
+    """The fast path keeps each subject's bytes; a producer with a lower subject limit is still refused."""
+    assert build_message("reminders", b"b", delay=5.0, now_ms=T0).subject == "reminders"
+    with pytest.raises(LocalProtocolError) as refused:
+        build_message("reminders", b"b", delay=5.0, now_ms=T0, limits=Limits(max_subject=8))
+    assert (refused.value.field, refused.value.limit) == ("subject", 8)
+
+
+def test_the_kept_subjects_start_over_when_full_and_every_message_stays_right() -> None:
+    subjects = [f"subject-{n}" for n in range(messages.SUBJECTS_KEPT + 10)]
+    built = [build_message(subject, b"b", delay=1.0, now_ms=T0) for subject in subjects]
+    assert len(messages._SUBJECT_BYTES) <= messages.SUBJECTS_KEPT
+    assert [message.subject for message in decode_batch(b"".join(m.encode() for m in built))] == subjects
 
 
 def test_each_fast_message_has_properties_of_its_own() -> None:

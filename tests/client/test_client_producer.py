@@ -333,6 +333,7 @@ async def test_no_metaserver_is_a_plain_no_route_error_not_an_exception_group() 
 def test_a_message_checked_when_built_is_encoded_once_and_sent_as_built(monkeypatch: pytest.MonkeyPatch) -> None:
     """``producer.message`` checks a message by encoding it; sending reuses that record
     (the client's CPU per message), except where properties could have changed since."""
+    import delaymq.client.messages as messages
     import delaymq.protocol.records as records
 
     calls: list[str] = []
@@ -342,7 +343,14 @@ def test_a_message_checked_when_built_is_encoded_once_and_sent_as_built(monkeypa
         calls.append(id)
         return original(id, *args, **kwargs)
 
+    def counting_plain(*args: Any) -> Any:
+        message = plain_original(*args)
+        calls.append(message.id)  # the fast path encodes a plain message itself
+        return message
+
     monkeypatch.setattr(records, "encode_message", counting)
+    plain_original = messages.make_plain_message
+    monkeypatch.setattr(messages, "make_plain_message", counting_plain)
     now = 1_750_000_000_000
     plain = build_message("orders", b"body", delay=60, now_ms=now)
     keyed = build_message("orders", b"body", delay=60, key="order-1", now_ms=now)
