@@ -132,7 +132,7 @@ async def test_metrics_of_a_cluster_show_the_counts_of_a_known_workload(tmp_path
                 rt = await scrape_until(rt_metrics, "delaymq_realtime_dead_lettered_total", 1)
             # Closed, each consumer has flushed its acks.
             after, _ = await scrape(rt_metrics)
-            # Under flush="async" the message log is fsynced every 100 ms: wait for the first.
+            # Under flush="async" the message log is fsynced every 20 ms: wait for the first.
             rt_fsynced = await scrape_until_above(rt_metrics, "delaymq_fsync_duration_seconds_count", 0, log="message")
             sched = await scrape_until(sched_metrics, "delaymq_scheduler_messages_dispatched_total", due)
             meta_samples, meta_types = await scrape(meta_metrics)

@@ -14,7 +14,8 @@ import trio
 from delaymq.protocol.envelope import RecordKind, encode
 from delaymq.storage.errors import AppendFailed, LogClosed, LogIOError
 from delaymq.storage.log import SegmentedLog
-from delaymq.storage.writer import open_log_writer
+from delaymq.storage.threads import run_inline
+from delaymq.storage.writer import DEFAULT_FLUSH_INTERVAL_MS, open_log_writer
 
 
 def record(task: int, i: int) -> bytes:
@@ -117,6 +118,21 @@ async def test_async_policy_flushes_every_interval(log: SegmentedLog, autojump_c
                     await trio.sleep(0.01)
     # One fsync per round (each round waited for its own), none left for close.
     assert writer.statistics().fsyncs == 3
+
+
+async def test_async_policy_fsyncs_within_the_default_interval(
+    log: SegmentedLog, autojump_clock: trio.abc.Clock
+) -> None:
+    """What an ``async`` crash may lose: at most ``DEFAULT_FLUSH_INTERVAL_MS`` of answered appends."""
+    async with open_log_writer(log, flush="async", run_blocking=run_inline) as writer:
+        for round_ in range(3):
+            answered = trio.current_time()
+            target = await writer.append(record(round_, 0)) + len(record(round_, 0))
+            assert log.flushed_offset < target  # answered before its fsync
+            with trio.fail_after(60):
+                while log.flushed_offset < target:
+                    await trio.sleep(0.001)
+            assert trio.current_time() - answered <= (DEFAULT_FLUSH_INTERVAL_MS + 1) / 1000
 
 
 async def test_batches_keep_their_bytes_together_and_offsets_point_at_them(log: SegmentedLog) -> None:
