@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -33,8 +33,18 @@ from typing import IO, Any
 
 import trio
 
-from delaymq.cli.bench_redis import RedisRun, bench_redis_delay, cpu_seconds, frozen_heap
-from delaymq.client import open_consumer, open_producer
+from delaymq.cli.bench_redis import (
+    RedisProcess,
+    RedisRun,
+    accept_burst,
+    bench_redis_delay,
+    cpu_seconds,
+    find_redis_server,
+    frozen_heap,
+    redis_client_missing,
+    redis_server,
+)
+from delaymq.client import Consumer, Message, Producer, open_consumer, open_producer
 from delaymq.protocol.commands import Command
 from delaymq.protocol.histogram import LatencyHistogram
 from delaymq.protocol.transport import open_peers
@@ -245,34 +255,112 @@ async def _produce_and_consume(
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(consume)
-                start = time.perf_counter()
-                rng = random.Random(7)
-                window = trio.Semaphore(IN_FLIGHT)
-
-                async def send(messages: list) -> None:
-                    try:
-                        sent_ids.update(await producer.send_batch(messages))
-                    finally:
-                        window.release()
-
-                async with trio.open_nursery() as senders:
-                    for first in range(0, count, batch):
-                        n = min(batch, count - first)
-                        if delay_range is None:
-                            messages = [producer.message(subject, BODY) for _ in range(n)]
-                        else:
-                            messages = [
-                                producer.message(subject, BODY, delay=rng.uniform(*delay_range)) for _ in range(n)
-                            ]
-                        await window.acquire()
-                        senders.start_soon(send, messages)
-                accepted = count / (time.perf_counter() - start)
+                accepted = await _send_all(producer, subject, count, batch, delay_range, sent_ids)
                 quiet_for = (delay_range[1] if delay_range else 0) + 30
                 with trio.move_on_after(quiet_for):
                     await all_in.wait()
                 nursery.cancel_scope.cancel()
     lost = len(sent_ids - received.keys())
     return accepted, latencies, lost, duplicates
+
+
+async def _send_all(
+    producer: Producer,
+    subject: str,
+    count: int,
+    batch: int,
+    delay_range: tuple[float, float] | None,
+    sent_ids: set[str],
+) -> float:
+    """The producer's part: ``count`` messages in batches of ``batch``, ``IN_FLIGHT`` batches
+    in flight, their ids into ``sent_ids``; returns the msg/s accepted."""
+    start = time.perf_counter()
+    rng = random.Random(7)
+    window = trio.Semaphore(IN_FLIGHT)
+
+    async def send(messages: list[Message]) -> None:
+        try:
+            sent_ids.update(await producer.send_batch(messages))
+        finally:
+            window.release()
+
+    async with trio.open_nursery() as senders:
+        for first in range(0, count, batch):
+            n = min(batch, count - first)
+            if delay_range is None:
+                messages = [producer.message(subject, BODY) for _ in range(n)]
+            else:
+                messages = [producer.message(subject, BODY, delay=rng.uniform(*delay_range)) for _ in range(n)]
+            await window.acquire()
+            senders.start_soon(send, messages)
+    return count / (time.perf_counter() - start)
+
+
+async def _accept_burst(meta: str, count: int, delay_range: tuple[float, float]) -> float:
+    """The producer's part into a fresh cluster, its consumer connected as in the full run
+    (nothing falls due during a burst): msg/s accepted."""
+    async with (
+        open_consumer(meta, "bench", group="bench", start="earliest", pull_batch=1000) as consumer,
+        open_producer(meta) as producer,
+        trio.open_nursery() as nursery,
+    ):
+        nursery.start_soon(_ack_all, consumer)
+        with frozen_heap():
+            accepted = await _send_all(producer, "bench", count, 1000, delay_range, set())
+        nursery.cancel_scope.cancel()
+    return accepted
+
+
+async def _ack_all(consumer: Consumer) -> None:
+    async for message in consumer:
+        await message.ack()
+
+
+def burst_rows(
+    scratch: Path,
+    *,
+    count: int,
+    delay_range: tuple[float, float],
+    flushes: tuple[str, ...],
+    bursts: int,
+    redis: bool,
+    install_redis: bool,
+) -> list[Row]:
+    """The accept rate alone, ``bursts`` times for each flush policy (a fresh cluster each) and
+    for Redis, interleaved: one burst of ``count`` lasts well under a second and its rate moves
+    by about a tenth between bursts, so the median of several says more than one run."""
+    ours: dict[str, list[float]] = {flush: [] for flush in flushes}
+    theirs: list[float] = []
+    with ExitStack() as stack:
+        server: RedisProcess | None = None
+        if redis and redis_client_missing() is None:
+            program, _why = find_redis_server(install=install_redis)
+            if program is not None:
+                server = stack.enter_context(redis_server(program, scratch / "redis-bursts"))
+        for number in range(bursts):
+            for flush in flushes:
+                with local_cluster(scratch / f"burst-{number}-{flush}", flush=flush) as cluster:
+                    ours[flush].append(trio.run(_accept_burst, cluster.meta, count, delay_range))
+            if server is not None:
+                theirs.append(accept_burst(server, count=count, delay_range=delay_range))
+    rows: list[Row] = []
+    label = f"of {bursts} bursts"
+    for name, rates in [*ours.items(), *([("Redis ZSET", theirs)] if theirs else [])]:
+        rows += [
+            (f"{name}: accepted, median {label}", statistics.median(rates), "msg/s"),
+            (f"{name}: accepted, slowest {label}", min(rates), "msg/s"),
+            (f"{name}: accepted, fastest {label}", max(rates), "msg/s"),
+        ]
+    if theirs:
+        rows += [
+            (
+                f"{flush} / Redis: accepted, median {label}",
+                _ratio(statistics.median(rates), statistics.median(theirs)),
+                "%",
+            )
+            for flush, rates in ours.items()
+        ]
+    return rows
 
 
 def delivery_rows(
@@ -516,14 +604,15 @@ def bench_delay(
     at_the_moment: bool = True,
     redis: bool = True,
     install_redis: bool = True,
+    bursts: int = 5,
 ) -> list[Row]:
     """DESIGN.md section 7: messages due at now + uniform(2 s, 20 s) under each flush policy
     (the cluster's defaults: sent 100 ms ahead, SENDs 60 ms apart), where their lateness and the
     servers' CPU go; with ``at_the_moment`` the first policy once more with each message fired
     at its moment (``--send-ahead 0ms --send-interval 0ms``: the shape before sending ahead,
     for comparison); the same workload on a Redis sorted set (``redis``; ``install_redis``:
-    apt-get install redis-server when missing, as root), and then a 30-day backlog (none
-    when ``backlog`` is 0)."""
+    apt-get install redis-server when missing, as root); the accept rate alone in ``bursts``
+    bursts each (``burst_rows``: medians); and then a 30-day backlog (none when ``backlog`` is 0)."""
     rows: list[Row] = []
     runs: dict[str, DelayRun] = {}
     cases: list[tuple[str, str, tuple[str, ...]]] = [(flush, flush, ()) for flush in flushes]
@@ -546,6 +635,11 @@ def bench_delay(
             rows += redis_rows(redis_run, count)
             for case, run in runs.items():
                 rows += ratio_rows(case, run, redis_run)
+    if bursts and flushes:
+        rows += burst_rows(
+            scratch, count=count, delay_range=delay_range, flushes=flushes, bursts=bursts, redis=redis,
+            install_redis=install_redis,
+        )  # fmt: skip
     if backlog:
         rows += backlog_rows(scratch, backlog)
     return rows

@@ -36,6 +36,7 @@ def test_bench_delay_prints_each_stage_the_cpu_of_each_server_and_the_redis_rati
         at_the_moment=False,
         redis=True,
         install_redis=False,
+        bursts=2,
     )
     print_rows("delay", rows)
     out = capsys.readouterr().out
@@ -55,9 +56,17 @@ def test_bench_delay_prints_each_stage_the_cpu_of_each_server_and_the_redis_rati
     assert 1 <= figures["sync: dispatch batch mean size"] <= COUNT
     assert figures["sync: fsyncs/s, realtime message log"] > 0  # sync: every SEND answered after an fsync
 
+    # The accept rate alone, a burst into a fresh cluster at a time: their median and spread.
+    slowest, median, fastest = (
+        figures[f"sync: accepted, {which} of 2 bursts"] for which in ("slowest", "median", "fastest")
+    )
+    assert 0 < slowest <= median <= fastest
+
     if redis_client_missing() is None and shutil.which("redis-server"):
         assert figures["Redis ZSET: lost"] == 0 and figures["Redis ZSET: delivered early"] == 0
         assert "sync / Redis: accepted" in out and "sync / Redis: server CPU" in out
+        redis_median = figures["Redis ZSET: accepted, median of 2 bursts"]
+        assert figures["sync / Redis: accepted, median of 2 bursts"] == pytest.approx(100 * median / redis_median)
     else:
         assert "the Redis comparison is skipped" in out
 
