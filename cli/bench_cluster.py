@@ -300,7 +300,9 @@ async def _accept_burst(meta: str, count: int, delay_range: tuple[float, float])
     """The producer's part into a fresh cluster, its consumer connected as in the full run
     (nothing falls due during a burst): msg/s accepted."""
     async with (
-        open_consumer(meta, "bench", group="bench", start="earliest", pull_batch=1000) as consumer,
+        open_consumer(
+            meta, "bench", group="bench", start="earliest", max_messages_held=20_000, pull_batch=1000
+        ) as consumer,
         open_producer(meta) as producer,
         trio.open_nursery() as nursery,
     ):
@@ -324,17 +326,16 @@ def burst_rows(
     flushes: tuple[str, ...],
     bursts: int,
     redis: bool,
-    install_redis: bool,
 ) -> list[Row]:
     """The accept rate alone, ``bursts`` times for each flush policy (a fresh cluster each) and
     for Redis, interleaved: one burst of ``count`` lasts well under a second and its rate moves
-    by about a tenth between bursts, so the median of several says more than one run."""
+    by about a tenth from one run to the next, so the median of several says more than one run."""
     ours: dict[str, list[float]] = {flush: [] for flush in flushes}
     theirs: list[float] = []
     with ExitStack() as stack:
         server: RedisProcess | None = None
         if redis and redis_client_missing() is None:
-            program, _why = find_redis_server(install=install_redis)
+            program, _why = find_redis_server(install=False)  # (installed by the full run if it could be)
             if program is not None:
                 server = stack.enter_context(redis_server(program, scratch / "redis-bursts"))
         for number in range(bursts):
@@ -629,6 +630,7 @@ def bench_delay(
         redis_run, why = bench_redis_delay(
             scratch / "redis", count=count, delay_range=delay_range, install=install_redis
         )
+        redis = redis_run is not None  # the bursts compare with Redis only where the full run could
         if redis_run is None:
             print(f"delaymq bench delay: the Redis comparison is skipped: {why}", flush=True)
         else:
@@ -638,7 +640,6 @@ def bench_delay(
     if bursts and flushes:
         rows += burst_rows(
             scratch, count=count, delay_range=delay_range, flushes=flushes, bursts=bursts, redis=redis,
-            install_redis=install_redis,
         )  # fmt: skip
     if backlog:
         rows += backlog_rows(scratch, backlog)

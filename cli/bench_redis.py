@@ -41,6 +41,8 @@ from typing import Any
 POLL_INTERVAL_S = 0.005
 POP_LIMIT = 1_000
 KEY = "delayed"
+#: A burst's Redis calls give up after this long (a stalled server fails the benchmark, never hangs it).
+BURST_TIMEOUT_S = 30.0
 #: Pops up to ARGV[2] members due by ARGV[1] (epoch ms) with their scores, atomically.
 POP_DUE = """
 local items = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'WITHSCORES', 'LIMIT', 0, tonumber(ARGV[2]))
@@ -275,27 +277,34 @@ def accept_burst(server: RedisProcess, *, count: int, delay_range: tuple[float, 
     5 % of its rate): msg/s accepted."""
     import redis
 
-    client = redis.Redis(host="127.0.0.1", port=server.port)
-    poller = redis.Redis(host="127.0.0.1", port=server.port)
+    client = redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=BURST_TIMEOUT_S)
+    poller = redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=BURST_TIMEOUT_S)
     pop_due = poller.register_script(POP_DUE)
     done = threading.Event()
+    errors: list[BaseException] = []
 
     def poll() -> None:
-        while not done.is_set():
-            pop_due(keys=[KEY], args=[int(time.time() * 1000), POP_LIMIT])
-            done.wait(POLL_INTERVAL_S)
+        try:
+            while not done.is_set():
+                pop_due(keys=[KEY], args=[int(time.time() * 1000), POP_LIMIT])
+                done.wait(POLL_INTERVAL_S)
+        except BaseException as error:  # reported by the burst
+            errors.append(error)
 
     consumer = threading.Thread(target=poll, daemon=True)
     try:
         client.delete(KEY)
         consumer.start()
         with frozen_heap():
-            return zadd_all(client, count=count, delay_range=delay_range, batch=1_000, seed=seed, sent=set())
+            accepted = zadd_all(client, count=count, delay_range=delay_range, batch=1_000, seed=seed, sent=set())
+        done.set()
+        consumer.join()
+        if errors:
+            raise RuntimeError(f"the Redis burst's consumer failed: {errors[0]!r}") from errors[0]
+        client.delete(KEY)
+        return accepted
     finally:
         done.set()
-        if consumer.is_alive():
-            consumer.join()
-        client.delete(KEY)
         client.close()
         poller.close()
 

@@ -32,7 +32,7 @@ def add_server_options(parser: argparse.ArgumentParser, *, group: str) -> None:
         "--flush",
         choices=("sync", "async"),
         default="sync",
-        help="sync: answer after fsync (group commit); async: fsync every 100 ms (default: %(default)s)",
+        help="sync: answer after fsync (group commit); async: answer once written, fsync every 20 ms (default: %(default)s)",
     )
     add_connection_options(parser)
     add_metrics_option(parser)

@@ -749,7 +749,7 @@ def make_plain_message(
 ) -> Message | None:
     """A message with a new time-ordered id (``new_message_id(created_at)``) and no tags,
     properties or attempts, encoded now, so its ``encode(limits)`` returns that record: a
-    producer's common case in one call, about a third cheaper than ``encode_message``.
+    producer's common case in one call (``producer.message()``: 2.15 -> 1.71 µs).
 
     ``subject_bytes`` is what ``encode_name`` made of ``subject`` (the caller keeps it per
     subject); the id, hex digits, needs no check but its length. None, with nothing made, when the

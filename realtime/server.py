@@ -397,7 +397,7 @@ async def open_realtime_server(
     """Open the data folder, serve on ``listen`` until the block ends.
 
     ``flush="sync"`` answers a SEND once its records are fsynced; ``"async"``
-    once written (fsync every 100 ms: a crash may lose the last moments).
+    once written (fsync every ``DEFAULT_FLUSH_INTERVAL_MS``, 20 ms: a crash may lose the last moments).
     ``meta_address`` (one or several) makes the server a member of its group: it
     registers as ``advertise_address`` (default: the bound address,
     ``server.address``) and the metaserver names it master or slave;
