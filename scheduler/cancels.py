@@ -53,6 +53,10 @@ class TailEntry(NamedTuple):
     state: int  # idindex.SCHEDULED or idindex.CANCELLED
     key_hash: bytes | None
 
+    def entry(self, key: str) -> TailEntry:
+        """Itself: what the tail holds for ``key`` answers ``entry`` alike, a batch or an entry."""
+        return self
+
 
 @dataclass(frozen=True, slots=True, eq=False)
 class ScheduledBatch:
@@ -113,10 +117,10 @@ class Tail:
         held = self.ids.get(key)
         if held is None or held.end <= checkpoint:
             return None
-        return held.entry(key) if isinstance(held, ScheduledBatch) else held
+        return held.entry(key)
 
     def with_key(self, hashed: bytes) -> list[str]:
-        return [key for key in self.keys.get(hashed, ()) if _entry(self.ids[key], key).key_hash == hashed]
+        return [key for key in self.keys.get(hashed, ()) if self.ids[key].entry(key).key_hash == hashed]
 
     def filed(self, checkpoint: int) -> None:
         """Replay filed everything below ``checkpoint``."""
@@ -161,10 +165,6 @@ class Tail:
                             same.discard(key)
                             if not same:
                                 del self.keys[hashed]
-
-
-def _entry(held: Held, key: str) -> TailEntry:
-    return held.entry(key) if isinstance(held, ScheduledBatch) else held
 
 
 class Firing(Protocol):
