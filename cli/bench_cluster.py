@@ -285,15 +285,28 @@ async def _send_all(
             window.release()
 
     async with trio.open_nursery() as senders:
-        for first in range(0, count, batch):
-            n = min(batch, count - first)
-            if delay_range is None:
-                messages = [producer.message(subject, BODY) for _ in range(n)]
-            else:
-                messages = [producer.message(subject, BODY, delay=rng.uniform(*delay_range)) for _ in range(n)]
+        for _first, messages in bench_batches(producer, subject, count, batch, delay_range, rng):
             await window.acquire()
             senders.start_soon(send, messages)
     return count / (time.perf_counter() - start)
+
+
+def bench_batches(
+    producer: Producer,
+    subject: str,
+    count: int,
+    batch: int,
+    delay_range: tuple[float, float] | None,
+    rng: random.Random,
+) -> Iterator[tuple[int, list[Message]]]:
+    """``count`` messages of ``BODY`` in batches of ``batch``, each with the index of its first:
+    due at now + uniform(``delay_range``) s, or now (None). Each batch is built when asked for."""
+    for first in range(0, count, batch):
+        n = min(batch, count - first)
+        if delay_range is None:
+            yield first, [producer.message(subject, BODY) for _ in range(n)]
+        else:
+            yield first, [producer.message(subject, BODY, delay=rng.uniform(*delay_range)) for _ in range(n)]
 
 
 async def _accept_burst(meta: str, count: int, delay_range: tuple[float, float]) -> float:
@@ -411,11 +424,8 @@ async def _schedule_backlog(meta: str, scheduler: str, count: int, spread_ms: in
     rng = random.Random(11)
     async with open_producer(meta) as producer:
         start = time.perf_counter()
-        for first in range(0, count, 1000):
-            n = min(1000, count - first)
-            await producer.send_batch(
-                [producer.message("backlog", BODY, delay=rng.uniform(60, spread_ms / 1000)) for _ in range(n)]
-            )
+        for _first, messages in bench_batches(producer, "backlog", count, 1000, (60, spread_ms / 1000), rng):
+            await producer.send_batch(messages)
         accepted = count / (time.perf_counter() - start)
     async with open_peers() as peers:
         while True:

@@ -42,7 +42,7 @@ from typing import Any
 
 import trio
 
-from delaymq.cli.bench_cluster import BODY, IN_FLIGHT, Row, percentiles
+from delaymq.cli.bench_cluster import IN_FLIGHT, Row, bench_batches, percentiles
 from delaymq.client import open_consumer, open_producer
 from delaymq.client.producer import Producer
 from delaymq.protocol.commands import Command
@@ -367,12 +367,7 @@ async def send_all(
                 window.release()
 
         async with trio.open_nursery() as senders:
-            for first in range(0, count, batch):
-                n = min(batch, count - first)
-                if delay is None:
-                    messages = [producer.message(SUBJECT, BODY) for _ in range(n)]
-                else:
-                    messages = [producer.message(SUBJECT, BODY, delay=rng.uniform(*delay)) for _ in range(n)]
+            for first, messages in bench_batches(producer, SUBJECT, count, batch, delay, rng):
                 if rate is not None:
                     await trio.sleep_until(paced_from + first / rate)  # the producer's pace, not a synchronisation
                 await window.acquire()
