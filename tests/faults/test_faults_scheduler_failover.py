@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 import trio
 
+from delaymq.cli.bench_cluster import BODY
 from delaymq.cli.bench_failover import (
-    BODY,
     GROUP,
     SUBJECT,
     ReplicatedGroup,
