@@ -40,10 +40,10 @@ from delaymq.cli.bench_redis import (
     bench_redis_delay,
     cpu_seconds,
     find_redis_server,
-    frozen_heap,
     redis_client_missing,
     redis_server,
 )
+from delaymq.cli.serving import tuned_collector
 from delaymq.client import Consumer, Message, Producer, open_consumer, open_producer
 from delaymq.protocol.commands import Command
 from delaymq.protocol.histogram import LatencyHistogram
@@ -320,7 +320,7 @@ async def _accept_burst(meta: str, count: int, delay_range: tuple[float, float])
         trio.open_nursery() as nursery,
     ):
         nursery.start_soon(_ack_all, consumer)
-        with frozen_heap():
+        with tuned_collector():
             accepted = await _send_all(producer, "bench", count, 1000, delay_range, set())
         nursery.cancel_scope.cancel()
     return accepted
@@ -498,7 +498,7 @@ async def _delay_run(cluster: ClusterProcess, count: int, delay_range: tuple[flo
     processes = server_processes(cluster.process.pid, addresses)
     before = await _statistics(addresses)
     cpu_before = _cpu_of(processes)
-    with frozen_heap():
+    with tuned_collector():
         started = time.perf_counter()
         accepted, lateness, lost, duplicated = await _produce_and_consume(
             cluster.meta, "bench", count, 1000, delay_range

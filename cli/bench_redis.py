@@ -16,13 +16,13 @@ would be used:
   message by handling it (lateness, duplicates) as delaymq's bench consumer does.
 
 Producer and consumer are two threads of this process, as delaymq's are two tasks
-of one trio program. The ``redis`` client package (the ``dev`` extra) is imported
+of one trio program; each run collects cycles as a server does (``tuned_collector``:
+what the process held before the run frozen, the servers' thresholds), delaymq's too. The ``redis`` client package (the ``dev`` extra) is imported
 only when the comparison runs, so the installed command works without it.
 """
 
 from __future__ import annotations
 
-import gc
 import os
 import random
 import shutil
@@ -36,6 +36,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from delaymq.cli.serving import tuned_collector
 
 #: How often the consumer asks for due members when the last poll found fewer than a batch.
 POLL_INTERVAL_S = 0.005
@@ -143,22 +145,6 @@ def redis_server(program: str, scratch: Path) -> Iterator[RedisProcess]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-
-
-@contextmanager
-def frozen_heap() -> Iterator[None]:
-    """A run with what the benchmark process already holds frozen (``gc.freeze``): imports and the
-    results of the runs before it are then not walked by this run's collections, whose pauses
-    (measured: up to 25 ms with one run's results held, four or five full collections a run)
-    would otherwise land in the next run's lateness, though no server caused them. What the run
-    itself allocates (producer, consumer, bookkeeping) is collected as usual. Not nested: the
-    inner one's end would unfreeze the outer one's heap."""
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 def cpu_seconds(pid: int) -> float:
@@ -295,7 +281,7 @@ def accept_burst(server: RedisProcess, *, count: int, delay_range: tuple[float, 
     try:
         client.delete(KEY)
         consumer.start()
-        with frozen_heap():
+        with tuned_collector():
             accepted = zadd_all(client, count=count, delay_range=delay_range, batch=1_000, seed=seed, sent=set())
         done.set()
         consumer.join()
@@ -320,7 +306,7 @@ def bench_redis_delay(
     if program is None:
         return None, why
     with redis_server(program, scratch) as server:
-        with frozen_heap():
+        with tuned_collector():
             return run_delay_queue(server, count=count, delay_range=delay_range), ""
 
 
@@ -332,7 +318,6 @@ __all__ = [
     "bench_redis_delay",
     "cpu_seconds",
     "find_redis_server",
-    "frozen_heap",
     "peak_rss_mb",
     "redis_server",
     "run_delay_queue",

@@ -79,14 +79,19 @@ async def serve_until_stopped(
 #: The cyclic collector's thresholds in a server process (CPython's default: 700, 10, 10).
 #: A server allocates a few container objects per message it handles, most of them freed
 #: at once or kept long (the unfiled tail, the dedup window); at 700 the scheduler spent
-#: about 11 % of its CPU in collections while a producer sent flat out (docs/performance.md).
+#: about 11 % of its CPU in collections while a producer sent flat out. The benchmarks'
+#: own process (producer and consumer, delaymq's and Redis's alike) collects the same way:
+#: at 700 a producer sending flat out, its batches' messages and ids alive until answered,
+#: spent about 0.3 µs a message there (docs/performance.md, eleventh session).
 SERVER_GC_THRESHOLDS = (10_000, 10, 10)
 
 
 @contextmanager
 def tuned_collector() -> Iterator[None]:
-    """For the block, collect cycles less often and never scan what start-up left (modules,
-    classes: ``gc.freeze``); the collector as it was afterwards (a server run in-process)."""
+    """For the block, collect cycles less often and never scan what was there before it (modules,
+    classes, a benchmark's earlier results: ``gc.freeze``); the collector as it was afterwards,
+    however the block ends (a server run in-process, one benchmark run). Not nested: the inner
+    block's end would unfreeze the outer one's heap."""
     thresholds = gc.get_threshold()
     gc.collect()
     gc.freeze()

@@ -10,7 +10,6 @@ otherwise it says it skipped that.
 
 from __future__ import annotations
 
-import gc
 import shutil
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import pytest
 
 from delaymq.cli.bench_cluster import STAGES, bench_delay
 from delaymq.cli.bench_command import print_rows
-from delaymq.cli.bench_redis import bench_redis_delay, frozen_heap, redis_client_missing
+from delaymq.cli.bench_redis import bench_redis_delay, redis_client_missing
 
 COUNT = 300
 
@@ -80,16 +79,3 @@ def test_the_redis_queue_delivers_every_message_once_and_never_early(tmp_path: P
     assert len(run.lateness_ms) == COUNT
     assert run.lost == 0 and run.duplicated == 0
     assert min(run.lateness_ms) >= 0
-
-
-def test_a_run_leaves_what_the_benchmark_held_before_it_out_of_its_collections() -> None:
-    """The results of earlier runs are frozen during a run (their collections' pauses are not
-    the next run's lateness), and collected as usual again after it, even when it fails."""
-    held = [[n] for n in range(1000)]  # an earlier run's results: tracked containers
-    assert gc.get_freeze_count() == 0
-    with frozen_heap():
-        assert gc.get_freeze_count() >= len(held)
-    assert gc.get_freeze_count() == 0
-    with pytest.raises(RuntimeError), frozen_heap():
-        raise RuntimeError("the run failed")
-    assert gc.get_freeze_count() == 0
