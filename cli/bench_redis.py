@@ -17,8 +17,9 @@ would be used:
 
 Producer and consumer are two threads of this process, as delaymq's are two tasks
 of one trio program; each run collects cycles as a server does (``tuned_collector``:
-what the process held before the run frozen, the servers' thresholds), delaymq's too. The ``redis`` client package (the ``dev`` extra) is imported
-only when the comparison runs, so the installed command works without it.
+what the process held before the run frozen, the servers' thresholds), delaymq's too.
+The ``redis`` client package (the ``dev`` extra) is imported only when the comparison
+runs, so the installed command works without it.
 """
 
 from __future__ import annotations
