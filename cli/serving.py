@@ -79,10 +79,10 @@ async def serve_until_stopped(
 #: The cyclic collector's thresholds in a server process (CPython's default: 700, 10, 10).
 #: A server allocates a few container objects per message it handles, most of them freed
 #: at once or kept long (the unfiled tail, the dedup window); at 700 the scheduler spent
-#: about 11 % of its CPU in collections while a producer sent flat out. The benchmarks'
-#: own process (producer and consumer, delaymq's and Redis's alike) collects the same way:
+#: about 11 % of its CPU in collections while a producer sent flat out. ``delaymq bench
+#: delay``'s runs (producer and consumer, delaymq's and Redis's alike) collect the same way:
 #: at 700 a producer sending flat out, its batches' messages and ids alive until answered,
-#: spent about 0.3 µs a message there (docs/performance.md, eleventh session).
+#: spent about 0.26 µs a message there (docs/performance.md, eleventh session).
 SERVER_GC_THRESHOLDS = (10_000, 10, 10)
 
 

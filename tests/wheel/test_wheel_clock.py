@@ -260,3 +260,26 @@ def test_step_watch_tells_steps_from_slewing() -> None:
         assert watch.observe(EPOCH + second * 1_000 + second // 2, second * 1_000) == 0
     assert watch.observe(EPOCH + 3_600_000 - 5_000, 3_600_000) < -STEP_WARN_MS
     assert watch.steps == 1
+
+
+async def test_a_system_clock_read_many_times_a_millisecond_still_tells_each_step_once(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A producer reads the clock for each message, many times a millisecond: readings equal to
+    the last one seen are not compared again, and a step shows, whole, at the next new reading."""
+    clock, wall = stepped_system_clock(EPOCH)
+    readings = [clock.now_ms() for _ in range(1_000)]  # trio's clock stands still: one millisecond
+    assert set(readings) == {EPOCH}
+    wall.step(-10 * MINUTE_MS)
+    assert clock.now_ms() == EPOCH - 10 * MINUTE_MS
+    for _ in range(3):
+        await trio.sleep(0.0004)  # a few readings within the next milliseconds
+        clock.now_ms()
+    await trio.sleep(5)
+    clock.now_ms()
+    assert step_warnings(caplog) == [
+        "the wall clock stepped back by 600.0 s; waits for a moment follow the new "
+        "wall clock (a message is never delivered before its deliver_at by it), "
+        "intervals are not affected"
+    ]
+    assert clock.step_watch.steps == 1
