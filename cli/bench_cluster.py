@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractAsyncContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -236,9 +236,7 @@ async def _produce_and_consume(
     duplicates = 0
     all_in = trio.Event()
     sent_ids: set[str] = set()
-    async with open_consumer(
-        meta, subject, group="bench", start="earliest", max_messages_held=20_000, pull_batch=1000
-    ) as consumer:
+    async with _bench_consumer(meta, subject) as consumer:
         async with open_producer(meta) as producer:
 
             async def consume() -> None:
@@ -262,6 +260,12 @@ async def _produce_and_consume(
                 nursery.cancel_scope.cancel()
     lost = len(sent_ids - received.keys())
     return accepted, latencies, lost, duplicates
+
+
+def _bench_consumer(meta: str, subject: str) -> AbstractAsyncContextManager[Consumer]:
+    """The delay runs' consumer: group ``bench`` from the earliest message, up to 20,000 held
+    and 1,000 a pull (a full run receives with it; a burst keeps it connected, as a full run does)."""
+    return open_consumer(meta, subject, group="bench", start="earliest", max_messages_held=20_000, pull_batch=1000)
 
 
 async def _send_all(
@@ -313,9 +317,7 @@ async def _accept_burst(meta: str, count: int, delay_range: tuple[float, float])
     """The producer's part into a fresh cluster, its consumer connected as in the full run
     (nothing falls due during a burst): msg/s accepted."""
     async with (
-        open_consumer(
-            meta, "bench", group="bench", start="earliest", max_messages_held=20_000, pull_batch=1000
-        ) as consumer,
+        _bench_consumer(meta, "bench") as consumer,
         open_producer(meta) as producer,
         trio.open_nursery() as nursery,
     ):
