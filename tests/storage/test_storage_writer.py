@@ -126,13 +126,10 @@ async def test_async_policy_fsyncs_within_the_default_interval(
     """What an ``async`` crash may lose: at most ``DEFAULT_FLUSH_INTERVAL_MS`` of answered appends."""
     async with open_log_writer(log, flush="async", run_blocking=run_inline) as writer:
         for round_ in range(3):
-            answered = trio.current_time()
             target = await writer.append(record(round_, 0)) + len(record(round_, 0))
             assert log.flushed_offset < target  # answered before its fsync
-            with trio.fail_after(60):
-                while log.flushed_offset < target:
-                    await trio.sleep(0.001)
-            assert trio.current_time() - answered <= (DEFAULT_FLUSH_INTERVAL_MS + 1) / 1000
+            await trio.sleep((DEFAULT_FLUSH_INTERVAL_MS + 1) / 1000)  # the mock clock's time, not a wait for it
+            assert log.flushed_offset >= target  # fsynced within the interval of its answer
 
 
 async def test_batches_keep_their_bytes_together_and_offsets_point_at_them(log: SegmentedLog) -> None:
