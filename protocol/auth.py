@@ -4,11 +4,15 @@ A tokens file (TOML) lists one ``[[token]]`` table per token::
 
     [[token]]
     name = "orders-service"          # who it is, in logs and refusals
-    token = "8f3b...long random..."  # the secret the client presents
-    roles = ["producer"]             # producer, consumer, admin, server
+    token = "8f3b...long random..."  # the secret the client presents (16 characters at least)
+    # token_sha256 = "..."           # or: the secret's SHA-256 in hex, so the file holds no secret
+    roles = ["producer", "consumer"] # producer, consumer, admin, server
     subjects = ["orders.*"]          # optional; default ["*"]: every subject
+    groups = ["billing*"]            # consumer groups it may PULL/ACK/NACK as; default none
+    servers = ["scheduler:sched-1"]  # role server: the kind:group it may be; default none
     messages_per_s = 1000            # optional; default none: SEND/SCHEDULE messages a second
     bytes_per_s = 10_485_760         # optional; default none: SEND/SCHEDULE batch bytes a second
+    requests_per_s = 500             # optional; default none: requests of any command a second
 
 ``subjects`` are shell-style patterns (``fnmatch``, case-sensitive): ``*`` matches
 any run of characters, dots included (``orders.*`` matches ``orders.eu`` and
@@ -22,9 +26,16 @@ Which roles a command needs (any one of them), ``COMMAND_ROLES``:
   server schedules nacked messages with SCHEDULE), for the subject of every record;
 - CANCEL, MOVE, QUERY: producer, for the subject they name; by message ids they
   name no subject, so only a token allowed every subject (``*``) may use them so;
-- PULL, ACK, NACK, CONSUMER_HEARTBEAT: consumer, for the subject(s) they name;
-- REGISTER, HEARTBEAT, FETCH: server; SET_STATE: admin or server; HANDOVER: admin;
+- PULL, ACK, NACK, CONSUMER_HEARTBEAT: consumer, for the subject(s) and the
+  consumer ``group`` they name (``groups`` patterns);
+- REGISTER, HEARTBEAT, FETCH: server, as the ``kind:group`` the request is about
+  (``servers`` patterns: REGISTER's own fields here, HEARTBEAT's and FETCH's in
+  their handlers through ``require_server``); SET_STATE, HANDOVER, CLEAR_FENCE: admin;
 - PING, ROUTE, STATUS (and commands this table does not know): any token.
+
+A SEND that carries a scheduler's fence (``fence.group``) needs role server as
+``scheduler:<group>``. A retry or dead-letter subject also needs its ``GROUP``
+allowed by ``groups``, except for a server (which moves retries) or an admin.
 
 ``TokenTable.check`` answers an ``Identity`` or an ``AuthRefusal`` naming what was
 missing; ``TokenFile`` is the table of one file, reloaded in place (SIGHUP), so
@@ -58,6 +69,9 @@ FORBIDDEN = "forbidden"
 #: Every subject.
 ALL_SUBJECTS = "*"
 
+#: Secrets shorter than this are refused when a tokens file is read.
+MIN_TOKEN_LENGTH = 16
+
 _PRODUCER = frozenset({"producer"})
 _PRODUCER_OR_SERVER = frozenset({"producer", "server"})
 _CONSUMER = frozenset({"consumer"})
@@ -73,8 +87,9 @@ COMMAND_ROLES: Mapping[int, frozenset[str]] = {
     Command.REGISTER: _SERVER,
     Command.HEARTBEAT: _SERVER,
     Command.FETCH: _SERVER,
-    Command.SET_STATE: frozenset({"admin", "server"}),
+    Command.SET_STATE: _ADMIN,
     Command.HANDOVER: _ADMIN,
+    Command.CLEAR_FENCE: _ADMIN,
     Command.SEND: _PRODUCER_OR_SERVER,
     Command.SCHEDULE: _PRODUCER_OR_SERVER,
     Command.CANCEL: _PRODUCER,
@@ -85,6 +100,8 @@ COMMAND_ROLES: Mapping[int, frozenset[str]] = {
     Command.NACK: _CONSUMER,
     Command.CONSUMER_HEARTBEAT: _CONSUMER,
 }
+#: Commands whose consumer ``group`` is checked against the token's ``groups``.
+GROUP_COMMANDS = frozenset({Command.PULL, Command.ACK, Command.NACK, Command.CONSUMER_HEARTBEAT})
 #: Commands whose subjects are checked against the token's patterns.
 SUBJECT_COMMANDS = frozenset(
     {
@@ -107,20 +124,57 @@ class TokenFileError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Identity:
-    """Who a token is: its name, roles, subject patterns and rates (``RATE_FIELDS`` name → per second)."""
+    """Who a token is: its name, roles, patterns of subjects, consumer groups and
+    servers (``kind:group``), and rates (``RATE_FIELDS`` name → per second)."""
 
     name: str
     roles: frozenset[str]
     subjects: tuple[str, ...]
     rates: Mapping[str, float] = field(default_factory=dict, hash=False)
+    groups: tuple[str, ...] = ()
+    servers: tuple[str, ...] = ()
 
     def allows(self, subject: str) -> bool:
+        """The subject, or the subject a retry or dead-letter subject carries, and its group."""
         checked = base_subject(subject)
-        return any(fnmatchcase(checked, pattern) for pattern in self.subjects)
+        if not any(fnmatchcase(checked, pattern) for pattern in self.subjects):
+            return False
+        group = carrier_group(subject)
+        return group is None or bool(self.roles & _TRUSTED_CARRIERS) or self.allows_group(group)
+
+    def allows_group(self, group: str) -> bool:
+        """May act as consumer group ``group`` (an admin may act as any)."""
+        return "admin" in self.roles or any(fnmatchcase(group, pattern) for pattern in self.groups)
+
+    def may_be(self, kind: str, group: str) -> bool:
+        """May act as a server of ``kind`` (scheduler, realtime) in ``group``."""
+        if "server" not in self.roles:
+            return False
+        member = f"{kind}:{group}"
+        return any(fnmatchcase(member, pattern) for pattern in self.servers)
 
     @property
     def every_subject(self) -> bool:
         return ALL_SUBJECTS in self.subjects
+
+
+#: Roles that may name any group's retry or dead-letter subject: a realtime server
+#: schedules retries and dead letters under its own token; an admin reads them.
+_TRUSTED_CARRIERS = frozenset({"server", "admin"})
+
+
+@dataclass(frozen=True, slots=True)
+class Scope:
+    """What a request acts on, read from its frame before any handler runs.
+
+    ``subjects`` None: messages named by id only; ``group`` the consumer group
+    of a consumer command; ``server`` the ``(kind, group)`` a REGISTER or a
+    fenced SEND speaks as (HEARTBEAT and FETCH are checked by their handlers).
+    """
+
+    subjects: tuple[str, ...] | None = ()
+    group: str | None = None
+    server: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,9 +200,38 @@ def base_subject(subject: str) -> str:
     return subject
 
 
+def carrier_group(subject: str) -> str | None:
+    """The consumer group a retry or dead-letter subject belongs to; None for other subjects."""
+    for prefix in (RETRY_PREFIX, DEAD_PREFIX):
+        if subject.startswith(prefix):
+            group, sep, _rest = subject[len(prefix) :].partition(SEPARATOR)
+            if sep:
+                return group
+    return None
+
+
 def _digest(token: str) -> bytes:
     # Tokens are looked up by digest: the lookup's timing says nothing about a secret's bytes.
     return hashlib.sha256(token.encode()).digest()
+
+
+def forbidden(message: str, field: str) -> RemoteProtocolError:
+    return AuthRefusal(FORBIDDEN, message, field).error()
+
+
+def require_server(identity: Identity | None, command: str, kind: str, group: str) -> None:
+    """Raise ``forbidden`` unless ``identity`` may act as a server of ``kind`` in ``group``.
+
+    None (a server without a tokens file) may do anything. For the handlers that
+    learn the kind and group only from their own state (HEARTBEAT, FETCH).
+    """
+    if identity is not None and not identity.may_be(kind, group):
+        raise forbidden(_server_message(identity, command, kind, group), "servers")
+
+
+def _server_message(identity: Identity, command: str, kind: str, group: str) -> str:
+    allowed = ", ".join(identity.servers) or "none"
+    return f"{command}: token {identity.name!r} may not act as server {kind}:{group} (its servers: {allowed})"
 
 
 class TokenTable:
@@ -156,6 +239,13 @@ class TokenTable:
 
     def __init__(self, identities: Mapping[str, Identity] | None = None) -> None:
         self._by_digest = {_digest(token): identity for token, identity in (identities or {}).items()}
+
+    @classmethod
+    def of_digests(cls, identities: Mapping[bytes, Identity]) -> TokenTable:
+        """A table of identities by the SHA-256 digest of their secrets."""
+        table = cls()
+        table._by_digest = dict(identities)
+        return table
 
     def __len__(self) -> int:
         return len(self._by_digest)
@@ -166,12 +256,8 @@ class TokenTable:
     def identify(self, token: str | None) -> Identity | None:
         return None if token is None else self._by_digest.get(_digest(token))
 
-    def check(self, token: str | None, command: int, subjects: Iterable[str] | None = ()) -> Identity | AuthRefusal:
-        """The identity ``token`` acts as, or why it may not send ``command`` for ``subjects``.
-
-        ``subjects`` None: the request names messages without a subject (CANCEL by
-        ids), which only a token allowed every subject may do.
-        """
+    def check(self, token: str | None, command: int, scope: Scope = Scope()) -> Identity | AuthRefusal:
+        """The identity ``token`` acts as, or why it may not send ``command`` on ``scope``."""
         name = command_name(command)
         if token is None:
             return AuthRefusal(
@@ -185,34 +271,64 @@ class TokenTable:
             return AuthRefusal(
                 UNAUTHORIZED, f"{name}: unknown token: this server's tokens file does not hold it", "token"
             )
-        needed = COMMAND_ROLES.get(command, _ANY)
-        if needed and not needed & identity.roles:
-            wanted = " or ".join(sorted(needed))
+        return decide(identity, command, scope)
+
+
+def decide(identity: Identity, command: int, scope: Scope) -> Identity | AuthRefusal:
+    """``identity`` if it may send ``command`` on ``scope``, else why not (always ``forbidden``)."""
+    name = command_name(command)
+    needed = COMMAND_ROLES.get(command, _ANY)
+    if needed and not needed & identity.roles:
+        wanted = " or ".join(sorted(needed))
+        return AuthRefusal(
+            FORBIDDEN,
+            f"role {wanted} needed for {name}; token {identity.name!r} has {', '.join(sorted(identity.roles))}",
+            "role",
+        )
+    if scope.server is not None and not identity.may_be(*scope.server):
+        return AuthRefusal(FORBIDDEN, _server_message(identity, name, *scope.server), "servers")
+    if command in GROUP_COMMANDS and scope.group is not None and not identity.allows_group(scope.group):
+        allowed = ", ".join(identity.groups) or "none: give the token groups = [...]"
+        return AuthRefusal(
+            FORBIDDEN,
+            f"{name}: consumer group {scope.group!r} not allowed for {identity.name!r} (allowed: {allowed})",
+            "group",
+        )
+    if command in SUBJECT_COMMANDS:
+        return _check_subjects(identity, name, scope.subjects)
+    return identity
+
+
+def _check_subjects(identity: Identity, name: str, subjects: tuple[str, ...] | None) -> Identity | AuthRefusal:
+    if subjects is None:
+        if identity.every_subject:
+            return identity
+        return AuthRefusal(
+            FORBIDDEN,
+            f"{name}: by message ids names no subject, which only a token allowed every subject (*) may "
+            f"do; token {identity.name!r} is allowed {', '.join(identity.subjects)}: name the messages "
+            "by subject and key",
+            "subject",
+        )
+    for subject in subjects:
+        if identity.allows(subject):
+            continue
+        base = base_subject(subject)
+        if base != subject and any(fnmatchcase(base, pattern) for pattern in identity.subjects):
+            allowed = ", ".join(identity.groups) or "none"
             return AuthRefusal(
                 FORBIDDEN,
-                f"role {wanted} needed for {name}; token {identity.name!r} has {', '.join(sorted(identity.roles))}",
-                "role",
+                f"{name}: subject {subject!r} belongs to consumer group {carrier_group(subject)!r}, not allowed "
+                f"for {identity.name!r} (allowed groups: {allowed})",
+                "group",
             )
-        if command in SUBJECT_COMMANDS and not identity.every_subject:
-            if subjects is None:
-                return AuthRefusal(
-                    FORBIDDEN,
-                    f"{name}: by message ids names no subject, which only a token allowed every subject (*) may "
-                    f"do; token {identity.name!r} is allowed {', '.join(identity.subjects)}: name the messages "
-                    "by subject and key",
-                    "subject",
-                )
-            for subject in subjects:
-                if not identity.allows(subject):
-                    base = base_subject(subject)
-                    shown = repr(base) if base == subject else f"{base!r} (of {subject!r})"
-                    return AuthRefusal(
-                        FORBIDDEN,
-                        f"{name}: subject {shown} not allowed for {identity.name!r} (allowed: "
-                        f"{', '.join(identity.subjects)})",
-                        "subject",
-                    )
-        return identity
+        shown = repr(base) if base == subject else f"{base!r} (of {subject!r})"
+        return AuthRefusal(
+            FORBIDDEN,
+            f"{name}: subject {shown} not allowed for {identity.name!r} (allowed: {', '.join(identity.subjects)})",
+            "subject",
+        )
+    return identity
 
 
 def parse_tokens(text: str, *, source: str = "tokens file") -> TokenTable:
@@ -227,21 +343,26 @@ def parse_tokens(text: str, *, source: str = "tokens file") -> TokenTable:
     entries = data.get("token", [])
     if not isinstance(entries, list):
         raise TokenFileError(f"{source}: token must be an array of tables ([[token]]), not a {type(entries).__name__}")
-    identities: dict[str, Identity] = {}
+    if not entries:
+        raise TokenFileError(
+            f"{source}: holds no [[token]]: every request would be refused; add tokens, or start the server "
+            "without --tokens-file (loopback only)"
+        )
+    identities: dict[bytes, Identity] = {}
     names: set[str] = set()
     lines = _entry_lines(text)
     for index, entry in enumerate(entries):
         where = f"{source}: [[token]] #{index + 1}"
         if index < len(lines):
             where += f" (line {lines[index]})"
-        token, identity = _entry(entry, where)
+        digest, identity = _entry(entry, where)
         if identity.name in names:
             raise TokenFileError(f"{where}: name: {identity.name!r} is used by another token")
-        if token in identities:
-            raise TokenFileError(f"{where}: token: the same secret as token {identities[token].name!r}")
+        if digest in identities:
+            raise TokenFileError(f"{where}: token: the same secret as token {identities[digest].name!r}")
         names.add(identity.name)
-        identities[token] = identity
-    return TokenTable(identities)
+        identities[digest] = identity
+    return TokenTable.of_digests(identities)
 
 
 def _entry_lines(text: str) -> list[int]:
@@ -249,41 +370,88 @@ def _entry_lines(text: str) -> list[int]:
     return [number for number, line in enumerate(text.splitlines(), 1) if line.strip().startswith("[[token]]")]
 
 
-def _entry(entry: Any, where: str) -> tuple[str, Identity]:
+_PATTERN_FIELDS = {
+    "subjects": "subject patterns such as 'orders.*'",
+    "groups": "consumer group patterns such as 'billing*'",
+    "servers": "kind:group patterns such as 'scheduler:sched-1' or 'realtime:rt-*'",
+}
+
+
+def _entry(entry: Any, where: str) -> tuple[bytes, Identity]:
     if not isinstance(entry, dict):
         raise TokenFileError(f"{where}: not a table")
-    known = ("name", "token", "roles", "subjects", *RATE_FIELDS)
+    known = ("name", "token", "token_sha256", "roles", *_PATTERN_FIELDS, *RATE_FIELDS)
     unknown = sorted(set(entry) - set(known))
     if unknown:
         raise TokenFileError(f"{where}: unknown field {unknown[0]!r} (fields: {', '.join(known)})")
-    for required in ("name", "token", "roles"):
+    for required in ("name", "roles"):
         if required not in entry:
             raise TokenFileError(f"{where}: {required}: missing")
-    name, token = entry["name"], entry["token"]
-    for required, value in (("name", name), ("token", token)):
-        if not isinstance(value, str) or not value.strip():
-            raise TokenFileError(f"{where}: {required}: must be a non-empty string")
+    name = entry["name"]
+    if not isinstance(name, str) or not name.strip():
+        raise TokenFileError(f"{where}: name: must be a non-empty string")
+    where = f"{where} ({name})"
+    digest = _secret_digest(entry, where)
     roles = entry["roles"]
     if not isinstance(roles, list) or not roles:
-        raise TokenFileError(f"{where} ({name}): roles: must be a non-empty list of {', '.join(ROLES)}")
+        raise TokenFileError(f"{where}: roles: must be a non-empty list of {', '.join(ROLES)}")
     for role in roles:
         if role not in ROLES:
-            raise TokenFileError(f"{where} ({name}): roles: unknown role {role!r} (roles: {', '.join(ROLES)})")
-    subjects = entry.get("subjects", [ALL_SUBJECTS])
-    if not isinstance(subjects, list) or not subjects:
-        raise TokenFileError(f"{where} ({name}): subjects: must be a non-empty list of patterns such as 'orders.*'")
-    for pattern in subjects:
-        if not isinstance(pattern, str) or not pattern:
-            raise TokenFileError(f"{where} ({name}): subjects: {pattern!r} is not a non-empty string")
+            raise TokenFileError(f"{where}: roles: unknown role {role!r} (roles: {', '.join(ROLES)})")
+    patterns = {key: _patterns(entry, key, where) for key in _PATTERN_FIELDS}
+    for server in patterns["servers"]:
+        if ":" not in server:
+            raise TokenFileError(f"{where}: servers: {server!r} is not kind:group (such as 'realtime:rt-*')")
+    if patterns["servers"] and "server" not in roles:
+        raise TokenFileError(f"{where}: servers: only a token with role server may name servers")
     rates: dict[str, float] = {}
     for rate_field in RATE_FIELDS:
         rate = entry.get(rate_field)
         if rate is None:
             continue
         if not isinstance(rate, int | float) or isinstance(rate, bool) or not 1 <= rate < float("inf"):
-            raise TokenFileError(f"{where} ({name}): {rate_field}: must be a number of at least 1, not {rate!r}")
+            raise TokenFileError(f"{where}: {rate_field}: must be a number of at least 1, not {rate!r}")
         rates[rate_field] = float(rate)
-    return token, Identity(name, frozenset(roles), tuple(subjects), rates)
+    subjects = patterns["subjects"] or (ALL_SUBJECTS,)
+    return digest, Identity(
+        name, frozenset(roles), subjects, rates, groups=patterns["groups"], servers=patterns["servers"]
+    )
+
+
+def _secret_digest(entry: Mapping[str, Any], where: str) -> bytes:
+    """The SHA-256 of the entry's secret: ``token`` (16 characters at least) or ``token_sha256`` (hex)."""
+    if ("token" in entry) == ("token_sha256" in entry):
+        raise TokenFileError(f"{where}: token: give exactly one of token and token_sha256")
+    if "token_sha256" in entry:
+        value = entry["token_sha256"]
+        try:
+            digest = bytes.fromhex(value) if isinstance(value, str) else b""
+        except ValueError:
+            digest = b""
+        if len(digest) != hashlib.sha256().digest_size:
+            raise TokenFileError(
+                f"{where}: token_sha256: must be 64 hex digits (printf %s SECRET | sha256sum), not {value!r}"
+            )
+        return digest
+    token = entry["token"]
+    if not isinstance(token, str) or not token.strip():
+        raise TokenFileError(f"{where}: token: must be a non-empty string")
+    if len(token) < MIN_TOKEN_LENGTH:
+        raise TokenFileError(
+            f"{where}: token: {len(token)} characters, fewer than the {MIN_TOKEN_LENGTH} a secret needs "
+            "(make one with: openssl rand -hex 32)"
+        )
+    return _digest(token)
+
+
+def _patterns(entry: Mapping[str, Any], key: str, where: str) -> tuple[str, ...]:
+    value = entry.get(key, [])
+    if not isinstance(value, list) or (key in entry and not value):
+        raise TokenFileError(f"{where}: {key}: must be a non-empty list of {_PATTERN_FIELDS[key]}")
+    for pattern in value:
+        if not isinstance(pattern, str) or not pattern:
+            raise TokenFileError(f"{where}: {key}: {pattern!r} is not a non-empty string")
+    return tuple(value)
 
 
 def load_tokens(path: Path) -> TokenTable:
@@ -328,15 +496,22 @@ __all__ = [
     "ALL_SUBJECTS",
     "COMMAND_ROLES",
     "FORBIDDEN",
+    "GROUP_COMMANDS",
+    "MIN_TOKEN_LENGTH",
     "ROLES",
     "SUBJECT_COMMANDS",
     "UNAUTHORIZED",
     "AuthRefusal",
     "Identity",
+    "Scope",
     "TokenFile",
     "TokenFileError",
     "TokenTable",
     "base_subject",
+    "carrier_group",
+    "decide",
+    "forbidden",
     "load_tokens",
     "parse_tokens",
+    "require_server",
 ]

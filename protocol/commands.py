@@ -33,6 +33,8 @@ class Command(enum.IntEnum):
     CONSUMER_HEARTBEAT = 33
     # replication: a slave fetches its master's log (delaymq.replication)
     FETCH = 40
+    # administration of one server
+    CLEAR_FENCE = 50  # a realtime server forgets a scheduler group's fence (admin only)
 
 
 def command_name(code: int) -> str:

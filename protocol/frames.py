@@ -28,13 +28,15 @@ from typing import Any
 
 import msgpack
 
+from delaymq.protocol.commands import command_name
 from delaymq.protocol.errors import (
     LocalProtocolError,
     PeerError,
     ProtocolError,
     RemoteProtocolError,
 )
-from delaymq.protocol.limits import DEFAULT_LIMITS, Limits
+from delaymq.protocol.limits import DEFAULT_LIMITS, MAX_METADATA_DEPTH, MAX_METADATA_ITEMS, Limits
+from delaymq.protocol.shape import shape_problem
 
 MAGIC = b"DQ"
 VERSION = 1
@@ -141,6 +143,13 @@ class FrameDecoder:
     header is sound but whose metadata or kind is not is skipped and reported
     with a non-fatal error that carries its ``request_id`` and ``command``, so a
     server can answer it and go on.
+
+    Metadata past ``limits.max_metadata`` is refused from the header, and a
+    request's metadata with too many objects or too deep (``shape.py``) before it
+    is decoded, each as a skipped frame. ``gate`` narrows what a connection may
+    send until ``open_gate`` (a server with tokens, before AUTH): a larger frame
+    is fatal, another command skipped with an ``unauthorized`` error; neither has
+    its metadata decoded.
     """
 
     def __init__(self, limits: Limits = DEFAULT_LIMITS) -> None:
@@ -148,6 +157,14 @@ class FrameDecoder:
         self._buf = bytearray()
         self._pos = 0  # bytes before this were consumed
         self._failed: ProtocolError | None = None
+        self._gate: tuple[int, frozenset[int], str] | None = None
+
+    def gate(self, *, max_frame: int, commands: frozenset[int], reason: str) -> None:
+        """Until ``open_gate``: frames of at most ``max_frame`` bytes, of ``commands`` only; ``reason`` says why."""
+        self._gate = (max_frame, commands, reason)
+
+    def open_gate(self) -> None:
+        self._gate = None
 
     @property
     def pending(self) -> int:
@@ -199,8 +216,17 @@ class FrameDecoder:
                 "version",
             )
         size = FRAME_HEADER_SIZE + meta_len + body_len
-        limit = self._limits.max_frame
+        limit = self._limits.max_frame if self._gate is None else min(self._limits.max_frame, self._gate[0])
         if size > limit:
+            if self._gate is not None:
+                self._fail(
+                    f"frame of {size} bytes before AUTH: at most {limit} until {self._gate[2]}",
+                    "unauthorized",
+                    "frame",
+                    limit,
+                    request_id=request_id,
+                    command=command,
+                )
             self._fail(
                 f"frame of {size} bytes (metadata {meta_len}, body {body_len}) exceeds the frame limit of {limit}",
                 "oversize",
@@ -214,13 +240,16 @@ class FrameDecoder:
         meta_start = pos + FRAME_HEADER_SIZE
         body_start = meta_start + meta_len
         end = pos + size
+        refusal = self._refusal(command, meta_len)
         with memoryview(buf) as view:
             raw_metadata = view[meta_start:body_start]
             try:
-                metadata = _decode_metadata(raw_metadata) if meta_len else {}
+                if refusal is None and kind != FrameKind.RESPONSE:  # a response: from a server this side called
+                    refusal = _shape_refusal(raw_metadata)
+                metadata = _decode_metadata(raw_metadata) if meta_len and refusal is None else {}
             finally:
                 raw_metadata.release()
-            body = bytes(view[body_start:end]) if body_len else b""
+            body = bytes(view[body_start:end]) if body_len and refusal is None else b""
         self._pos = end
         if end == len(buf):
             buf.clear()
@@ -228,6 +257,16 @@ class FrameDecoder:
         elif end >= _COMPACT_AT and end * 2 >= len(buf):
             del buf[:end]  # at worst a copy of the unread rest, once per half buffer read
             self._pos = 0
+        if refusal is not None:
+            code, field, text, cap = refusal
+            raise RemoteProtocolError(
+                f"frame {request_id} ({command_name(command)}): {text}",
+                code=code,
+                field=field,
+                limit=cap,
+                request_id=request_id,
+                command=command,
+            )
         if isinstance(metadata, str):
             raise RemoteProtocolError(
                 f"frame {request_id} (command {command}): {metadata}",
@@ -245,6 +284,17 @@ class FrameDecoder:
                 command=command,
             )
         return Frame(FrameKind(kind), command, request_id, metadata, body)
+
+    def _refusal(self, command: int, meta_len: int) -> tuple[str, str, str, int | None] | None:
+        """(code, field, reason, limit) of a frame skipped undecoded: a command shut out by the gate, or
+        metadata over ``max_metadata``."""
+        if self._gate is not None and command not in self._gate[1]:
+            allowed = ", ".join(sorted(command_name(code) for code in self._gate[1]))
+            return "unauthorized", "token", f"only {allowed} until {self._gate[2]}", None
+        if meta_len > self._limits.max_metadata:
+            text = f"metadata of {meta_len} bytes exceeds the metadata limit of {self._limits.max_metadata}"
+            return "limit", "metadata", text, self._limits.max_metadata
+        return None
 
     def __iter__(self) -> Iterator[Frame]:
         """The complete frames buffered now; stops when more bytes are needed."""
@@ -303,6 +353,11 @@ def _decode_metadata(raw: memoryview) -> dict[str, Any] | str:
         if type(key) is not str:
             return f"metadata key {key!r} is not a str"
     return metadata
+
+
+def _shape_refusal(raw: memoryview) -> tuple[str, str, str, int | None] | None:
+    problem = shape_problem(raw, max_items=MAX_METADATA_ITEMS, max_depth=MAX_METADATA_DEPTH)
+    return None if problem is None else ("limit", "metadata", f"metadata {problem}", None)
 
 
 # -------------------------------------------------------------------- helpers

@@ -34,6 +34,13 @@ DEFAULT_POLL_MS = 30_000
 MAX_PULL_AHEAD_MS = 1_000
 #: Room kept in a frame for its header and metadata (a SEND's, a PULL answer's).
 FRAME_RESERVE = 64 * KiB
+#: The largest frame a connection may send before its AUTH is accepted, on a server
+#: with a tokens file (AUTH and PING only, until then).
+MAX_UNAUTHENTICATED_FRAME = 64 * KiB
+#: Most objects (maps, arrays, strings, numbers, ...) and deepest nesting of maps and
+#: arrays in the metadata of a request, counted before it is decoded.
+MAX_METADATA_ITEMS = 100_000
+MAX_METADATA_DEPTH = 32
 
 #: Bytes of the fixed message header in a record's payload (offsets 12..46), which
 #: ``max_record`` counts; ``delaymq.protocol.records`` lays it out and checks its size.
@@ -98,7 +105,9 @@ DEFAULT_CONNECTION_LIMITS = ConnectionLimits()
 class Limits:
     """Every limit of the codec, in bytes unless said otherwise.
 
-    ``max_subject``, ``max_id`` and ``max_tag`` count UTF-8 bytes, not
+    ``max_metadata`` caps a frame's msgpack metadata, checked from its header
+    before it is decoded (a request's is also walked for ``MAX_METADATA_ITEMS``
+    and ``MAX_METADATA_DEPTH`` first). ``max_subject``, ``max_id`` and ``max_tag`` count UTF-8 bytes, not
     characters; ``max_properties`` is the size of the msgpack encoding;
     ``horizon_ms`` is how far past "now" a ``deliver_at`` may lie (checked by
     ``scan_batch`` when it is given ``now_ms``). ``connections`` is what a
@@ -111,6 +120,7 @@ class Limits:
     """
 
     max_frame: int = 64 * MiB
+    max_metadata: int = 4 * MiB
     max_body: int = 4 * MiB
     max_subject: int = 255
     max_id: int = 64
@@ -126,6 +136,7 @@ class Limits:
     def __post_init__(self) -> None:
         caps = {
             "max_frame": _U32,
+            "max_metadata": _U32,
             "max_body": _U32,
             "max_subject": _U16,
             "max_id": _U16,
@@ -167,7 +178,10 @@ __all__ = [
     "ConnectionLimits",
     "DEFAULT_POLL_MS",
     "FRAME_RESERVE",
+    "MAX_METADATA_DEPTH",
+    "MAX_METADATA_ITEMS",
     "MAX_NAME",
+    "MAX_UNAUTHENTICATED_FRAME",
     "MAX_POLL_MS",
     "MAX_PULL_AHEAD_MS",
     "MAX_PULL",

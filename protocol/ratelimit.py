@@ -1,4 +1,5 @@
-"""Rates per token: how many messages and bytes a token's SENDs and SCHEDULEs may carry per second.
+"""Rates per token: how many requests a token may send, and messages and bytes its SENDs and SCHEDULEs
+may carry, per second.
 
 Sans-IO: ``RateLimiter.check`` is fed the identity a request acts as, the
 messages and bytes of its batch and a monotonic time in milliseconds, and
@@ -20,8 +21,8 @@ from delaymq.protocol.errors import ProtocolError
 #: The code of a refusal for a token over its rate: retryable, after ``retry_after_ms``.
 RATE_LIMITED = "rate_limited"
 #: The fields of a token entry that set its rates (``None``: no limit, the default).
-RATE_FIELDS = ("messages_per_s", "bytes_per_s")
-_UNITS = {"messages_per_s": "messages/s", "bytes_per_s": "bytes/s"}
+RATE_FIELDS = ("messages_per_s", "bytes_per_s", "requests_per_s")
+_UNITS = {"messages_per_s": "messages/s", "bytes_per_s": "bytes/s", "requests_per_s": "requests/s"}
 
 
 def describe_rate(field: str, rate: float) -> str:

@@ -52,7 +52,16 @@ from typing import Any, Protocol
 
 import trio
 
-from delaymq.protocol.auth import SUBJECT_COMMANDS, UNAUTHORIZED, AuthRefusal, Identity, TokenFile, TokenTable
+from delaymq.protocol.auth import (
+    GROUP_COMMANDS,
+    SUBJECT_COMMANDS,
+    UNAUTHORIZED,
+    AuthRefusal,
+    Identity,
+    Scope,
+    TokenFile,
+    TokenTable,
+)
 from delaymq.protocol.backoff import Backoff, BackoffRun, RandomSource
 from delaymq.protocol.commands import Command, command_name
 from delaymq.protocol.connections import (
@@ -80,7 +89,8 @@ from delaymq.protocol.frames import (
     response_error,
     response_to,
 )
-from delaymq.protocol.limits import DEFAULT_LIMITS, Limits
+from delaymq.protocol.fencing import FENCE_FIELD
+from delaymq.protocol.limits import DEFAULT_LIMITS, MAX_UNAUTHENTICATED_FRAME, Limits
 from delaymq.protocol.ratelimit import RateLimiter
 from delaymq.protocol.records import RECORD_HEADER_SIZE, record_subject
 from delaymq.protocol.tls import TLS_HANDSHAKE_RECORD, TLS_REQUIRED
@@ -92,10 +102,15 @@ Reply = dict[str, Any] | tuple[dict[str, Any], bytes] | None
 Handler = Callable[["Request"], Awaitable[Reply]]
 
 RECEIVE_SIZE = 256 * 1024
-#: Commands whose batches count against a token's rates.
+#: Commands whose batches count against a token's message and byte rates (every request counts
+#: against ``requests_per_s``).
 RATED_COMMANDS = frozenset({Command.SEND, Command.SCHEDULE})
+#: What a connection may send before its AUTH is accepted, on a server with a tokens file.
+UNAUTHENTICATED_COMMANDS = frozenset({Command.AUTH, Command.PING})
 #: The request id of an error frame about the connection itself (a refusal), not a request.
 CONNECTION_REQUEST_ID = 0
+#: Each served connection's number, unique in the process (``Request.connection``).
+_connection_numbers = itertools.count(1)
 
 
 class TransportError(Exception):
@@ -116,11 +131,13 @@ class RequestTimeout(TransportError):
 
 @dataclass(frozen=True, slots=True)
 class Request:
-    """One request as a handler sees it; ``identity`` names the token it came with (None: no tokens file)."""
+    """One request as a handler sees it; ``identity`` is who its token is (None: no tokens file)."""
 
     frame: Frame
     peer: str
-    identity: str | None = None
+    identity: Identity | None = None
+    #: The connection it came on: a handler may bind state to it (a registration).
+    connection: int = 0
 
     @property
     def metadata(self) -> dict[str, Any]:
@@ -452,26 +469,30 @@ class FrameServer:
             return error_response(frame, refusal.error()), None
         return response_to(frame, {"name": identity.name}), token
 
-    def _authorize(self, tokens: TokenFile, frame: Frame, token: str | None) -> tuple[str, dict[str, int] | None]:
-        """The name of the identity the request acts as, and what it took from its rates (None: nothing);
+    def _authorize(
+        self, tokens: TokenFile, frame: Frame, token: str | None
+    ) -> tuple[Identity, dict[str, int] | None]:
+        """The identity the request acts as, and what it took from its rates (None: nothing);
         ``RemoteProtocolError`` when the token may not send it, ``ProtocolError`` (``rate_limited``, or
         ``limit`` for a batch over a second's worth) past its rates."""
-        subjects = request_subjects(frame) if frame.command in SUBJECT_COMMANDS else ()
         table = tokens.table
-        checked = table.check(token, frame.command, subjects)
+        checked = table.check(token, frame.command, request_scope(frame))
         if isinstance(checked, AuthRefusal):
             raise checked.error()
         taken = None
-        if checked.rates and frame.command in RATED_COMMANDS:
+        if checked.rates:
             taken = self._check_rates(table, checked, frame)
-        return checked.name, taken
+        return checked, taken
 
     def _check_rates(self, table: TokenTable, identity: Identity, frame: Frame) -> dict[str, int]:
-        """Take the batch's messages and bytes from the token's buckets (returned), or refuse it (nothing taken)."""
+        """Take the request (and a batch's messages and bytes) from the token's buckets (returned), or
+        refuse it (nothing taken)."""
         if table is not self._rated_table:  # reloaded: a token removed takes its buckets with it
             self._rates.forget(table.names())
             self._rated_table = table
-        amounts = {"messages_per_s": batch_messages(frame), "bytes_per_s": len(frame.body)}
+        amounts = {"requests_per_s": 1}
+        if frame.command in RATED_COMMANDS:
+            amounts |= {"messages_per_s": batch_messages(frame), "bytes_per_s": len(frame.body)}
         now_ms = math.floor(trio.current_time() * 1000)
         refusal = self._rates.check(
             identity.name, dict(identity.rates), amounts, now_ms, command=command_name(frame.command)
@@ -480,7 +501,7 @@ class FrameServer:
             raise refusal.error()
         return amounts
 
-    async def _answer(self, frame: Frame, peer: str, token: str | None = None) -> Frame | None:
+    async def _answer(self, frame: Frame, peer: str, token: str | None = None, connection: int = 0) -> Frame | None:
         expects_answer = frame.kind == FrameKind.REQUEST
         if frame.kind == FrameKind.RESPONSE:
             error = RemoteProtocolError(
@@ -492,7 +513,7 @@ class FrameServer:
             return error_response(frame, error)
         handler = self.handlers.get(frame.command)
         tokens = self.limits.tokens
-        identity: str | None = None
+        identity: Identity | None = None
         taken: dict[str, int] | None = None
         try:
             if tokens is not None:  # before anything else: a refused request changes nothing
@@ -504,10 +525,10 @@ class FrameServer:
                     code="bad_request",
                     field="command",
                 )
-            reply = await handler(Request(frame, peer, identity))
+            reply = await handler(Request(frame, peer, identity, connection))
         except ProtocolError as error:
             if taken is not None and identity is not None:  # refused after its rate was taken: not charged
-                self._rates.give_back(identity, taken, math.floor(trio.current_time() * 1000))
+                self._rates.give_back(identity.name, taken, math.floor(trio.current_time() * 1000))
             self._error_answered(error.code)
             # A flood of one refusal (a full disk refuses every SEND) is a line a minute with a count.
             count = self._refusal_log.note(f"{frame.command}:{error.code}", trio.current_time())
@@ -558,6 +579,11 @@ class _ServedConnection:
         self._read_scope: trio.CancelScope | None = None
         #: The token this connection's AUTH presented (checked again at each request: a reload applies).
         self._token: str | None = None
+        self._number = next(_connection_numbers)
+        if server.limits.tokens is not None:  # nothing but AUTH and PING, in small frames, until a token is taken
+            self._decoder.gate(
+                max_frame=MAX_UNAUTHENTICATED_FRAME, commands=UNAUTHENTICATED_COMMANDS, reason="AUTH takes a token"
+            )
 
     def _read_deadline(self) -> float:
         if self._decoder.pending:
@@ -665,17 +691,20 @@ class _ServedConnection:
                 self._server._in_flight_full += 1
                 await self._in_flight.acquire()  # backpressure: stop reading this peer
             self._handling += 1
-            self._nursery.start_soon(self._handle, frame)
-
-    async def _handle(self, frame: Frame) -> None:
-        answer: Frame | None
-        try:
             if frame.command == Command.AUTH and frame.kind == FrameKind.REQUEST:
+                # Taken here, before the next frame is decoded: the gate opens for what follows it.
                 answer, token = self._server.authenticate(frame, self._peer)
                 if token is not None:
                     self._token = token
+                    self._decoder.open_gate()
+                self._nursery.start_soon(self._handle, frame, answer)
             else:
-                answer = await self._server._answer(frame, self._peer, self._token)
+                self._nursery.start_soon(self._handle, frame)
+
+    async def _handle(self, frame: Frame, answer: Frame | None = None) -> None:
+        try:
+            if answer is None:
+                answer = await self._server._answer(frame, self._peer, self._token, self._number)
             if answer is not None:
                 await self._send(answer)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -726,16 +755,40 @@ def batch_messages(frame: Frame) -> int:
         raise RemoteProtocolError(f"{command_name(frame.command)}: {error}", code="bad_record", field="body") from None
 
 
-def request_subjects(frame: Frame) -> list[str] | None:
-    """The subjects a request acts on, for the token's patterns; None: it names messages by id only.
+def request_scope(frame: Frame) -> Scope:
+    """What a request acts on, for the token's patterns (``auth.Scope``).
 
-    SEND and SCHEDULE: the subject of each message record of the body (read only
-    when a tokens file is configured); the others: their metadata's ``subject``
-    (``subjects`` for CONSUMER_HEARTBEAT). A body whose records do not check is
-    refused here as the handler would refuse it (``bad_record``).
+    SEND and SCHEDULE: the subject of each message record of the body, and a
+    SEND's fence (the scheduler group it speaks for); REGISTER: the kind and
+    group it registers; consumer commands: their ``group``; the others: their
+    metadata's ``subject`` (``subjects`` for CONSUMER_HEARTBEAT). A field of the
+    wrong type is left out here for the handler to refuse; a body whose records
+    do not check is refused here as the handler would refuse it (``bad_record``).
     """
     command = frame.command
     metadata = frame.metadata if isinstance(frame.metadata, dict) else {}
+    group = metadata.get("group") if command in GROUP_COMMANDS else None
+    group = group if isinstance(group, str) else None
+    server = _server_scope(command, metadata)
+    subjects = _request_subjects(frame, metadata) if command in SUBJECT_COMMANDS else ()
+    return Scope(None if subjects is None else tuple(subjects), group, server)
+
+
+def _server_scope(command: int, metadata: dict[str, Any]) -> tuple[str, str] | None:
+    """The (kind, group) a REGISTER or a fenced SEND speaks as."""
+    if command == Command.REGISTER:
+        kind, group = metadata.get("kind"), metadata.get("group")
+        return (kind, group) if isinstance(kind, str) and isinstance(group, str) else None
+    fence = metadata.get(FENCE_FIELD) if command == Command.SEND else None
+    if isinstance(fence, dict) and isinstance(fence.get("group"), str):
+        return ("scheduler", fence["group"])
+    if fence is not None:  # malformed: only a server may carry a fence at all
+        return ("scheduler", "?")
+    return None
+
+
+def _request_subjects(frame: Frame, metadata: dict[str, Any]) -> list[str] | None:
+    command = frame.command
     if command in (Command.SEND, Command.SCHEDULE):
         subjects: dict[str, None] = {}
         try:

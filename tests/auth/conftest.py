@@ -17,6 +17,7 @@ TOKENS = f"""
 name = "servers"
 token = "{SERVER}"
 roles = ["server"]
+servers = ["scheduler:*", "realtime:*"]
 
 [[token]]
 name = "shop"
@@ -27,12 +28,14 @@ roles = ["producer"]
 name = "billing"
 token = "{CONSUMER}"
 roles = ["consumer"]
+groups = ["*"]
 
 [[token]]
 name = "orders-service"
 token = "{ORDERS}"
 roles = ["producer", "consumer"]
 subjects = ["orders.*"]
+groups = ["billing*"]
 """
 
 

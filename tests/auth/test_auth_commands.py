@@ -58,7 +58,7 @@ async def test_a_metaserver_applies_its_reloaded_tokens_file_to_new_requests_on_
         async with open_peers(limits=Limits(token=PRODUCER)) as peers:  # one connection throughout
             with pytest.raises(PeerError) as refused:
                 await peers.call(meta, Command.SET_STATE, set_state, timeout=WAIT)
-            assert refused.value.code == FORBIDDEN and "role admin or server needed" in str(refused.value)
+            assert refused.value.code == FORBIDDEN and "role admin needed" in str(refused.value)
 
             tokens.write_text(TOKENS.replace('roles = ["producer"]', 'roles = ["producer", "admin"]'))
             process.send_signal(signal.SIGHUP)

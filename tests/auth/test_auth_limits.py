@@ -38,6 +38,7 @@ SERVERS_TOKEN = f"""
 name = "servers"
 token = "{SERVER}"
 roles = ["server"]
+servers = ["scheduler:*", "realtime:*"]
 """
 
 
