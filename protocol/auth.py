@@ -384,14 +384,14 @@ def _entry(entry: Any, where: str) -> tuple[bytes, Identity]:
     unknown = sorted(set(entry) - set(known))
     if unknown:
         raise TokenFileError(f"{where}: unknown field {unknown[0]!r} (fields: {', '.join(known)})")
-    for required in ("name", "roles"):
-        if required not in entry:
+    for required in ("name", "token", "roles"):
+        if required not in entry and (required != "token" or "token_sha256" not in entry):
             raise TokenFileError(f"{where}: {required}: missing")
     name = entry["name"]
     if not isinstance(name, str) or not name.strip():
         raise TokenFileError(f"{where}: name: must be a non-empty string")
-    where = f"{where} ({name})"
     digest = _secret_digest(entry, where)
+    where = f"{where} ({name})"
     roles = entry["roles"]
     if not isinstance(roles, list) or not roles:
         raise TokenFileError(f"{where}: roles: must be a non-empty list of {', '.join(ROLES)}")
@@ -420,8 +420,8 @@ def _entry(entry: Any, where: str) -> tuple[bytes, Identity]:
 
 def _secret_digest(entry: Mapping[str, Any], where: str) -> bytes:
     """The SHA-256 of the entry's secret: ``token`` (16 characters at least) or ``token_sha256`` (hex)."""
-    if ("token" in entry) == ("token_sha256" in entry):
-        raise TokenFileError(f"{where}: token: give exactly one of token and token_sha256")
+    if "token" in entry and "token_sha256" in entry:
+        raise TokenFileError(f"{where}: token: give token or token_sha256, not both")
     if "token_sha256" in entry:
         value = entry["token_sha256"]
         try:
