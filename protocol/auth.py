@@ -230,6 +230,12 @@ def require_server(identity: Identity | None, command: str, kind: str, group: st
 
 
 def _server_message(identity: Identity, command: str, kind: str, group: str) -> str:
+    if "server" not in identity.roles:
+        held = ", ".join(sorted(identity.roles))
+        return (
+            f"{command}: token {identity.name!r} may not act as server {kind}:{group}: that needs role server "
+            f"and a servers pattern matching it (the token has roles {held})"
+        )
     allowed = ", ".join(identity.servers) or "none"
     return f"{command}: token {identity.name!r} may not act as server {kind}:{group} (its servers: {allowed})"
 
@@ -400,8 +406,10 @@ def _entry(entry: Any, where: str) -> tuple[bytes, Identity]:
             raise TokenFileError(f"{where}: roles: unknown role {role!r} (roles: {', '.join(ROLES)})")
     patterns = {key: _patterns(entry, key, where) for key in _PATTERN_FIELDS}
     for server in patterns["servers"]:
-        if ":" not in server:
-            raise TokenFileError(f"{where}: servers: {server!r} is not kind:group (such as 'realtime:rt-*')")
+        if ":" not in server and server != "*":
+            raise TokenFileError(
+                f"{where}: servers: {server!r} is not kind:group (such as 'realtime:rt-*'), nor * (every server)"
+            )
     if patterns["servers"] and "server" not in roles:
         raise TokenFileError(f"{where}: servers: only a token with role server may name servers")
     rates: dict[str, float] = {}

@@ -527,7 +527,9 @@ class FrameServer:
                 )
             reply = await handler(Request(frame, peer, identity, connection))
         except ProtocolError as error:
-            if taken is not None and identity is not None:  # refused after its rate was taken: not charged
+            if taken is not None and identity is not None:  # a refused batch stores nothing: its messages are
+                # not charged; the request itself was work, and counts against requests_per_s all the same
+                taken.pop("requests_per_s", None)
                 self._rates.give_back(identity.name, taken, math.floor(trio.current_time() * 1000))
             self._error_answered(error.code)
             # A flood of one refusal (a full disk refuses every SEND) is a line a minute with a count.
