@@ -48,7 +48,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import tomllib
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path

@@ -9,10 +9,12 @@ naming its option at start, not a failed handshake later. It travels on
 ``trio.SSLStream`` with the contexts built here. ``None`` (the default): plaintext.
 
 - A listener uses TLS when a certificate is given; with ``require_client_cert``
-  it refuses a client that presents no certificate signed by ``ca``.
+  it refuses a client that presents no certificate signed by ``ca`` (and a
+  certificate is checked against ``ca`` only, never the system's CAs).
 - Connections a process dials always use TLS when settings are given: they
-  verify the server against ``ca`` (the system's CAs when there is none) and its
-  address's host name, and present ``cert`` as the client certificate when given.
+  verify the server against ``ca`` alone (the system's CAs only when there is
+  none: given ``ca``, no CA of the system's store, ``SSL_CERT_FILE`` included, is
+  trusted) and its address's host name, and present ``cert`` as the client certificate when given.
   So a server's connections to the metaserver and to other servers authenticate
   with the server's own certificate (it needs the clientAuth purpose too; most
   CAs and ``trustme`` issue both).
@@ -97,19 +99,16 @@ class TlsSettings:
         return f"TLS ({clients})" if self.ca is not None else "TLS (no CA: client certificates not checked)"
 
     def _make_client_context(self) -> ssl.SSLContext:
-        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
-        if self.ca is not None:
-            _load_ca(context, self.ca)
+        context = _trusting(ssl.Purpose.SERVER_AUTH, self.ca)
         if self.cert is not None:
             _load_cert_chain(context, self.cert, self.key)
         return context
 
     def _make_server_context(self) -> ssl.SSLContext:
         assert self.cert is not None
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context = _trusting(ssl.Purpose.CLIENT_AUTH, self.ca)
         _load_cert_chain(context, self.cert, self.key)
         if self.ca is not None:
-            _load_ca(context, self.ca)
             context.verify_mode = ssl.CERT_REQUIRED if self.require_client_cert else ssl.CERT_OPTIONAL
         else:
             context.verify_mode = ssl.CERT_NONE
@@ -124,9 +123,14 @@ def _check_readable(path: Path, option: str) -> None:
         raise TlsConfigError(f"{option} {path}: cannot read it: {error.strerror or error}", option=option) from None
 
 
-def _load_ca(context: ssl.SSLContext, ca: Path) -> None:
+def _trusting(purpose: ssl.Purpose, ca: Path | None) -> ssl.SSLContext:
+    """A default context for ``purpose`` that trusts ``ca`` only; without ``ca``, the system's CAs.
+
+    ``create_default_context`` loads the system's store only when it is given no CA file."""
+    if ca is None:
+        return ssl.create_default_context(purpose)
     try:
-        context.load_verify_locations(cafile=str(ca))
+        return ssl.create_default_context(purpose, cafile=str(ca))
     except (ssl.SSLError, OSError, ValueError) as error:
         raise TlsConfigError(f"--tls-ca {ca}: not a CA certificate in PEM: {error}", option="--tls-ca") from None
 

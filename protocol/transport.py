@@ -79,6 +79,7 @@ from delaymq.protocol.errors import (
     RemoteProtocolError,
     sole,
 )
+from delaymq.protocol.fencing import FENCE_FIELD
 from delaymq.protocol.frames import (
     Frame,
     FrameDecoder,
@@ -89,7 +90,6 @@ from delaymq.protocol.frames import (
     response_error,
     response_to,
 )
-from delaymq.protocol.fencing import FENCE_FIELD
 from delaymq.protocol.limits import DEFAULT_LIMITS, MAX_UNAUTHENTICATED_FRAME, Limits
 from delaymq.protocol.ratelimit import RateLimiter
 from delaymq.protocol.records import RECORD_HEADER_SIZE, record_subject
@@ -469,9 +469,7 @@ class FrameServer:
             return error_response(frame, refusal.error()), None
         return response_to(frame, {"name": identity.name}), token
 
-    def _authorize(
-        self, tokens: TokenFile, frame: Frame, token: str | None
-    ) -> tuple[Identity, dict[str, int] | None]:
+    def _authorize(self, tokens: TokenFile, frame: Frame, token: str | None) -> tuple[Identity, dict[str, int] | None]:
         """The identity the request acts as, and what it took from its rates (None: nothing);
         ``RemoteProtocolError`` when the token may not send it, ``ProtocolError`` (``rate_limited``, or
         ``limit`` for a batch over a second's worth) past its rates."""
@@ -584,7 +582,9 @@ class _ServedConnection:
         self._number = next(_connection_numbers)
         if server.limits.tokens is not None:  # nothing but AUTH and PING, in small frames, until a token is taken
             self._decoder.gate(
-                max_frame=MAX_UNAUTHENTICATED_FRAME, commands=UNAUTHENTICATED_COMMANDS, reason="AUTH takes a token"
+                max_frame=MAX_UNAUTHENTICATED_FRAME,
+                commands=UNAUTHENTICATED_COMMANDS,
+                reason="AUTH presents a token: no token yet, and this server requires one (--token or DELAYMQ_TOKEN)",
             )
 
     def _read_deadline(self) -> float:

@@ -114,7 +114,7 @@ def test_only_loopback_is_served_without_a_tokens_file_unless_insecure_listen(
 
 def test_a_server_with_a_bad_tokens_file_does_not_start(tmp_path: Path) -> None:
     bad = tmp_path / "tokens.toml"
-    bad.write_text("[[token]]\nname = 'a'\ntoken = 'x'\nroles = ['root']\n")
+    bad.write_text("[[token]]\nname = 'a'\ntoken = 'x-secret-0123456789'\nroles = ['root']\n")
     args = argparse.Namespace(tokens_file=bad, insecure_listen=False, token="t")
     with pytest.raises(argparse.ArgumentTypeError, match=r"\(line 1\) \(a\): roles: unknown role 'root'"):
         server_auth(args, listen="0.0.0.0:0")

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import hashlib
+from pathlib import Path
 
 import pytest
 
@@ -21,7 +20,6 @@ from delaymq.protocol.auth import (
 from delaymq.protocol.commands import Command
 
 from .conftest import CONSUMER, ORDERS, PRODUCER, SERVER, TOKENS
-
 
 X = "x-secret-0123456789"
 Y = "y-secret-0123456789"
