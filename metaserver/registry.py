@@ -44,6 +44,10 @@ is master; the claim rules above are for the others:
 - A server is known by its ``member`` id (its data folder) when it sends one: the same
   member at a new address takes over its entry and standing; another member at a
   known address replaces that entry (a new folder holds none of the old one's data).
+  A member id belongs to the run (``incarnation``) that registered it while that run
+  is live: another run claiming it from another address is refused (``MemberTaken``)
+  until the old address is evicted, since the id is no secret (STATUS shows it). The
+  same run may move, and a new run at the same address is a restart.
 - The master silent for ``failover_after_ms`` is replaced by the live slave that is in
   its last reported ``in_sync`` list and holds the highest offset (tie: the lowest
   address); with none eligible the group waits for its master. The deposed master is
@@ -81,6 +85,8 @@ DEFAULT_FAILOVER_AFTER_MS = 5_000
 #: so a healthy master is never taken for dead.
 HEARTBEATS_PER_FAILOVER = 5
 MEMBER_MAX = 64
+#: The error code of a ``MemberTaken`` refusal on the wire.
+MEMBER_TAKEN = "member_taken"
 #: Addresses a master may list as in sync.
 IN_SYNC_MAX = 64
 #: Offsets and epochs are msgpack integers: at most a signed 64-bit value.
@@ -121,6 +127,22 @@ class Superseded(RegistryError):
             "wins); it is not routed: restart it to register again, or register it as a slave",
         )
         self.by = by
+
+
+class MemberTaken(RegistryError):
+    """A registration claiming the member id of a live server of another run at another address."""
+
+    def __init__(self, group: str, member: str, claimant: str, address: str, silent_ms: int, evict_in_ms: int) -> None:
+        super().__init__(
+            "member",
+            f"member {member!r} of group {group!r} is live at {address} (heard from {silent_ms / 1000:.1f} s "
+            f"ago), registered by another run of the server: {claimant} may not take its place. If {claimant} "
+            f"is that member restarted, stop the process at {address}, or wait until it is evicted (after "
+            f"{evict_in_ms / 1000:.1f} s more of silence), then register again; otherwise give {claimant} a data "
+            "folder of its own (a copied folder: delete its 'member' file)",
+        )
+        self.member = member
+        self.address = address
 
 
 # -- validation ---------------------------------------------------------------
@@ -470,6 +492,8 @@ class Registry:
             raise RegistryError(
                 "kind", f"group {info.group!r} is a {group.kind} group, {info.address} says {info.kind}"
             )
+        if group is not None:
+            self._check_member(info, group, max(self._now_ms, _count("now_ms", now_ms)))
         if info.replica is not None or (group is not None and group.managed):
             return self._register_managed(info, group, self._advance(now_ms))
         deposed = group.deposed.get(info.address) if group is not None else None
@@ -508,6 +532,11 @@ class Registry:
             self._content_changed()
         self._refresh(now)
         return self._reply(group)
+
+    def kind_of(self, group: str) -> ServerKind | None:
+        """The kind of server ``group`` holds; None for a group this registry does not know."""
+        found = self._groups.get(group)
+        return None if found is None else found.kind
 
     def superseded(self, group: str) -> dict[str, str]:
         """The deposed masters of ``group`` still remembered: address -> who superseded it."""
@@ -865,6 +894,21 @@ class Registry:
         while len(group.deposed) > DEPOSED_KEPT:
             del group.deposed[next(iter(group.deposed))]
 
+    def _check_member(self, info: ServerInfo, group: _Group, now: int) -> None:
+        """Refuse (changing nothing) a claim of a live member's id by another run at another address.
+
+        A run that does not say its incarnation cannot show it is the same one.
+        """
+        if info.member is None:
+            return
+        for address, server in group.servers.items():
+            if address == info.address or server.member != info.member or not self._alive(server, now):
+                continue
+            if info.incarnation is not None and server.incarnation == info.incarnation:
+                continue  # the same run, at a new address
+            silent = now - server.last_heartbeat_ms
+            raise MemberTaken(info.group, info.member, info.address, address, silent, self._evict_after_ms - silent)
+
     def _alive(self, server: _Server, now: int) -> bool:
         return now - server.last_heartbeat_ms < self._evict_after_ms
 
@@ -1158,12 +1202,14 @@ __all__ = [
     "DEFAULT_HEARTBEAT_INTERVAL_MS",
     "GROUP_NAME_MAX",
     "MEMBER_MAX",
+    "MEMBER_TAKEN",
     "FailoverBlocked",
     "Handover",
     "HandoverDropped",
     "HeartbeatReply",
     "MasterChanged",
     "MastershipEvent",
+    "MemberTaken",
     "Registry",
     "RegistryError",
     "RegistryStatistics",

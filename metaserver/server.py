@@ -21,10 +21,16 @@ Wire metadata (msgpack maps) of each command:
   metaserver does not know is refused with code ``register_first``; one from a
   master another server has superseded (the newest registration of a group's
   master wins), and its registrations as master with the same ``incarnation``,
-  with code ``superseded``. Servers of a managed group (they send ``replica``:
-  ``{offset, epoch, mode?, in_sync?, handed_over?}``) are never superseded: the
-  answer adds ``role`` and ``epoch`` (and ``handover_to`` to the master while a
-  handover is pending), and the metaserver decides who is master.
+  with code ``superseded``. With a tokens file, a REGISTER is checked against the
+  token's ``servers`` by the transport, and a HEARTBEAT here, as the kind of its
+  group (``forbidden``, field ``servers``, before anything is looked up or
+  changed). A REGISTER whose ``member`` is live at another address under another
+  ``incarnation`` is refused with code ``member_taken`` (the id is no secret: it
+  stays with the run that registered it until that one is evicted). Servers of a
+  managed group (they send ``replica``: ``{offset, epoch, mode?, in_sync?,
+  handed_over?}``) are never superseded: the answer adds ``role`` and ``epoch``
+  (and ``handover_to`` to the master while a handover is pending), and the
+  metaserver decides who is master.
 - ``HANDOVER {group, to?}`` asks a managed group's master to hand over to ``to``
   (default: its best in-sync slave); answers ``{group, epoch, from, to}``.
 - ``ROUTE {route, subject?, known_version?}`` answers ``{version, groups: [{group,
@@ -37,8 +43,10 @@ Wire metadata (msgpack maps) of each command:
   offset, in_sync}]}``.
 - ``PING {}`` answers ``{now_ms}``.
 
-Refusals are ``bad_request`` errors naming the field (``register_first`` and
-``superseded`` aside).
+Refusals are ``bad_request`` errors naming the field (``register_first``,
+``superseded``, ``member_taken`` and ``forbidden`` aside). SET_STATE and HANDOVER
+are logged with the name of the token that asked; a SET_STATE from a token that is
+not an admin's may change only a group its ``servers`` let it act as.
 """
 
 from __future__ import annotations
@@ -57,10 +65,12 @@ from delaymq.metaserver.registry import (
     DEFAULT_EVICT_AFTER_MS,
     DEFAULT_FAILOVER_AFTER_MS,
     DEFAULT_HEARTBEAT_INTERVAL_MS,
+    MEMBER_TAKEN,
     FailoverBlocked,
     HandoverDropped,
     HeartbeatReply,
     MasterChanged,
+    MemberTaken,
     Registry,
     RegistryError,
     RegistryStatistics,
@@ -71,6 +81,7 @@ from delaymq.metaserver.registry import (
     check_address,
     check_group_name,
 )
+from delaymq.protocol.auth import require_server
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import RemoteProtocolError
 from delaymq.protocol.limits import DEFAULT_LIMITS, Limits
@@ -98,6 +109,9 @@ def _refusals(command: str) -> Iterator[None]:
         yield
     except Superseded as error:
         raise RemoteProtocolError(f"{command}: {error.args[0]}", code=SUPERSEDED, field=error.field) from None
+    except MemberTaken as error:
+        message = str(error).split(": ", 1)[-1]
+        raise RemoteProtocolError(f"{command}: {message}", code=MEMBER_TAKEN, field=error.field) from None
     except RegistryError as error:
         field = _WIRE_FIELDS.get(error.field, error.field)
         message = str(error).split(": ", 1)[-1]
@@ -118,6 +132,13 @@ def _field(command: str, metadata: Mapping[str, Any], name: str, kind: type, *, 
             field=name,
         )
     return value
+
+
+def _asker(request: Request) -> str:
+    """Who sent an admin request, for the log: its token's name (with a tokens file) and address."""
+    if request.identity is None:
+        return request.peer
+    return f"{request.identity.name!r} from {request.peer}"
 
 
 def _reply(reply: HeartbeatReply) -> dict[str, Any]:
@@ -252,7 +273,18 @@ class Metaserver:
             info = ServerInfo(
                 group, kind, role, address, version, incarnation=incarnation, member=member, replica=report
             )
-            reply = self.registry.register(info, now_ms=now)
+            try:
+                reply = self.registry.register(info, now_ms=now)
+            except MemberTaken as error:
+                log.warning(
+                    "refused REGISTER of %s in group %s (%s): member %s is live at %s",
+                    address,
+                    group,
+                    _asker(request),
+                    error.member,
+                    error.address,
+                )
+                raise
         if (group, address) not in self._known:
             self._known.add((group, address))
             assigned = role if reply.role is None else f"{reply.role} (epoch {reply.epoch})"
@@ -280,6 +312,10 @@ class Metaserver:
         address = _field("HEARTBEAT", md, "address", str)
         with _refusals("HEARTBEAT"):
             check_group_name(group)
+        kind = self.registry.kind_of(group)
+        if kind is not None:  # an unknown group is told to register, which the transport checks
+            require_server(request.identity, "HEARTBEAT", kind.value, group)
+        with _refusals("HEARTBEAT"):
             check_address(address)
             replica = None if md.get("replica") is None else ReplicaReport.from_dict(md["replica"])
         now = self.steady_ms()
@@ -322,7 +358,7 @@ class Metaserver:
             self.registry.set_state(group, state)
         current = next(row.state for row in self.registry.status(now) if row.group == group)
         if current is not previous:
-            log.info("group %s state changed %s -> %s (asked by %s)", group, previous, current, request.peer)
+            log.info("group %s state changed %s -> %s (asked by %s)", group, previous, current, _asker(request))
         await self.persist()
         self._notice(now)
         return {"state": current.value, "previous": previous.value}
@@ -353,7 +389,7 @@ class Metaserver:
             group,
             handover.from_address,
             handover.to_address,
-            request.peer,
+            _asker(request),
             handover.epoch,
         )
         await self.persist()

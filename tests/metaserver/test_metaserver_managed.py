@@ -16,6 +16,7 @@ from delaymq.metaserver.registry import (
     FailoverBlocked,
     HandoverDropped,
     MasterChanged,
+    MemberTaken,
     Registry,
     RegistryError,
     Role,
@@ -128,22 +129,29 @@ def test_the_master_restarted_stays_master_with_a_new_epoch() -> None:
 
 
 def test_a_member_moving_to_a_new_address_keeps_its_standing() -> None:
-    registry = Registry(failover_after_ms=FAILOVER)
+    # Evicted after 2 s of silence, well before a failover (5 s): a member may move once evicted.
+    registry = Registry(evict_after_ms=2_000, heartbeat_interval_ms=1_000, failover_after_ms=FAILOVER)
     epoch = three_servers(registry)
-    # The slave b restarts on another port: still a slave, still in sync.
-    moved = registry.register(member("b:2", name="folder-b:1", offset=100, incarnation="run2"), now_ms=T0 + 1_000)
+    beat(registry, "a:1", T0 + 1_000, offset=300, epoch=epoch, mode="sync", in_sync=["b:1", "c:1"])
+    beat(registry, "c:1", T0 + 1_000, offset=200, epoch=epoch)
+    # The slave b restarts on another port: refused while b:1 is live, then still a slave, still in sync.
+    with pytest.raises(MemberTaken):
+        registry.register(member("b:2", name="folder-b:1", offset=100, incarnation="run2"), now_ms=T0 + 1_999)
+    moved = registry.register(member("b:2", name="folder-b:1", offset=100, incarnation="run2"), now_ms=T0 + 2_000)
     assert moved.role is Role.SLAVE and moved.epoch == epoch
-    rows = {r.address: (r.role.value, r.in_sync, r.offset) for r in registry.status(T0 + 1_000)}
+    rows = {r.address: (r.role.value, r.in_sync, r.offset) for r in registry.status(T0 + 2_000)}
     assert rows == {"a:1": ("master", False, 300), "b:2": ("slave", True, 100), "c:1": ("slave", True, 200)}
+    beat(registry, "b:2", T0 + 2_500, offset=100, epoch=epoch)
+    beat(registry, "c:1", T0 + 2_500, offset=200, epoch=epoch)
     # The master restarts on another port: still master, a new epoch, routed there at once.
-    master = registry.register(member("a:2", name="folder-a:1", incarnation="run2"), now_ms=T0 + 2_000)
+    master = registry.register(member("a:2", name="folder-a:1", incarnation="run2"), now_ms=T0 + 3_000)
     assert master.role is Role.MASTER and master.epoch is not None and master.epoch > epoch
-    assert routed_master(registry, T0 + 2_000) == "a:2"
-    assert sorted(r.address for r in registry.status(T0 + 2_000)) == ["a:2", "b:2", "c:1"]
+    assert routed_master(registry, T0 + 3_000) == "a:2"
+    assert sorted(r.address for r in registry.status(T0 + 3_000)) == ["a:2", "b:2", "c:1"]
     # Another data folder at a known address gets none of the old one's standing.
-    stranger = registry.register(member("c:1", name="empty-folder"), now_ms=T0 + 3_000)
+    stranger = registry.register(member("c:1", name="empty-folder"), now_ms=T0 + 3_500)
     assert stranger.role is Role.SLAVE
-    assert {r.address: r.in_sync for r in registry.status(T0 + 3_000)}["c:1"] is False
+    assert {r.address: r.in_sync for r in registry.status(T0 + 3_500)}["c:1"] is False
 
 
 def test_a_new_data_folder_at_the_masters_address_hands_the_group_to_an_in_sync_slave() -> None:
