@@ -43,7 +43,7 @@ import trio
 from delaymq.protocol.backoff import Backoff, BackoffRun, RandomSource
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError, RemoteProtocolError
-from delaymq.protocol.routes import REGISTER_FIRST, ROLE_MASTER, ROLE_SLAVE, SUPERSEDED, ServerKind
+from delaymq.protocol.routes import MEMBER_TAKEN, REGISTER_FIRST, ROLE_MASTER, ROLE_SLAVE, SUPERSEDED, ServerKind
 from delaymq.protocol.transport import AsyncCaller, TransportError
 from delaymq.wheel.clock import Clock
 
@@ -294,7 +294,9 @@ async def run_registration(
             registration._failures += 1
             registration.registered = False
             registration.superseded = error.code == SUPERSEDED
-            if not started:
+            # A member id still live at its old address (a restart on a new one) waits for its
+            # eviction like a metaserver outage; any other refusal at start is the operator's to fix.
+            if not started and error.code != MEMBER_TAKEN:
                 raise RegistrationRefused(f"metaserver {address} refused to register {where}: {error}") from error
             reason = str(error).removeprefix(f"{command.name}: ")  # the same refusal of either command
             if reason != refused:

@@ -66,7 +66,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from delaymq.metaserver.routes import routable, select
-from delaymq.protocol.routes import GroupState, RouteAnswer, RoutedGroup, RouteKind, ServerKind
+from delaymq.protocol.routes import MEMBER_TAKEN, GroupState, RouteAnswer, RoutedGroup, RouteKind, ServerKind
 
 GROUP_NAME_MAX = 128
 HOST_MAX = 255
@@ -85,8 +85,6 @@ DEFAULT_FAILOVER_AFTER_MS = 5_000
 #: so a healthy master is never taken for dead.
 HEARTBEATS_PER_FAILOVER = 5
 MEMBER_MAX = 64
-#: The error code of a ``MemberTaken`` refusal on the wire.
-MEMBER_TAKEN = "member_taken"
 #: Addresses a master may list as in sync.
 IN_SYNC_MAX = 64
 #: Offsets and epochs are msgpack integers: at most a signed 64-bit value.

@@ -16,6 +16,8 @@ from typing import Any
 REGISTER_FIRST = "register_first"
 #: The error code of a heartbeat or registration from a master another server superseded.
 SUPERSEDED = "superseded"
+#: The error code of a registration of a member id that is live at another address, from another run.
+MEMBER_TAKEN = "member_taken"
 #: The roles the metaserver assigns in a replicated (managed) group's heartbeat answers.
 ROLE_MASTER = "master"
 ROLE_SLAVE = "slave"
@@ -79,6 +81,7 @@ class RouteAnswer:
 
 
 __all__ = [
+    "MEMBER_TAKEN",
     "REGISTER_FIRST",
     "ROLE_MASTER",
     "ROLE_SLAVE",
