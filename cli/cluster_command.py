@@ -21,6 +21,12 @@ first start. Either way the addresses bound are remembered in
 "realtime": "127.0.0.1:41735", "scheduler": "127.0.0.1:41737"}``) and used
 again at the next start; a remembered port that something else has taken since
 gives way to a new free one, with a warning.
+
+The cluster's TLS options, ``--tokens-file`` and ``--insecure-listen`` are passed on
+to each server's command line; its token (``--token``, or ``DELAYMQ_TOKEN``) goes in
+each server's environment as ``DELAYMQ_TOKEN``, never on a command line (``ps`` shows
+those to every user). With a tokens file, that token needs role server with
+``servers = ["realtime:realtime-1", "scheduler:scheduler-1"]``.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from pathlib import Path
 import trio
 
 from delaymq.cli import options
-from delaymq.cli.connection_options import add_tls_options, tls_settings
+from delaymq.cli.connection_options import TOKEN_ENV, add_tls_options, load_tokens_file, tls_settings, token
 from delaymq.cli.scheduler_command import LOAD_AHEAD, SEND_AHEAD, SEND_INTERVAL
 from delaymq.cli.serving import STARTUP_ERRORS, fail
 from delaymq.cli.supervisor import StartFailed, Supervisor, open_supervisor
@@ -132,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
     """Run the cluster until a stop signal; a server that cannot start ends it with one line, status 1."""
     try:
         tls_settings(args, server=True)  # a missing or unreadable file: one line now, not one per server
+        if getattr(args, "tokens_file", None) is not None:
+            load_tokens_file(Path(args.tokens_file))  # so is a tokens file that holds no valid tokens
     except argparse.ArgumentTypeError as error:
         return fail(str(error))
     try:
@@ -215,13 +223,21 @@ def _listen_for(name: str, asked: str | None, remembered: str | None) -> str:
 
 
 def tls_options(args: argparse.Namespace) -> list[str]:
-    """The cluster's ``--tls-*`` options, ``--tokens-file``, ``--token`` and ``--insecure-listen``, for each
-    server's command line."""
+    """The cluster's ``--tls-*`` options, ``--tokens-file`` and ``--insecure-listen``, for each server's command
+    line. Not its token: that goes in each server's environment (``server_environment``), which ``ps`` does
+    not show."""
     given = [(f"--tls-{name}", getattr(args, f"tls_{name}")) for name in ("cert", "key", "ca")]
-    given += [("--tokens-file", getattr(args, "tokens_file", None)), ("--token", getattr(args, "token", None))]
+    given += [("--tokens-file", getattr(args, "tokens_file", None))]
     passed = [text for option, value in given if value is not None for text in (option, str(value))]
     flags = [("--tls-require-client-cert", args.tls_require_client_cert), ("--insecure-listen", args.insecure_listen)]
     return passed + [flag for flag, given_flag in flags if given_flag]
+
+
+def server_environment(args: argparse.Namespace) -> dict[str, str]:
+    """What each server's environment gets on top of the cluster's: the cluster's token (``--token`` or
+    ``$DELAYMQ_TOKEN``) as ``DELAYMQ_TOKEN``, never on a command line."""
+    own = token(args)
+    return {TOKEN_ENV: own} if own is not None else {}
 
 
 def server_command(log_level: str, command: str, *options: str) -> list[str]:
@@ -261,6 +277,7 @@ async def _start_servers(
     meta = meta_listen
     min_insync = str(min(1, args.replicas))
     tls = tls_options(args)
+    env = server_environment(args)
 
     async def start_metaserver() -> None:
         nonlocal meta
@@ -270,6 +287,7 @@ async def _start_servers(
                 child_level, "metaserver", "--listen", listen, "--data", str(data / "metaserver"), *tls
             ),
             listen=meta_listen,
+            env=env,
         )
 
     dispatch_options = (
@@ -288,13 +306,15 @@ async def _start_servers(
 
     async def start_master(kind: str, name: str, asked: str | None) -> None:
         listen = _listen_for(name, asked, remembered.get(kind))
-        masters[kind] = await supervisor.start(f"{kind}-1", member(kind, f"{kind}-1"), listen=listen, stage=1)
+        masters[kind] = await supervisor.start(f"{kind}-1", member(kind, f"{kind}-1"), listen=listen, stage=1, env=env)
 
     replicas: dict[str, list[str]] = {"realtime": [""] * args.replicas, "scheduler": [""] * args.replicas}
 
     async def start_replica(kind: str, k: int) -> None:
         folder = f"{kind}-1-replica-{k}"
-        replicas[kind][k - 1] = await supervisor.start(folder, member(kind, folder), listen="127.0.0.1:0", stage=2)
+        replicas[kind][k - 1] = await supervisor.start(
+            folder, member(kind, folder), listen="127.0.0.1:0", stage=2, env=env
+        )
 
     # On a restart the metaserver's address is known before it binds: the masters
     # start beside it (each import takes about half a second) and register once it

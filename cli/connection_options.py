@@ -8,7 +8,7 @@ server's parser, ``--tls-require-client-cert``) to a server's or a client's
 command; ``tls_settings`` reads them into the ``TlsSettings`` of ``Limits.tls``.
 It adds ``--token`` too (``Limits.token``, default ``$DELAYMQ_TOKEN``), and to a
 server ``--tokens-file`` and ``--insecure-listen``: ``server_auth`` reads them and
-refuses a listener off loopback that checks no token.
+refuses a listener or a metrics endpoint off loopback that checks no token.
 """
 
 from __future__ import annotations
@@ -141,13 +141,16 @@ def add_auth_options(parser: argparse.ArgumentParser, *, server: bool) -> None:
         "--tokens-file",
         type=Path,
         metavar="FILE",
-        help="the tokens (TOML) whose roles and subjects every request is checked against; reloaded on "
-        "SIGHUP (default: none: anyone who reaches the listener may do anything, so it must be on loopback)",
+        help="the tokens (TOML) whose roles and subjects every request is checked against, and of which a "
+        "scrape of --metrics-listen must present one of role admin or server (Authorization: Bearer TOKEN); "
+        "reloaded on SIGHUP (default: none: anyone who reaches the listener may do anything, so it must be "
+        "on loopback)",
     )
     parser.add_argument(
         "--insecure-listen",
         action="store_true",
-        help="listen on a non-loopback address without --tokens-file (anyone who reaches it may do anything)",
+        help="listen (and serve --metrics-listen) on a non-loopback address without --tokens-file (anyone who "
+        "reaches it may do anything)",
     )
 
 
@@ -175,28 +178,44 @@ def token(args: argparse.Namespace) -> str | None:
 
 def server_auth(args: argparse.Namespace, *, listen: str) -> tuple[str | None, TokenFile | None]:
     """A server's own token and its tokens file; ``ArgumentTypeError`` for a bad file, or for a
-    listener off loopback without one (unless ``--insecure-listen``). Logs what it decided."""
+    listener or a metrics endpoint (``--metrics-listen``) off loopback without one (unless
+    ``--insecure-listen``). Logs what it decided."""
     path = getattr(args, "tokens_file", None)
-    tokens: TokenFile | None = None
     if path is not None:
-        try:
-            tokens = TokenFile(Path(path))
-        except TokenFileError as error:
-            raise argparse.ArgumentTypeError(str(error)) from None
+        tokens = load_tokens_file(Path(path))
         log.info("checking every request against %s (reloaded on SIGHUP)", tokens.describe())
         return token(args), tokens
-    host = split_listen(listen)[0]
-    if not is_loopback(host):
-        if not getattr(args, "insecure_listen", False):
-            raise argparse.ArgumentTypeError(
-                f"--listen {listen} is not a loopback address and no --tokens-file is given: anyone who reaches "
-                "it could send, consume and administer. Give --tokens-file FILE, or --insecure-listen to "
-                "serve it anyway"
-            )
-        log.warning("no --tokens-file: %s serves anyone who reaches it (--insecure-listen)", listen)
-    else:
+    insecure = bool(getattr(args, "insecure_listen", False))
+    _check_unauthenticated("--listen", listen, insecure, "send, consume and administer")
+    metrics = getattr(args, "metrics_listen", None)
+    if metrics is not None:
+        _check_unauthenticated(
+            "--metrics-listen", metrics, insecure, "read the servers' addresses, groups and subjects"
+        )
+    if is_loopback(split_listen(listen)[0]):
         log.info("no --tokens-file: %s is on loopback, where every local client may do anything", listen)
     return token(args), None
+
+
+def load_tokens_file(path: Path) -> TokenFile:
+    """The tokens file at ``path``; ``ArgumentTypeError`` (one line naming the file, entry and field) if it
+    cannot be read or holds no valid tokens (none at all, or a secret shorter than 16 characters)."""
+    try:
+        return TokenFile(path)
+    except TokenFileError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _check_unauthenticated(option: str, address: str, insecure: bool, could: str) -> None:
+    """Refuse ``address`` off loopback (it checks no token), unless ``insecure`` (then warn)."""
+    if is_loopback(split_listen(address)[0]):
+        return
+    if not insecure:
+        raise argparse.ArgumentTypeError(
+            f"{option} {address} is not a loopback address and no --tokens-file is given: anyone who reaches "
+            f"it could {could}. Give --tokens-file FILE, or --insecure-listen to serve it anyway"
+        )
+    log.warning("no --tokens-file: %s serves anyone who reaches it (--insecure-listen)", address)
 
 
 def is_loopback(host: str) -> bool:
@@ -265,6 +284,7 @@ __all__ = [
     "connection_limits",
     "count",
     "is_loopback",
+    "load_tokens_file",
     "server_auth",
     "size",
     "token",

@@ -4,6 +4,10 @@ Every server command (``metaserver``, ``realtime``, ``scheduler``, ``cluster``)
 opens its servers in an ``async with`` and waits here for a stop signal; a
 server that cannot start (port in use, data folder locked or of another format)
 ends the command with one error line and exit status 1, not a traceback.
+
+SIGHUP reloads the tokens file of a server that has one, and is logged and
+ignored by one that has none (``systemctl reload`` never stops a server); it is
+ignored from the start of ``run_server``, before the server listens.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import gc
 import logging
 import signal
+import threading
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -43,15 +48,17 @@ STARTUP_ERRORS: tuple[type[BaseException], ...] = (
 async def wait_for_stop_signal(*, tokens: TokenFile | None = None) -> None:
     """Return on SIGTERM; Ctrl-C arrives as KeyboardInterrupt from trio.run.
 
-    With ``tokens``, SIGHUP reloads the tokens file (a bad one is logged and the old table kept)."""
-    wanted = (signal.SIGTERM, signal.SIGHUP) if tokens is not None else (signal.SIGTERM,)
-    with trio.open_signal_receiver(*wanted) as signals:
+    SIGHUP reloads ``tokens`` (a bad file is logged and the old table kept); without
+    ``tokens`` it is logged and ignored."""
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGHUP) as signals:
         async for signum in signals:
-            if signum == signal.SIGHUP and tokens is not None:
+            if signum != signal.SIGHUP:
+                log.info("stopping on %s", signal.Signals(signum).name)
+                return
+            if tokens is not None:
                 tokens.reload()
-                continue
-            log.info("stopping on %s", signal.Signals(signum).name)
-            return
+            else:
+                log.warning("SIGHUP: no --tokens-file to reload; ignored")
 
 
 async def serve_until_stopped(
@@ -62,7 +69,8 @@ async def serve_until_stopped(
     tls: TlsSettings | None = None,
 ) -> None:
     """Wait for a stop signal; meanwhile serve Prometheus metrics (``metrics()``) on ``metrics_listen`` if given
-    (over HTTPS with the server's ``tls`` certificate), and reload ``tokens`` on SIGHUP.
+    (over HTTPS with the server's ``tls`` certificate; with ``tokens``, to a bearer token of role admin or
+    server only), and reload ``tokens`` on SIGHUP.
 
     The metrics modules (prometheus_client, and every server's statistics types) are
     imported only then: a server started without metrics starts that much sooner."""
@@ -72,7 +80,7 @@ async def serve_until_stopped(
     from delaymq.cli.metrics import Exposition
     from delaymq.cli.metrics_endpoint import open_metrics_endpoint
 
-    async with open_metrics_endpoint(Exposition(metrics()), metrics_listen, tls=tls):
+    async with open_metrics_endpoint(Exposition(metrics()), metrics_listen, tls=tls, tokens=tokens):
         await wait_for_stop_signal(tokens=tokens)
 
 
@@ -103,11 +111,25 @@ def tuned_collector() -> Iterator[None]:
         gc.unfreeze()
 
 
-def run_server(serve: Callable[..., Awaitable[Any]], *args: Any, what: str) -> int:
-    """``trio.run(serve, *args)`` with the collector tuned for serving (``tuned_collector``);
-    a start-up failure becomes one logged line and exit 1."""
+@contextmanager
+def sighup_ignored() -> Iterator[None]:
+    """SIGHUP ignored for the block (in the main thread; elsewhere signals cannot be set): a reload
+    sent while a server starts, before ``wait_for_stop_signal`` listens for it, must not stop it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
-        with tuned_collector():
+        yield
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+
+
+def run_server(serve: Callable[..., Awaitable[Any]], *args: Any, what: str) -> int:
+    """``trio.run(serve, *args)`` with the collector tuned for serving (``tuned_collector``) and SIGHUP
+    ignored until ``wait_for_stop_signal`` handles it; a start-up failure becomes one logged line and exit 1."""
+    try:
+        with tuned_collector(), sighup_ignored():
             trio.run(serve, *args)
     except BaseException as raised:  # noqa: B036 - sorted below: start-up errors are one line, the rest re-raised
         if not isinstance(raised, (*STARTUP_ERRORS, BaseExceptionGroup)):

@@ -38,7 +38,7 @@ import subprocess
 import sys
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -146,8 +146,12 @@ def _die_with(parent: int) -> Callable[[], None]:
     return die_with_parent
 
 
-def spawn(command: Sequence[str]) -> tuple[subprocess.Popen[bytes], trio.lowlevel.FdStream]:
+def spawn(
+    command: Sequence[str], *, env: Mapping[str, str] | None = None
+) -> tuple[subprocess.Popen[bytes], trio.lowlevel.FdStream]:
     """Start ``command`` as a child that dies with this process; its output (stdout and stderr) as a stream.
+    ``env``: variables set for the child on top of this process's environment (a secret that must not
+    be on its command line, which ``ps`` shows).
 
     Must run in the main thread (see the module's docstring)."""
     if threading.current_thread() is not threading.main_thread():
@@ -159,6 +163,7 @@ def spawn(command: Sequence[str]) -> tuple[subprocess.Popen[bytes], trio.lowleve
     try:
         process = subprocess.Popen(
             list(command),
+            env={**os.environ, **env} if env else None,
             stdin=subprocess.DEVNULL,
             stdout=writer,
             stderr=subprocess.STDOUT,
@@ -195,6 +200,8 @@ class Child:
     command: Callable[[str], list[str]]
     listen: str
     stage: int = 0
+    #: Variables set in its environment on top of the supervisor's (its token: never on its command line).
+    env: Mapping[str, str] = field(default_factory=dict)
     #: The address it announced on its first start (then its ``listen`` for every restart).
     address: str | None = None
     process: subprocess.Popen[bytes] | None = None
@@ -228,13 +235,22 @@ class Supervisor:
         #: The signal ``stop_on`` saw first, if any.
         self.stopped_by: int | None = None
 
-    async def start(self, name: str, command: Callable[[str], list[str]], *, listen: str, stage: int = 0) -> str:
-        """Start ``command(listen)`` as ``name`` and supervise it; the address it bound.
+    async def start(
+        self,
+        name: str,
+        command: Callable[[str], list[str]],
+        *,
+        listen: str,
+        stage: int = 0,
+        env: Mapping[str, str] | None = None,
+    ) -> str:
+        """Start ``command(listen)`` as ``name`` (with ``env`` added to its environment) and supervise it;
+        the address it bound.
 
         ``stop`` stops a later ``stage`` first (servers before the metaserver they
         report to). Raises ``StartFailed`` if the child exits before announcing an
         address (a port in use, a locked data folder: its last line says)."""
-        child = Child(name, command, listen, stage)
+        child = Child(name, command, listen, stage, dict(env or {}))
         self.children.append(child)
         await self._nursery.start(self._supervise, child)
         if child.address is None:
@@ -294,7 +310,7 @@ class Supervisor:
         ready = False
         while not self._stopping:  # checked right before each start: ``stop`` never misses a child
             try:
-                process, output = spawn(child.command(child.address or child.listen))
+                process, output = spawn(child.command(child.address or child.listen), env=child.env)
             except OSError as error:  # out of processes or descriptors: a crash like any other, once serving
                 if not ready:
                     raise

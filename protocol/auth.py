@@ -6,7 +6,7 @@ A tokens file (TOML) lists one ``[[token]]`` table per token::
     name = "orders-service"          # who it is, in logs and refusals
     token = "8f3b...long random..."  # the secret the client presents (16 characters at least)
     # token_sha256 = "..."           # or: the secret's SHA-256 in hex, so the file holds no secret
-    roles = ["producer", "consumer"] # producer, consumer, admin, server
+    roles = ["producer", "consumer"] # producer, consumer, admin, server, metrics
     subjects = ["orders.*"]          # optional; default ["*"]: every subject
     groups = ["billing*"]            # consumer groups it may PULL/ACK/NACK as; default none
     servers = ["scheduler:sched-1"]  # role server: the kind:group it may be; default none
@@ -61,7 +61,8 @@ from delaymq.protocol.subjects import DEAD_PREFIX, RETRY_PREFIX, SEPARATOR
 
 log = logging.getLogger(__name__)
 
-ROLES = ("producer", "consumer", "admin", "server")
+#: ``metrics`` may read a server's /metrics (with admin and server) and send only what any token may.
+ROLES = ("producer", "consumer", "admin", "server", "metrics")
 #: A request without a token, or with one the table does not hold.
 UNAUTHORIZED = "unauthorized"
 #: A known token without the role or subject the request needs.

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Smoke test of the compose cluster: build the image from a fresh wheel, start the cluster,
-# schedule and send messages, receive every one of them, and read the servers' metrics.
+# Smoke test of the compose cluster: build the image from a fresh wheel, make the tokens
+# (make-tokens.sh, unless tokens/ holds them), start the cluster, schedule and send messages,
+# receive every one of them, and read the servers' metrics with the Prometheus token (a
+# scrape without it is refused).
 #
 #   deploy/compose/smoke.sh          (KEEP=1 leaves the cluster, project delaymq-smoke, running)
 #   BASE_IMAGE=delaymq-base:bookworm deploy/compose/smoke.sh    (the image's base: see Dockerfile)
@@ -46,6 +48,7 @@ finish() {
 }
 trap finish EXIT
 
+"$here/make-tokens.sh"
 compose build
 if ! compose up -d; then
     # An engine whose own open-file limit is below the compose file's 65536 cannot start the
@@ -89,13 +92,19 @@ echo "smoke: received all $sent, each once"
 # The metrics: every endpoint answers; the metaserver holds the four data servers (it does
 # not count itself) up, scheduler-1 with one master and one slave; the scheduler master
 # dispatched the 20, the realtime groups stored the 25 (each group its share of the subjects).
-"$python" - <<'PY'
+METRICS_TOKEN_FILE="$here/tokens/prometheus.token" "$python" - <<'PY'
+import os
 import re
 import sys
+import urllib.error
 import urllib.request
 
-def scrape(port):
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+with open(os.environ["METRICS_TOKEN_FILE"]) as file:
+    token = file.read().strip()
+
+def scrape(port, *, authorization=f"Bearer {token}"):
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Authorization": authorization})
+    with urllib.request.urlopen(request, timeout=10) as answer:
         text = answer.read().decode()
     samples = {}
     for line in text.splitlines():
@@ -114,6 +123,15 @@ def labelled(samples, family):
     return found
 
 endpoints = {"metaserver": 9180, "realtime-1": 9181, "realtime-2": 9182, "scheduler-a": 9183, "scheduler-b": 9184}
+for port in endpoints.values():
+    try:
+        scrape(port, authorization="Bearer not-a-token-of-this-cluster")
+    except urllib.error.HTTPError as refused:
+        if refused.code != 401:
+            sys.exit(f"smoke: a scrape with an unknown token was answered {refused.code}, not 401")
+    else:
+        sys.exit("smoke: a scrape with an unknown token was answered")
+print("smoke: metrics: a scrape without a known token is refused (401)")
 scraped = {name: scrape(port) for name, port in endpoints.items()}
 meta = scraped["metaserver"]
 stored = sum(s.get("delaymq_realtime_messages_stored_total", 0) for s in scraped.values())

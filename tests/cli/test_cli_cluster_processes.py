@@ -81,7 +81,7 @@ def cluster(data: Path, *extra: str) -> Iterator[RunningCluster]:
     process = subprocess.Popen(
         [sys.executable, "-P", "-m", "delaymq.cli", "--log-level", "warning", "cluster", "--data", str(data),
          "--meta-listen", "127.0.0.1:0", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "DELAYMQ_TOKEN": ""},
     )  # fmt: skip
     running = RunningCluster(process, {})
     reader = threading.Thread(target=running.read_stderr, daemon=True)
@@ -185,6 +185,30 @@ def test_each_server_runs_in_a_process_of_its_own_and_none_outlives_a_sigkilled_
         running.process.wait(timeout=30)
         assert wait_until_gone(children, timeout=10) == []
     assert processes_using(data) == []
+
+
+def test_the_servers_get_the_clusters_token_in_their_environment_never_on_their_command_line(
+    tmp_path: Path,
+) -> None:
+    secret = "cluster-server-secret-0123456789"
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(
+        f'[[token]]\nname = "cluster"\ntoken = "{secret}"\nroles = ["server"]\n'
+        'servers = ["realtime:realtime-1", "scheduler:scheduler-1"]\n'
+    )
+    # Each server announces its address once registered with the metaserver, which checks its token.
+    with cluster(tmp_path / "cluster", "--tokens-file", str(tokens), "--token", secret) as running:
+        children = running.children()
+        assert len(children) == 3
+        for pid in children:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+            assert secret.encode() not in command and b"--token\0" not in command
+            assert str(tokens).encode() in command  # the tokens file is passed on as an option
+            environment = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            assert f"DELAYMQ_TOKEN={secret}".encode() in environment
+        running.process.send_signal(signal.SIGTERM)
+        assert running.process.wait(timeout=30) == 0
+    assert "unexpectedly" not in "".join(running.lines)
 
 
 def test_sigterm_stops_every_server_and_then_the_cluster(tmp_path: Path) -> None:

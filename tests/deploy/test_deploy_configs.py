@@ -19,7 +19,9 @@ import pytest
 import yaml
 
 from delaymq.cli.main import build_parser, parse_args
+from delaymq.cli.metrics_endpoint import RequestLine, refusal
 from delaymq.cli.options import duration
+from delaymq.protocol.auth import TokenFile, load_tokens
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 SYSTEMD = DEPLOY / "systemd"
@@ -119,6 +121,9 @@ def test_every_unit_runs_its_config_as_its_own_user_with_the_settings_operations
     assert service["Restart"] == ["on-failure"]
     assert 1 <= duration(service["RestartSec"][0]) <= 60
     assert service["RestartPreventExitStatus"] == ["2"]  # a usage error: restarting cannot help
+    assert service["ExecReload"] == ["/bin/kill -HUP $MAINPID"]  # rereads the tokens file
+    # A group's own token, off the command line; the metaserver dials no server and has none.
+    assert service.get("EnvironmentFile") == (None if kind == "metaserver" else ["-/etc/delaymq/%i.token.env"])
     assert int(service["LimitNOFILE"][0]) >= 65536
     assert unit["Install"]["WantedBy"] == ["multi-user.target"]
     # The user exists: systemd-sysusers makes it from the file beside the units.
@@ -174,10 +179,12 @@ def test_the_compose_file_starts_a_metaserver_two_realtime_groups_and_a_schedule
             assert args.meta == [meta_address]
             # A group of one realtime member cannot wait for a slave.
             assert args.command == "scheduler" or args.min_insync == 0
-        (mount,) = service["volumes"]
+        (mount,) = [mount for mount in service["volumes"] if not mount.startswith("./")]
         volume, _, target = mount.partition(":")
         assert volume in volumes and Path(target) == args.data
         mounts.add(volume)
+        # Every server checks tokens (the same file, mounted read-only); none listens without.
+        assert f"./tokens/tokens.toml:{args.tokens_file}:ro" in service["volumes"] and not args.insecure_listen
         assert service["environment"]["MALLOC_ARENA_MAX"] == "2"
         assert service["image"] == "delaymq:local" and service["build"]["context"] == "."
         # Metrics published on the host's loopback only.
@@ -234,3 +241,87 @@ def test_every_script_is_executable_bash_that_parses(script: Path) -> None:
     assert script.read_text().startswith("#!/usr/bin/env bash\n")
     checked = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert checked.returncode == 0, checked.stderr
+
+
+def example_tokens() -> list[dict]:
+    import tomllib
+
+    return tomllib.loads((SYSTEMD / "tokens.toml.example").read_text())["token"]
+
+
+def test_the_tokens_example_loads_and_holds_digests_only() -> None:
+    table = load_tokens(SYSTEMD / "tokens.toml.example")
+    entries = example_tokens()
+    assert len(table) == len(entries) and {entry["name"] for entry in entries} == table.names()
+    assert all("token_sha256" in entry and "token" not in entry for entry in entries)
+
+
+@pytest.mark.parametrize("config", ["realtime-1.toml", "scheduler-1.toml"])
+def test_the_tokens_example_gives_each_server_group_a_token_of_its_own(config: str) -> None:
+    from fnmatch import fnmatchcase
+
+    args = check_config_values(SYSTEMD / config)
+    member = f"{args.command}:{args.group}"
+    servers = [entry for entry in example_tokens() if "server" in entry["roles"] and entry.get("servers")]
+    (own,) = [entry for entry in servers if any(fnmatchcase(member, p) for p in entry["servers"])]
+    assert own["name"] == args.group and own["servers"] == [member]  # that group, and no other
+    assert len({tuple(entry["servers"]) for entry in servers}) == len(servers)  # no token shared by groups
+    assert args.tokens_file == Path("/etc/delaymq/tokens.toml")
+
+
+def test_the_tokens_example_binds_consumers_to_their_groups() -> None:
+    consumers = [entry for entry in example_tokens() if "consumer" in entry["roles"]]
+    assert consumers and all(entry.get("groups") for entry in consumers)
+
+
+def make_compose_tokens(folder: Path) -> TokenFile:
+    made = subprocess.run(
+        ["bash", str(COMPOSE / "make-tokens.sh"), str(folder)], capture_output=True, text=True, check=False
+    )
+    assert made.returncode == 0, made.stderr
+    return TokenFile(folder / "tokens.toml")
+
+
+def secret_of(path: Path) -> str:
+    """The secret of a token file: ``DELAYMQ_TOKEN=...`` (an env file) or the bare secret."""
+    text = path.read_text().strip()
+    return text.removeprefix("DELAYMQ_TOKEN=")
+
+
+def test_the_compose_tokens_give_each_server_group_its_own_token_in_its_environment(tmp_path: Path) -> None:
+    tokens = make_compose_tokens(tmp_path)
+    services = load_compose()["services"]
+    parsed = {name: parse_args(service["command"]) for name, service in services.items() if name != "client"}
+    members = {(args.command, args.group) for args in parsed.values() if args.command != "metaserver"}
+    for name, args in parsed.items():
+        assert "--token" not in services[name]["command"]  # no secret on a command line
+        if args.command == "metaserver":
+            assert "env_file" not in services[name]  # it dials no server
+            continue
+        (env_file,) = services[name]["env_file"]
+        assert env_file == f"tokens/{args.group}.env" and (tmp_path / Path(env_file).name).stat().st_mode & 0o077 == 0
+        identity = tokens.table.identify(secret_of(tmp_path / Path(env_file).name))
+        assert identity is not None
+        assert {member for member in members if identity.may_be(*member)} == {(args.command, args.group)}
+    (client_env,) = services["client"]["env_file"]
+    client = tokens.table.identify(secret_of(tmp_path / Path(client_env).name))
+    assert client is not None and client.roles == {"producer", "consumer"} and client.allows_group("smoke")
+    assert not any(client.may_be(*member) for member in members)
+
+
+def test_the_compose_prometheus_token_reads_the_metrics_and_is_no_server(tmp_path: Path) -> None:
+    tokens = make_compose_tokens(tmp_path)
+    secret = secret_of(tmp_path / "prometheus.token")
+    identity = tokens.table.identify(secret)
+    assert identity is not None and identity.servers == ()
+    assert refusal(RequestLine("GET", "/metrics", f"Bearer {secret}"), tokens) is None
+    client = secret_of(tmp_path / "client.env")
+    assert refusal(RequestLine("GET", "/metrics", f"Bearer {client}"), tokens) is not None
+
+
+def test_make_tokens_keeps_the_secrets_it_made(tmp_path: Path) -> None:
+    make_compose_tokens(tmp_path)
+    before = {path.name: path.read_text() for path in tmp_path.iterdir()}
+    make_compose_tokens(tmp_path)
+    assert {path.name: path.read_text() for path in tmp_path.iterdir()} == before
+    assert len(set(before.values())) == len(before)  # a secret each
