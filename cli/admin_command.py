@@ -1,5 +1,6 @@
-"""``delaymq admin``: change what the metaserver routes (``set-state``) and who masters a
-replicated group (``handover``)."""
+"""``delaymq admin``: change what the metaserver routes (``set-state``), who masters a
+replicated group (``handover``), and make realtime servers forget a scheduler group's
+fence (``clear-fence``)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,14 @@ import time
 from typing import Any
 
 from delaymq.cli import options
+from delaymq.cli.connection_options import client_limits
 from delaymq.cli.status_command import add_meta_option, ask_metaserver
+from delaymq.client.blocking import BlockingPeers
 from delaymq.protocol.commands import Command
+from delaymq.protocol.errors import PeerError, ProtocolError
 from delaymq.protocol.routes import GroupState
+from delaymq.protocol.tls import TlsConfigError
+from delaymq.protocol.transport import TransportError
 
 STATE_HELP = "RW: read-write; R: read-only (consumers only, no new messages); NRW: routed to nobody"
 #: How often ``handover`` asks the metaserver whether the target took over.
@@ -29,8 +35,8 @@ def _state(text: str) -> str:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "admin",
-        help="administer the metaserver's registry (set-state, handover)",
-        description="Administer the metaserver's registry.",
+        help="administer the metaserver's registry (set-state, handover) and fences (clear-fence)",
+        description="Administer the metaserver's registry, and the realtime servers' fences.",
     )
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     set_state = actions.add_parser(
@@ -62,6 +68,31 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     options.add_duration(handover, "--wait", "30s", "how long to wait for the target to become master; 0: do not wait")
     add_meta_option(handover)
     handover.set_defaults(func=run_handover)
+    _add_clear_fence(actions)
+
+
+def _add_clear_fence(actions: argparse._SubParsersAction) -> None:
+    clear = actions.add_parser(
+        "clear-fence",
+        help="make the realtime servers forget a scheduler group's fence (its highest epoch seen)",
+        description=(
+            "Make realtime servers forget the fence of a scheduler group: the highest epoch of the group "
+            "they have seen, below which they refuse its SENDs. For a fence set wrongly (a mistaken or forged "
+            "epoch that keeps the group's real master out); the group's next SEND sets it again. Asks the "
+            "metaserver for the master of every realtime group and sends each CLEAR_FENCE (its slaves follow "
+            "it through replication), printing what each answered; with --realtime, asks that server only. "
+            "Needs a token of role admin (--token)."
+        ),
+    )
+    clear.add_argument("group", metavar="GROUP", help="the scheduler group whose fence goes")
+    clear.add_argument(
+        "--realtime",
+        type=options.address,
+        metavar="ADDRESS",
+        help="ask only this realtime server, without the metaserver (a master; a slave refuses)",
+    )
+    add_meta_option(clear)
+    clear.set_defaults(func=run_clear_fence)
 
 
 def run_set_state(args: argparse.Namespace) -> int:
@@ -114,3 +145,49 @@ def run_handover(args: argparse.Namespace) -> int:
             )
             return 1
         time.sleep(HANDOVER_POLL_S)
+
+
+def run_clear_fence(args: argparse.Namespace) -> int:
+    targets = _realtime_masters(args) if args.realtime is None else [("realtime", args.realtime)]
+    if targets is None:
+        return 1
+    if not targets:
+        print(f"delaymq admin clear-fence: metaserver {args.meta} knows no realtime master", file=sys.stderr)
+        return 1
+    failed = 0
+    try:
+        timeout = options.duration_ms(args.timeout) / 1000
+        with BlockingPeers(connect_timeout=timeout, request_timeout=timeout, limits=client_limits(args)) as peers:
+            for group, address in targets:
+                where = f"realtime {group} at {address}"
+                try:
+                    answer = peers.call(address, Command.CLEAR_FENCE, {"group": args.group}).metadata
+                except PeerError as error:
+                    print(f"delaymq admin clear-fence: {where} refused: {error}", file=sys.stderr)
+                    failed += 1
+                    continue
+                except (TransportError, ProtocolError) as error:
+                    print(f"delaymq admin clear-fence: cannot reach {where}: {error}", file=sys.stderr)
+                    failed += 1
+                    continue
+                before = answer.get("cleared")
+                if before is None:
+                    print(f"{where}: held no fence of scheduler group {args.group}")
+                else:
+                    print(f"{where}: fence of scheduler group {args.group} cleared (it was at epoch {before})")
+    except (argparse.ArgumentTypeError, TlsConfigError) as error:
+        print(f"delaymq admin clear-fence: {error}", file=sys.stderr)
+        return 1
+    return 1 if failed else 0
+
+
+def _realtime_masters(args: argparse.Namespace) -> list[tuple[str, str]] | None:
+    """(group, address) of the master of every realtime group the metaserver knows (None: it failed)."""
+    status = ask_metaserver("admin clear-fence", args, Command.STATUS, {})
+    if status is None:
+        return None
+    return [
+        (row["group"], row["address"])
+        for row in status.get("rows") or []
+        if row.get("kind") == "realtime" and row.get("is_master") and not row.get("evicted")
+    ]

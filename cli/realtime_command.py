@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from delaymq.cli import options
 from delaymq.cli.connection_options import connection_limits, server_auth, tls_settings
 from delaymq.cli.options import add_duration
-from delaymq.cli.server_options import add_replication_options, add_server_options
+from delaymq.cli.server_options import add_realtime_caps, add_replication_options, add_server_options, cap_value
 from delaymq.cli.serving import fail, run_server, serve_until_stopped
 from delaymq.client.producer import DEFAULT_META
 from delaymq.protocol.limits import Limits
@@ -41,6 +41,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_duration(parser, "--dedup-window", "10m", "a message id seen again within this window is stored once")
     add_duration(parser, "--ack-timeout", "60s", "a message pulled and not acked within this goes back to its group")
     add_duration(parser, "--consumer-timeout", "30s", "a consumer silent this long loses what it holds to its group")
+    add_realtime_caps(parser)
     add_replication_options(parser, writes="a SEND, PULL or ACK")
     parser.set_defaults(func=run)
 
@@ -53,6 +54,8 @@ def run(args: argparse.Namespace) -> int:
             "dedup_window_ms": options.duration_ms(args.dedup_window),
             "ack_timeout_ms": options.duration_ms(args.ack_timeout),
             "consumer_timeout_ms": options.duration_ms(args.consumer_timeout),
+            "max_subjects": cap_value(args.max_subjects, "--max-subjects"),
+            "max_groups": cap_value(args.max_groups, "--max-groups"),
         }
         token, tokens = server_auth(args, listen=args.listen)
         limits = Limits(
@@ -82,6 +85,8 @@ async def _serve(args: argparse.Namespace, meta: list[str], settings: dict[str, 
         consumer_timeout_ms=settings["consumer_timeout_ms"],
         replication=args.replication,
         min_insync=args.min_insync,
+        max_subjects=settings["max_subjects"],
+        max_groups=settings["max_groups"],
     ) as server:
         log.info(
             "realtime server %s listening on %s (data %s, metaserver %s, replication %s, min-insync %d); "

@@ -9,6 +9,10 @@ from delaymq.cli import options
 from delaymq.cli.connection_options import add_connection_options
 from delaymq.client.producer import DEFAULT_META
 
+#: The caps of ``delaymq.realtime.caps`` (not imported: every command would load the server).
+DEFAULT_MAX_SUBJECTS = 10_000
+DEFAULT_MAX_GROUPS = 10_000
+
 
 def add_server_options(parser: argparse.ArgumentParser, *, group: str) -> None:
     """The options every server process shares: where it listens, registers and keeps data."""
@@ -69,6 +73,43 @@ def add_replication_options(parser: argparse.ArgumentParser, *, writes: str) -> 
     )
 
 
+def add_realtime_caps(parser: argparse.ArgumentParser) -> None:
+    """``--max-subjects`` and ``--max-groups``: what requests may create on a realtime server."""
+    parser.add_argument(
+        "--max-subjects",
+        type=_cap,
+        default=DEFAULT_MAX_SUBJECTS,
+        metavar="N",
+        help="subjects this server holds at most (each is a consume log); a SEND that would make more is "
+        "refused whole (code limit), and subjects it has keep working (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-groups",
+        type=_cap,
+        default=DEFAULT_MAX_GROUPS,
+        metavar="N",
+        help="consumer groups this server holds at most, a group counted once per subject it reads (a broadcast "
+        "consumer once of its own); a PULL that would make more is refused (code limit) (default: %(default)s)",
+    )
+
+
+def cap_value(value: object, option: str) -> int:
+    """A cap from the command line (checked already) or a config file (an int, unchecked)."""
+    try:
+        if isinstance(value, bool) or not isinstance(value, int | str):
+            raise argparse.ArgumentTypeError(f"{value!r} is not a whole number")
+        return _cap(str(value))
+    except argparse.ArgumentTypeError as error:
+        raise argparse.ArgumentTypeError(f"{option}: {error}") from None
+
+
+def _cap(text: str) -> int:
+    value = _count(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be 1 or more")
+    return value
+
+
 def _count(text: str) -> int:
     try:
         value = int(text)
@@ -79,4 +120,12 @@ def _count(text: str) -> int:
     return value
 
 
-__all__ = ["add_metrics_option", "add_replication_options", "add_server_options"]
+__all__ = [
+    "DEFAULT_MAX_GROUPS",
+    "DEFAULT_MAX_SUBJECTS",
+    "add_metrics_option",
+    "add_realtime_caps",
+    "add_replication_options",
+    "add_server_options",
+    "cap_value",
+]

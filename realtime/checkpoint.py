@@ -240,8 +240,10 @@ def _write_records(store: StateStore, batch: WriteBatch, records: Progress) -> N
         batch.put(SHARES_DB, key, record)
     for consumer in records.consumers:
         batch.put(CONSUMERS_DB, consumer.key, consumer.record)
+    for group in records.clear:
+        batch.delete(FENCES_DB, group.encode())
     for group, epoch in records.fences.items():
-        raw = store.get(FENCES_DB, group.encode())
+        raw = None if group in records.clear else store.get(FENCES_DB, group.encode())
         if raw is None or _U64.unpack(raw)[0] < epoch:
             batch.put(FENCES_DB, group.encode(), _U64.pack(epoch))
 

@@ -31,6 +31,13 @@ keeps the entries it wrote last (its *tail*, up to ``TAIL_ENTRIES``) and a
 (``read`` then ``hold_window``); ``read_held`` and ``held_entry`` answer from
 those or say they cannot. The indexer bounds how many logs hold either
 (``delaymq.realtime.index``).
+
+A log keeps its file descriptor only while it is in use: the indexer's ``OpenFiles``
+(``delaymq.realtime.openfiles``) closes the least recently written past
+``OPEN_CONSUME_LOGS``, and a log opens it again on its next write; a worker thread's
+read or fsync of a log without one opens the file by its path. So a server with many
+subjects holds a bounded number of descriptors. A log opened without ``files`` (tools,
+tests) holds its descriptor until ``close``.
 """
 
 from __future__ import annotations
@@ -45,11 +52,14 @@ from itertools import starmap
 from pathlib import Path
 from typing import NamedTuple
 
+from delaymq.realtime.openfiles import OpenFiles
 from delaymq.storage.errors import CorruptLog
 from delaymq.storage.files import pwrite_all
 
 #: Entries a log keeps in memory after writing them (its tail), and a window holds at most.
 TAIL_ENTRIES = 2048
+#: Consume logs of one indexer holding an open descriptor at most (``OpenFiles``).
+OPEN_CONSUME_LOGS = 256
 ENTRY = struct.Struct(">QIQqI")
 ENTRY_SIZE = ENTRY.size  # 32
 ENTRY_VERSION = 1
@@ -114,11 +124,15 @@ def subject_stem(subject: str) -> str:
 class ConsumeLog:
     """One subject's consume log file. Built by ``open``; the indexer appends."""
 
-    def __init__(self, subject: str, path: Path, fd: int, count: int, on_disk: int) -> None:
+    def __init__(
+        self, subject: str, path: Path, fd: int, count: int, on_disk: int, *, files: OpenFiles | None = None
+    ) -> None:
         self.subject = subject
         self.path = path
-        self._fd = fd
-        #: Held by a worker thread's read or fsync and by ``close``: the event loop never closes
+        self._fd = fd  # -1 while ``files`` has closed it
+        #: Keeps the descriptor within its bound (None: held until ``close``).
+        self.files = files
+        #: Held by a worker thread's read or fsync and by closing: the owner never closes
         #: the descriptor under them (its number could be reused by another open meanwhile).
         self._in_use = threading.Lock()
         self.count = count  # entries held, pending ones included
@@ -134,11 +148,14 @@ class ConsumeLog:
         self._generation = 0  # moves whenever entries below _written may change (window reads check it)
 
     @classmethod
-    def open(cls, directory: Path, subject: str, *, checkpoint_count: int = 0) -> ConsumeLog:
+    def open(
+        cls, directory: Path, subject: str, *, checkpoint_count: int = 0, files: OpenFiles | None = None
+    ) -> ConsumeLog:
         """Open or create ``subject``'s log; entries past ``checkpoint_count`` are unconfirmed.
 
         Unconfirmed entries are kept if replay produces the same ones (``add``),
         so entries already handed to consumers keep their numbers and times.
+        With ``files`` its descriptor is one of those ``files`` bounds.
         """
         stem = subject_stem(subject)
         path = directory / f"{stem}.log"
@@ -160,9 +177,61 @@ class ConsumeLog:
         except BaseException:
             os.close(fd)
             raise
-        log = cls(subject, path, fd, checkpoint_count, on_disk)
+        log = cls(subject, path, fd, checkpoint_count, on_disk, files=files)
         log.created = created
+        if files is not None:
+            files.fd(log)  # the most recently used now: the least recently used may close
         return log
+
+    # ---------------------------------------------------------------- descriptor
+
+    def _use(self) -> int:
+        """The descriptor for the owner's own calls (writes, recovery), opened if need be."""
+        files = self.files
+        if files is None or files.closed:
+            return self._fd
+        return files.fd(self)
+
+    def _open(self) -> int:
+        """Open the descriptor if ``files`` closed it (the owner; through ``files``)."""
+        if self._fd < 0:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+        return self._fd
+
+    def _close(self, *, wait: bool = False) -> bool:
+        """Close the descriptor (the owner); False if a worker thread uses it now and not ``wait``."""
+        if self._fd < 0:
+            return True
+        if wait:
+            with self._in_use:
+                self._close_now()
+            return True
+        if not self._in_use.acquire(blocking=False):
+            return False
+        try:
+            self._close_now()
+        finally:
+            self._in_use.release()
+        return True
+
+    def _close_now(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # released all the same; what was written is in the page cache
+
+    def _pread(self, size: int, position: int) -> bytes:
+        """Read with the descriptor, or (closed by ``files``) the file opened by path: a worker thread."""
+        with self._in_use:
+            if self._fd >= 0:
+                return os.pread(self._fd, size, position)
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                return os.pread(fd, size, position)
+            finally:
+                os.close(fd)
 
     # ---------------------------------------------------------------- writing
 
@@ -174,13 +243,14 @@ class ConsumeLog:
         """
         if self._on_disk > self._written:
             position = self._written * ENTRY_SIZE
-            old = decode_entry(os.pread(self._fd, ENTRY_SIZE, position).ljust(ENTRY_SIZE, b"\0"))
+            fd = self._use()
+            old = decode_entry(os.pread(fd, ENTRY_SIZE, position).ljust(ENTRY_SIZE, b"\0"))
             if old is not None and old.offset == offset and old.size == size:
                 self._written += 1
                 self.count += 1
                 self._forget_held()
                 return
-            os.ftruncate(self._fd, position)
+            os.ftruncate(fd, position)
             self._on_disk = self._written
         self._pending += encode_entry(offset, size, tag_mask, stored_at)
         self.count += 1
@@ -200,7 +270,7 @@ class ConsumeLog:
         if not self._pending:
             return
         written = self._written
-        pwrite_all(self._fd, self._pending, written * ENTRY_SIZE, path=self.path)
+        pwrite_all(self._use(), self._pending, written * ENTRY_SIZE, path=self.path)
         tail = self._tail
         if self._tail_start + len(tail) // ENTRY_SIZE != written:
             tail.clear()
@@ -230,7 +300,7 @@ class ConsumeLog:
         """Cut entries past the checkpoint that replay did not confirm."""
         self.write_pending()
         if self._on_disk > self._written:
-            os.ftruncate(self._fd, self._written * ENTRY_SIZE)
+            os.ftruncate(self._use(), self._written * ENTRY_SIZE)
             self._on_disk = self._written
         self._forget_held()
 
@@ -238,14 +308,20 @@ class ConsumeLog:
         """Forget entries from ``count`` on (their records are gone from the message log)."""
         if count < self.count:
             self.write_pending()
-            os.ftruncate(self._fd, count * ENTRY_SIZE)
+            os.ftruncate(self._use(), count * ENTRY_SIZE)
             self.count = self._written = self._on_disk = count
             self._forget_held()
 
     def flush(self) -> bool:
-        """fsync (blocking: run in a worker thread); True if the folder needs one too."""
+        """fsync (blocking: run in a worker thread); True if the folder needs one too.
+
+        Without a descriptor (closed by ``files``) the file is opened by its path: an fsync
+        makes the file's data durable, whichever descriptor wrote it."""
         with self._in_use:
-            os.fsync(self._fd)
+            if self._fd >= 0:
+                os.fsync(self._fd)
+            else:
+                _fsync_path(self.path)
         if not self.created:
             return False
         _fsync_path(self.path.with_suffix(".name"))
@@ -259,8 +335,7 @@ class ConsumeLog:
         stop = min(self._written, start + count)
         if stop <= start:
             return b""
-        with self._in_use:  # (a worker thread: the log may be closing)
-            return os.pread(self._fd, (stop - start) * ENTRY_SIZE, start * ENTRY_SIZE)
+        return self._pread((stop - start) * ENTRY_SIZE, start * ENTRY_SIZE)  # (a worker thread)
 
     def read_held(self, start: int, count: int) -> bytes | bytearray | None:
         """``read`` from memory (the tail, or the window) without a system call: up to ``count``
@@ -319,7 +394,7 @@ class ConsumeLog:
         """One entry, CRC checked."""
         if not 0 <= sequence < self._written:
             raise IndexError(f"consume log of {self.subject!r} has no entry {sequence} (count {self._written})")
-        entry = decode_entry(os.pread(self._fd, ENTRY_SIZE, sequence * ENTRY_SIZE))
+        entry = decode_entry(self._pread(ENTRY_SIZE, sequence * ENTRY_SIZE).ljust(ENTRY_SIZE, b"\0"))
         if entry is None:
             raise CorruptLog(f"consume log {self.path}: entry {sequence} does not check")
         return entry
@@ -327,54 +402,10 @@ class ConsumeLog:
     def close(self) -> None:
         """Close the file, after a worker thread's read or fsync in progress (a master stepping
         down with requests in flight): one waits here, briefly, rather than use a closed number."""
-        with self._in_use:
-            fd, self._fd = self._fd, -1
-        if fd >= 0:
-            os.close(fd)
-
-
-def cut_to_offset(path: Path, end_offset: int, checkpoint_count: int) -> tuple[int, int]:
-    """Cut a consume log to the entries whose records end at or below ``end_offset``.
-
-    For a message log that lost its records from ``end_offset`` on (blocking;
-    start-up). Entries below ``checkpoint_count`` were fsynced and are trusted
-    (their offsets grow, so the cut is found by bisection); past it the file may
-    hold entries indexed after the checkpoint. The file is fsynced. Returns
-    ``(kept, lost)``: entries kept, and entries cut that held a record (the
-    unconfirmed ones up to the first that does not check).
-    """
-    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    try:
-        on_disk = os.fstat(fd).st_size // ENTRY_SIZE
-        trusted = min(checkpoint_count, on_disk)
-
-        def ends_by(sequence: int) -> bool:
-            entry = decode_entry(os.pread(fd, ENTRY_SIZE, sequence * ENTRY_SIZE))
-            if entry is None:
-                raise CorruptLog(f"consume log {path}: fsynced entry {sequence} does not check")
-            return entry.offset + entry.size <= end_offset
-
-        low, high = 0, trusted
-        while low < high:
-            middle = (low + high) // 2
-            if ends_by(middle):
-                low = middle + 1
-            else:
-                high = middle
-        kept = low
-        lost = trusted - kept
-        if on_disk > trusted:
-            data = os.pread(fd, (on_disk - trusted) * ENTRY_SIZE, trusted * ENTRY_SIZE)
-            for position in range(0, len(data), ENTRY_SIZE):
-                if decode_entry(data, position) is None:
-                    break
-                lost += 1
-        if os.fstat(fd).st_size != kept * ENTRY_SIZE:
-            os.ftruncate(fd, kept * ENTRY_SIZE)
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    return kept, lost
+        if self.files is not None:
+            self.files.forget(self, wait=True)
+        else:
+            self._close(wait=True)
 
 
 def write_small_file(path: Path, data: bytes) -> None:
@@ -417,9 +448,9 @@ def list_subjects(directory: Path) -> dict[str, str]:
 __all__ = [
     "CONSUME_FORMAT",
     "ENTRY_SIZE",
+    "OPEN_CONSUME_LOGS",
     "ConsumeLog",
     "Entry",
-    "cut_to_offset",
     "HELD",
     "decode_entry",
     "encode_entry",

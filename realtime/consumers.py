@@ -21,6 +21,7 @@ from typing import Any
 import trio
 
 from delaymq.protocol.errors import RemoteProtocolError
+from delaymq.realtime.caps import DEFAULT_MAX_GROUPS, check_group_cap
 from delaymq.realtime.checkpoint import consumer_from_record, load_consumer, share_key
 from delaymq.realtime.delivery import Picked
 from delaymq.realtime.groups import ConsumerState, Groups, Share
@@ -55,8 +56,11 @@ class Consumers:
         sweeper: RedeliverySweeper,
         run_blocking: RunBlocking,
         open_pull_logs: int = OPEN_PULL_LOGS,
+        max_groups: int = DEFAULT_MAX_GROUPS,
     ) -> None:
         self._groups = groups
+        #: Shares (a group reading a subject) a PULL may make at most (``caps.check_group_cap``).
+        self.max_groups = max_groups
         self._run_blocking = run_blocking
         self._indexer = indexer
         self._store = store
@@ -138,6 +142,7 @@ class Consumers:
         key = share_key(subject, group, broadcast_consumer)
         share = self._groups.shares.get(key)
         if share is None:
+            check_group_cap(self.max_groups, self._groups.shares, subject, group, broadcast_consumer)
             position = 0 if earliest else self._indexer.count(subject)
             share = self._groups.add_share(Share(key, subject, group, broadcast_consumer, position))
             self._groups.dirty_shares.add(share)

@@ -2,11 +2,14 @@
 
 A producer's retry or a scheduler's re-send carries the id of a message already
 stored; the realtime server answers "duplicate" and stores it once. A record is
-known by its **dedup key** (``dedup_key``): its id, or, for a record that comes
-back into the log (``attempts`` > 0: a consumer group's retry or dead letter,
-same id as the original), id, attempts and a hash of the subject. So each
-group's each retry is stored once, however often a scheduler re-sends it, and
-the original does not make it a duplicate. The truth is
+known by its **dedup key** (``dedup_key``): its id and a hash of its subject, and,
+for a record that comes back into the log (``attempts`` > 0: a consumer group's
+retry or dead letter, same id as the original), its attempts too. So the same id
+on another subject is another message (one producer cannot have another's message
+dropped by sending its id first), each group's each retry is stored once, however
+often a scheduler re-sends it, and the original does not make it a duplicate. The
+keys are made from the log's records by the same function on a master, on replay
+and on a slave, so nothing about them is replicated. The truth is
 in lmdb (written at checkpoints, with the index); memory holds
 
 - ``pending``: ids admitted but not yet committed to lmdb (needed whatever the
@@ -27,6 +30,8 @@ are the blocking lmdb parts, run in a worker thread.
 lmdb layout (named dbs of the state store)::
 
     dedup_ids      key: dedup key (UTF-8)          value: stored_at i64 BE
+                   (before 2026-12 a first delivery's key was its bare id: such rows are
+                   no one's key now, and are pruned with their bucket)
     dedup_time     key: bucket u64 BE + NUL + stored_at i64 BE + 16-byte BLAKE2b of the value
                                                    value: msgpack array of the batch's dedup keys
                    (before 2026-11-24 a row an id:  key: bucket u64 BE + dedup key, value empty;
@@ -39,6 +44,7 @@ checkpoint writes one ``dedup_time`` row per indexed batch, not per id.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections import deque
@@ -61,23 +67,48 @@ _BATCH_ROW = b"\x00"
 _U64 = struct.Struct(">Q")
 
 
+@functools.lru_cache(maxsize=16384)
+def subject_hash(subject: str) -> str:
+    """16 hex digits of the subject's BLAKE2b: a dedup key's subject part, of a fixed size
+    whatever the subject's (lmdb keys are at most 511 bytes); remembered for the subjects seen lately."""
+    return hashlib.blake2b(subject.encode(), digest_size=8).hexdigest()
+
+
 def dedup_key(message_id: str, subject: str, attempts: int) -> str:
-    """The id for a first delivery; ``id NUL attempts NUL subject-hash`` for a record coming back.
+    """``id NUL subject-hash`` for a first delivery; ``id NUL attempts NUL subject-hash`` for a
+    record coming back.
 
     NUL cannot occur in an id (no control characters), so the two kinds never meet.
     """
     if not attempts:
-        return message_id
-    subject_hash = hashlib.blake2b(subject.encode(), digest_size=8).hexdigest()
-    return f"{message_id}\x00{attempts}\x00{subject_hash}"
+        return f"{message_id}\x00{subject_hash(subject)}"
+    return f"{message_id}\x00{attempts}\x00{subject_hash(subject)}"
+
+
+def _first_key(message_id: str, subject: str) -> str:
+    return message_id + "\x00" + subject_hash(subject)
 
 
 def dedup_keys(batch: MessageBatch) -> list[str]:
-    """Every record's ``dedup_key``, in order (the ids themselves when no record is a retry)."""
-    attempts = batch.attempts
-    if not any(attempts):
-        return batch.ids
-    return list(map(dedup_key, batch.ids, batch.subjects, attempts))
+    """Every record's ``dedup_key``, in order.
+
+    The hot path of every SEND: a batch of one subject (a scheduler's, a benchmark's)
+    costs one string concatenation a record."""
+    ids, subjects, attempts = batch.ids, batch.subjects, batch.attempts
+    if any(attempts):
+        return list(map(dedup_key, ids, subjects, attempts))
+    if not subjects:
+        return []
+    if subjects.count(subjects[0]) == len(subjects):
+        suffix = "\x00" + subject_hash(subjects[0])
+        return [message_id + suffix for message_id in ids]
+    return list(map(_first_key, ids, subjects))
+
+
+def message_id_of(key: str) -> str | None:
+    """The message id of a first delivery's dedup key (None for a retry's or dead letter's)."""
+    message_id, _sep, rest = key.partition("\x00")
+    return None if "\x00" in rest else message_id
 
 
 class DedupWindow:
@@ -152,22 +183,21 @@ class DedupWindow:
         self._unpersisted.append((ids, stored_at))
         self._batches.append((stored_at, base, ids))
 
-    def locate(self, ids: Iterable[str], now: int) -> dict[str, tuple[int, int, int]]:
-        """``id -> (stored_at, base, index)`` for the ids of batches memory still places (the
-        record is the ``index``-th from offset ``base``), the newest when an id came twice."""
-        wanted = set(ids)
-        found: dict[str, tuple[int, int, int]] = {}
+    def recent(self, now: int) -> list[tuple[int, int, list[str]]]:
+        """``(stored_at, base, keys)`` of the batches within the window whose place in the log
+        memory knows, newest first: a copy, for ``locate`` in a worker thread."""
         oldest = now - self.window_ms
+        out: list[tuple[int, int, list[str]]] = []
         for stored_at, base, keys in reversed(self._batches):
-            if not wanted or stored_at <= oldest:
+            if stored_at <= oldest:
                 break
-            if base is None or wanted.isdisjoint(keys):
-                continue
-            for index, key in enumerate(keys):
-                if key in wanted:
-                    wanted.discard(key)
-                    found[key] = (stored_at, base, index)
-        return found
+            if base is not None:
+                out.append((stored_at, base, keys))
+        return out
+
+    def locate(self, ids: Iterable[str], now: int) -> dict[str, tuple[int, int, int]]:
+        """``locate`` over ``recent(now)``."""
+        return locate(self.recent(now), ids)
 
     def take_unpersisted(self) -> list[tuple[list[str], int]]:
         """The batches of ids for the next checkpoint, ``(ids, stored_at)`` each, oldest first
@@ -210,6 +240,24 @@ class DedupWindow:
     def restore_unpersisted(self, batches: list[tuple[list[str], int]]) -> None:
         """A checkpoint failed: its batches go into the next one."""
         self._unpersisted[:0] = batches
+
+
+def locate(batches: Sequence[tuple[int, int, list[str]]], ids: Iterable[str]) -> dict[str, tuple[int, int, int]]:
+    """``id -> (stored_at, base, index)`` of the first deliveries of ``ids`` in ``batches``
+    (``DedupWindow.recent``: the record is the ``index``-th from offset ``base``), the newest
+    when an id came twice (on several subjects too). A walk over every key held (QUERY only):
+    run it in a worker thread."""
+    wanted = set(ids)
+    found: dict[str, tuple[int, int, int]] = {}
+    for stored_at, base, keys in batches:
+        if not wanted:
+            break
+        for index, key in enumerate(keys):
+            message_id = message_id_of(key)
+            if message_id in wanted:
+                wanted.discard(message_id)
+                found[message_id] = (stored_at, base, index)
+    return found
 
 
 # ------------------------------------------------------------ lmdb (blocking)
@@ -334,6 +382,9 @@ __all__ = [
     "DedupWindow",
     "dedup_key",
     "dedup_keys",
+    "locate",
+    "message_id_of",
+    "subject_hash",
     "load_buckets",
     "load_recent",
     "lookup_stored",

@@ -29,8 +29,9 @@ from delaymq.protocol.backoff import Backoff, BackoffRun
 from delaymq.protocol.envelope import HEADER_SIZE, iter_spans
 from delaymq.protocol.limits import Limits
 from delaymq.protocol.records import MessageBatch, scan_batch, tags_mask
-from delaymq.realtime.consumelog import HELD, ConsumeLog, list_subjects, subject_stem
+from delaymq.realtime.consumelog import HELD, OPEN_CONSUME_LOGS, ConsumeLog, list_subjects, subject_stem
 from delaymq.realtime.dedup import dedup_keys
+from delaymq.realtime.openfiles import OpenFiles
 from delaymq.realtime.progress import MESSAGE_KIND, PROGRESS_KIND, kind_runs
 from delaymq.storage.errors import CorruptLog, describe
 from delaymq.storage.log import SegmentedLog
@@ -103,8 +104,11 @@ class Indexer:
         indexed_offset: int,
         on_indexed: Callable[[set[str]], None] | None = None,
         on_ids: Callable[[list[str], int, int], None] | None = None,
+        open_files: int = OPEN_CONSUME_LOGS,
     ) -> None:
         self.directory = directory
+        #: The consume logs holding a descriptor: at most ``open_files`` (``delaymq.realtime.openfiles``).
+        self.files = OpenFiles(open_files)
         self.indexed_offset = indexed_offset
         self.logs: dict[str, ConsumeLog] = {}
         self._checkpoint_counts: dict[str, int] = {}
@@ -128,7 +132,7 @@ class Indexer:
         """
         for stem, subject in list_subjects(self.directory).items():
             self.logs[subject] = ConsumeLog.open(
-                self.directory, subject, checkpoint_count=checkpoint_counts.get(stem, 0)
+                self.directory, subject, checkpoint_count=checkpoint_counts.get(stem, 0), files=self.files
             )
         missing = set(checkpoint_counts) - {subject_stem(s) for s in self.logs}
         missing = {stem for stem in missing if checkpoint_counts[stem] > 0}
@@ -251,7 +255,7 @@ class Indexer:
                 if step is None:
                     consume_log = logs.get(subject)
                     if consume_log is None:
-                        consume_log = logs[subject] = ConsumeLog.open(self.directory, subject)
+                        consume_log = logs[subject] = ConsumeLog.open(self.directory, subject, files=self.files)
                     step = touched[subject] = (consume_log, consume_log.count, [])
                 if stored_at < release_at <= latest_held:  # sent ahead: held until its tick
                     step[2].append((offset, size, mask, HELD | -(-release_at // RELEASE_TICK_MS) * RELEASE_TICK_MS))
@@ -295,9 +299,17 @@ class Indexer:
         self.dirty.clear()
         return dirty
 
+    def subjects_coming(self) -> set[str]:
+        """Subjects of records appended and submitted but not indexed yet that have no consume log
+        (a walk over the waiting batches: for counting new subjects, not for every SEND)."""
+        logs = self.logs
+        return {item[0] for _end, items, _ids, _at in self._waiting.values() for item in items if item[0] not in logs}
+
     def close(self, logs: Iterable[ConsumeLog] | None = None) -> None:
         for consume_log in self.logs.values() if logs is None else logs:
             consume_log.close()
+        if logs is None:
+            self.files.close()
 
 
 __all__ = ["HELD_LOGS", "MAX_AHEAD_MS", "RELEASE_TICK_MS", "REPLAY_LIMITS", "Indexer", "Item", "batch_items"]

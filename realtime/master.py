@@ -34,6 +34,7 @@ from delaymq.client.routes import RouteClient
 from delaymq.protocol.histogram import LatencyHistogram
 from delaymq.protocol.limits import Limits
 from delaymq.realtime.acks import AckHandler
+from delaymq.realtime.caps import DEFAULT_MAX_GROUPS, DEFAULT_MAX_SUBJECTS, SubjectCap
 from delaymq.realtime.checkpoint import Committer, Snapshot, encode_consumer, encode_share, write_snapshot
 from delaymq.realtime.consumelog import ENTRY_SIZE
 from delaymq.realtime.consumers import Consumers
@@ -90,6 +91,8 @@ class RealtimeMaster:
         source: ReplicationSource | None = None,
         replication_timeout_ms: int = 5_000,
         pull_log_bytes: int = 0,
+        max_subjects: int = DEFAULT_MAX_SUBJECTS,
+        max_groups: int = DEFAULT_MAX_GROUPS,
     ) -> None:
         self.group = group
         #: Under replication (a managed member): consumer progress is shipped in the log.
@@ -119,6 +122,7 @@ class RealtimeMaster:
             clock=clock,
             sweeper=self.sweeper,
             run_blocking=run_blocking,
+            max_groups=max_groups,
         )
         self.committer = Committer(
             take=self._take_snapshot,
@@ -128,7 +132,7 @@ class RealtimeMaster:
             interval_ms=checkpoint_interval_ms,
             run_blocking=run_blocking,
         )
-        self.fences = Fences(store=store, run_blocking=run_blocking, durable=fences)
+        self.fences = Fences(store=store, run_blocking=run_blocking, durable=fences, clock=clock)
         self.send_handler = SendHandler(
             clock=clock,
             limits=limits,
@@ -137,6 +141,7 @@ class RealtimeMaster:
             dedup=dedup,
             fences=self.fences,
             run_blocking=run_blocking,
+            subjects=SubjectCap(max_subjects, indexer),
         )
         self.pull_handler = PullHandler(
             consumers=self.consumers,
@@ -173,6 +178,7 @@ class RealtimeMaster:
             # Progress records go out with every checkpoint; what a consumer is answered waits for them.
             self.committer.ship = partial(self.ship, wait=False)
             self.fences.on_raise = self._ship_fences
+            self.fences.on_clear = self._ship_fence_clear
             self.send_handler.replicated = self._replicated
             if source.mode == "sync" and source.min_insync:
                 self.ack_handler.replicated = partial(self._replicated, None)
@@ -271,6 +277,9 @@ class RealtimeMaster:
 
     async def _ship_fences(self, epochs: dict[str, int]) -> None:
         await self.ship(Progress(fences=dict(epochs)))
+
+    async def _ship_fence_clear(self, group: str) -> None:
+        await self.ship(Progress(clear=[group]))
 
     def full_progress(self, stored: list[tuple[bytes, bytes]]) -> Progress:
         """The master's whole state as one progress record (a new master session's first):
@@ -372,6 +381,8 @@ def open_master(
             source=source,
             replication_timeout_ms=settings.replication_timeout_ms,
             pull_log_bytes=_pull_log_bytes(storage.pull_folder.path),
+            max_subjects=settings.max_subjects,
+            max_groups=settings.max_groups,
         )
     except BaseException:
         indexer.close()
@@ -406,6 +417,8 @@ class MasterSettings:
     consumer_timeout_ms: int = 30_000
     checkpoint_interval_ms: int = 1000
     replication_timeout_ms: int = 5_000
+    max_subjects: int = DEFAULT_MAX_SUBJECTS  # subjects SENDs may make (``caps``)
+    max_groups: int = DEFAULT_MAX_GROUPS  # consumer groups per subject PULLs may make (``caps``)
 
 
 __all__ = ["MasterSettings", "RealtimeMaster", "open_master"]

@@ -29,6 +29,8 @@ Payload (msgpack map)::
                (checkpoint.encode_consumer; ``entries``: pull-log entries from sequence
                ``first`` on, as pull/<stem>.log holds them; empty when none are new)
     fences     {scheduler group: epoch}
+    clear      [scheduler group, ...]: fences an admin cleared (CLEAR_FENCE), applied before
+               ``fences``; absent in records written before it existed (read as none)
     keep       [[share keys], [consumer keys]] or nil: with ``reset``, the keys that stay
                (nil: the keys this record names)
 """
@@ -66,10 +68,11 @@ class Progress:
     shares: list[tuple[bytes, bytes]] = field(default_factory=list)
     consumers: list[ConsumerProgress] = field(default_factory=list)
     fences: dict[str, int] = field(default_factory=dict)
+    clear: list[str] = field(default_factory=list)  # groups whose fence goes, before ``fences`` apply
     keep: tuple[set[bytes], set[bytes]] | None = None  # with reset: (share keys, consumer keys) that stay
 
     def empty(self) -> bool:
-        return not (self.reset or self.shares or self.consumers or self.fences)
+        return not (self.reset or self.shares or self.consumers or self.fences or self.clear)
 
     def kept(self) -> tuple[set[bytes], set[bytes]]:
         """With ``reset``: the share and consumer keys that stay."""
@@ -86,6 +89,7 @@ class Progress:
                 "shares": [[key, record] for key, record in self.shares],
                 "consumers": [[c.key, c.record, c.first, c.entries] for c in self.consumers],
                 "fences": self.fences,
+                **({"clear": self.clear} if self.clear else {}),
                 "keep": None if self.keep is None else [sorted(self.keep[0]), sorted(self.keep[1])],
             },
             use_bin_type=True,
@@ -119,7 +123,9 @@ class Progress:
             chunk.consumers.append(consumer)
         if chunk.shares or chunk.consumers:
             out.append(chunk.encode())
-        last = Progress(reset=self.reset, fences=self.fences, keep=self.kept() if self.reset else None)
+        last = Progress(
+            reset=self.reset, fences=self.fences, clear=self.clear, keep=self.kept() if self.reset else None
+        )
         if not last.empty():
             out.append(last.encode())
         return out
@@ -139,6 +145,7 @@ class Progress:
                     for key, record, first, entries in data["consumers"]
                 ],
                 fences={str(group): int(epoch) for group, epoch in data["fences"].items()},
+                clear=[str(group) for group in data.get("clear") or ()],
                 keep=None
                 if data.get("keep") is None
                 else ({bytes(k) for k in data["keep"][0]}, {bytes(k) for k in data["keep"][1]}),

@@ -35,12 +35,12 @@ import os
 import struct
 import threading
 import zlib
-from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from delaymq.realtime.consumelog import write_small_file
+from delaymq.realtime.openfiles import OpenFiles
 from delaymq.storage.files import pwrite_all
 
 PULL_ENTRY = struct.Struct(">QHHI")
@@ -228,63 +228,12 @@ class PullLog:
         return True
 
 
-class OpenPullLogs:
-    """The pull logs holding a descriptor, least recently written first: at most ``limit``.
-
-    Like the indexer's held consume logs (``delaymq.realtime.index.HELD_LOGS``): every
-    write marks its log as the most recent, and the least recent past the bound closes.
-    One that a checkpoint is fsyncing at that moment is closed on a later write instead.
-    Event loop only.
-    """
+class OpenPullLogs(OpenFiles):
+    """The pull logs holding a descriptor, least recently written first: at most ``limit``
+    (``delaymq.realtime.openfiles``; the consume logs have their own). Event loop only."""
 
     def __init__(self, limit: int = OPEN_PULL_LOGS) -> None:
-        if limit < 1:
-            raise ValueError(f"open pull logs: limit must be at least 1, not {limit}")
-        self.limit = limit
-        self._held: OrderedDict[PullLog, None] = OrderedDict()
-        self._closing: dict[PullLog, None] = {}  # evicted under a flush: closed on a later write
-        self.closed = False  # the master stopped: a PULL still finishing writes without holding one
-
-    def __len__(self) -> int:
-        """Descriptors open (the held ones and those waiting to close)."""
-        return len(self._held) + len(self._closing)
-
-    def fd(self, pull_log: PullLog) -> int:
-        """``pull_log``'s descriptor, opened if need be; it becomes the most recently used."""
-        held = self._held
-        if pull_log in held:
-            held.move_to_end(pull_log)
-        else:
-            pull_log._open()  # still open if its close was deferred
-            self._closing.pop(pull_log, None)
-            held[pull_log] = None
-            while len(held) > self.limit:
-                oldest, _ = held.popitem(last=False)
-                if not oldest._close():
-                    self._closing[oldest] = None
-        if self._closing:
-            self._retry_closing()
-        return pull_log._fd
-
-    def forget(self, pull_log: PullLog) -> None:
-        """Close ``pull_log``'s descriptor (its consumer leaves memory)."""
-        self._held.pop(pull_log, None)
-        if pull_log._close():
-            self._closing.pop(pull_log, None)
-        else:
-            self._closing[pull_log] = None
-
-    def close(self) -> None:
-        """Close every descriptor (the master stops: waits for an fsync in flight)."""
-        self.closed = True
-        for pull_log in [*self._held, *self._closing]:
-            pull_log._close(wait=True)
-        self._held.clear()
-        self._closing.clear()
-
-    def _retry_closing(self) -> None:
-        for pull_log in [p for p in self._closing if p._close()]:
-            del self._closing[pull_log]
+        super().__init__(limit)
 
 
 def _fsync_path(path: Path) -> None:

@@ -20,8 +20,9 @@ one per id asked, in order:
   given back to be handed out again). A broadcast group answers the least done
   of its consumers.
 
-Only an id's first delivery is looked up (not a group's retry of it). A slave
-refuses QUERY with ``not_master`` as it refuses PULL. The reads (the records, and
+Only an id's first delivery is looked up (not a group's retry of it); an id stored on
+several subjects (each its own message) answers its newest copy. A slave
+refuses QUERY with ``not_master`` as it refuses PULL. The reads (the window's keys, the records, and
 a binary search of the subject's consume log by offset) run through
 ``run_blocking``; the group states are read on the event loop, with no await
 between reading them and answering.
@@ -40,6 +41,7 @@ from delaymq.protocol.limits import Limits
 from delaymq.protocol.records import scan_batch
 from delaymq.protocol.transport import Request
 from delaymq.realtime.consumelog import ConsumeLog
+from delaymq.realtime.dedup import locate
 from delaymq.realtime.groups import ConsumerState, Groups, Share
 from delaymq.realtime.index import REPLAY_LIMITS
 from delaymq.storage.errors import StorageError
@@ -97,7 +99,7 @@ async def answer_query(
         )
     ids = selector.ids
     now = master._clock.now_ms()
-    located = master._dedup.locate(ids, now)
+    located = await run_blocking(partial(locate, master._dedup.recent(now), ids))
     places: dict[str, Place] = await run_blocking(partial(read_places, master._log, located))
     searches: list[tuple[ConsumeLog, int]] = []
     for offset, subject in places.values():

@@ -38,12 +38,13 @@ from delaymq.realtime.checkpoint import (
     share_key,
     write_snapshot,
 )
-from delaymq.realtime.consumelog import CONSUME_FORMAT, cut_to_offset, list_subjects
+from delaymq.realtime.consumelog import CONSUME_FORMAT, ENTRY_SIZE, decode_entry, list_subjects
 from delaymq.realtime.dedup import DedupWindow
 from delaymq.realtime.groups import ConsumerState, Groups, Share
 from delaymq.realtime.handouts import Member, Reconciled, reconcile
 from delaymq.realtime.index import Indexer
 from delaymq.realtime.pulllog import PULL_FORMAT, PullLog, consumer_stem, list_pull_logs
+from delaymq.storage.errors import CorruptLog
 from delaymq.storage.folder import DataFolder, fsync_directory
 from delaymq.storage.format import ensure_format
 from delaymq.storage.log import DEFAULT_SEGMENT_SIZE, SegmentedLog, segment_bases, segment_name
@@ -340,6 +341,50 @@ def cut_consume_logs(consume_dir: Path, end: int, counts: dict[str, int]) -> tup
     return kept_counts, lost
 
 
+def cut_to_offset(path: Path, end_offset: int, checkpoint_count: int) -> tuple[int, int]:
+    """Cut a consume log to the entries whose records end at or below ``end_offset``.
+
+    For a message log that lost its records from ``end_offset`` on (blocking;
+    start-up). Entries below ``checkpoint_count`` were fsynced and are trusted
+    (their offsets grow, so the cut is found by bisection); past it the file may
+    hold entries indexed after the checkpoint. The file is fsynced. Returns
+    ``(kept, lost)``: entries kept, and entries cut that held a record (the
+    unconfirmed ones up to the first that does not check).
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        on_disk = os.fstat(fd).st_size // ENTRY_SIZE
+        trusted = min(checkpoint_count, on_disk)
+
+        def ends_by(sequence: int) -> bool:
+            entry = decode_entry(os.pread(fd, ENTRY_SIZE, sequence * ENTRY_SIZE))
+            if entry is None:
+                raise CorruptLog(f"consume log {path}: fsynced entry {sequence} does not check")
+            return entry.offset + entry.size <= end_offset
+
+        low, high = 0, trusted
+        while low < high:
+            middle = (low + high) // 2
+            if ends_by(middle):
+                low = middle + 1
+            else:
+                high = middle
+        kept = low
+        lost = trusted - kept
+        if on_disk > trusted:
+            data = os.pread(fd, (on_disk - trusted) * ENTRY_SIZE, trusted * ENTRY_SIZE)
+            for position in range(0, len(data), ENTRY_SIZE):
+                if decode_entry(data, position) is None:
+                    break
+                lost += 1
+        if os.fstat(fd).st_size != kept * ENTRY_SIZE:
+            os.ftruncate(fd, kept * ENTRY_SIZE)
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    return kept, lost
+
+
 def _log_damage(
     message_log: SegmentedLog, found: MessageFiles, checkpoint: int, lost_records: int | None, result: Reconciled
 ) -> None:
@@ -372,6 +417,7 @@ def _log_damage(
 
 __all__ = [
     "MessageFiles",
+    "cut_to_offset",
     "Storage",
     "load_members",
     "move_aside_after_gap",

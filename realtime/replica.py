@@ -111,6 +111,10 @@ class ReplicaState:
             if applied.keep is not None:  # upserts after a reset stay
                 applied.keep[0].update(key for key, _ in progress.shares)
                 applied.keep[1].update(c.key for c in progress.consumers)
+            for group in progress.clear:  # an admin's CLEAR_FENCE: raises before it are void
+                applied.fences.pop(group, None)
+                if group not in applied.clear:
+                    applied.clear.append(group)
             for group, epoch in progress.fences.items():
                 applied.fences[group] = max(epoch, applied.fences.get(group, 0))
             for consumer in progress.consumers:

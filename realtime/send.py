@@ -22,6 +22,8 @@ scheduler). An immediate record's ``deliver_at`` is its producer's clock: never 
 A scheduler's SEND carries a fence (its group and epoch, the only metadata a
 SEND takes): ``fences.Fences`` admits it before anything of the batch is
 looked at by the dedup window or stored, and refuses an older epoch (``fenced``).
+Before that, a batch that would make more subjects than the server's cap is refused
+whole (``caps.SubjectCap``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from delaymq.protocol.limits import Limits
 from delaymq.protocol.records import MessageBatch, scan_batch
 from delaymq.protocol.transport import Request
 from delaymq.realtime import dedup as dedup_store
+from delaymq.realtime.caps import SubjectCap
 from delaymq.realtime.dedup import DedupWindow, dedup_keys
 from delaymq.realtime.fences import Fences
 from delaymq.realtime.index import MAX_AHEAD_MS, Indexer, batch_items
@@ -65,8 +68,11 @@ class SendHandler:
         dedup: DedupWindow,
         fences: Fences,
         run_blocking: RunBlocking,
+        subjects: SubjectCap | None = None,
     ) -> None:
         self._clock = clock
+        #: The cap on subjects a SEND may create (None: no cap).
+        self.subjects = subjects
         self._run_blocking = run_blocking
         self._limits = limits
         self._store = store
@@ -91,9 +97,15 @@ class SendHandler:
         fence = Fence.from_metadata(request.metadata)
         batch = scan_batch(request.batch_body(fields=_SEND_FIELDS), self._limits)
         _check_ahead(batch, self._clock.now_ms())
-        if fence is not None:
-            await self.fences.admit(fence)
-        fresh = await self.append(batch)
+        cap = self.subjects
+        admitted = cap.admit(batch.subjects) if cap is not None else []
+        try:
+            if fence is not None:
+                await self.fences.admit(fence)
+            fresh = await self.append(batch)
+        finally:
+            if cap is not None:
+                cap.settle(admitted)
         self.sends += 1
         now = self._clock.now_ms()
         self.lateness.record_many(

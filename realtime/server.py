@@ -1,4 +1,4 @@
-"""The realtime server: SEND, PULL, ACK, NACK, CONSUMER_HEARTBEAT, QUERY, FETCH and STATUS.
+"""The realtime server: SEND, PULL, ACK, NACK, CONSUMER_HEARTBEAT, QUERY, FETCH, STATUS, CLEAR_FENCE.
 
 ``open_realtime_server`` opens the data folder (``recovery.open_storage``) and runs one
 member of a realtime group until its block ends. The metaserver says whether the member
@@ -7,7 +7,9 @@ from a ``master.RealtimeMaster`` (the state a restart recovers, and the handlers
 it) and ships its log to its slaves (FETCH), its consumer progress included; a slave
 copies the log, indexes it and applies that progress, and refuses the rest with
 ``not_master``. A realtime server without a metaserver is master for good (epoch 0).
-QUERY (``realtime.query``) says which consumer groups acked a message stored lately.
+QUERY (``realtime.query``) says which consumer groups acked a message stored lately;
+CLEAR_FENCE (``realtime.clearfence``) forgets a scheduler group's fence. FETCH (the
+message log) is for a token that may be a server of this realtime group only.
 Start-up and shutdown order follow the nesting: the log writer outlives the handlers,
 and a master session's last checkpoint is written as it ends. Every blocking call
 (fsync, lmdb, reads) goes through the ``run_blocking`` it is given.
@@ -23,7 +25,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -32,17 +34,21 @@ import trio
 
 from delaymq.client.registration import MembershipView, Registration, start_registration
 from delaymq.client.routes import CLIENT_PEERS_OPTIONS, RouteClient, meta_addresses
+from delaymq.protocol.auth import require_server
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import RemoteProtocolError
 from delaymq.protocol.limits import DEFAULT_LIMITS, Limits
 from delaymq.protocol.routes import ServerKind
 from delaymq.protocol.serving import serve_frames
 from delaymq.protocol.transport import AsyncCaller, FrameServer, Peers, Request, open_peers, split_listen
+from delaymq.realtime.caps import DEFAULT_MAX_GROUPS, DEFAULT_MAX_SUBJECTS, check_cap
+from delaymq.realtime.clearfence import serve_clear_fence
 from delaymq.realtime.fences import load_fences
 from delaymq.realtime.master import MasterSettings, RealtimeMaster
 from delaymq.realtime.query import serve_query
 from delaymq.realtime.recovery import open_storage
 from delaymq.realtime.roles import MasterSession, Member, SlaveSession
+from delaymq.realtime.statistics import COUNTERS, RealtimeStatistics
 from delaymq.replication.membership import member_identity
 from delaymq.replication.roles import NotMaster, RoleLoop
 from delaymq.replication.wire import FetchRequest
@@ -57,54 +63,6 @@ Handler = Callable[[Request], Awaitable[Any]]
 
 #: How long a SEND, a PULL's hand-outs or an ACK wait for ``min_insync`` slaves under sync replication.
 DEFAULT_REPLICATION_TIMEOUT_MS = 5_000
-_COUNTERS = ("sends messages_stored duplicates pulls pulls_waiting messages_delivered acks nacks redeliveries "
-             "retries_scheduled retries_stored dead_letters retries_given_back consumers subjects indexed_offset "
-             "dedup_ids_in_memory checkpoints checkpoint_failures fenced fence_raises").split()  # fmt: skip
-
-
-@dataclass(frozen=True, slots=True)
-class RealtimeStatistics:
-    """A snapshot of a realtime server's counters."""
-
-    address: str
-    group: str
-    sends: int  # SEND requests answered
-    messages_stored: int
-    duplicates: int  # records answered "duplicate"
-    pulls: int  # PULL requests answered
-    pulls_waiting: int  # long polls parked right now
-    messages_delivered: int  # records handed out, redeliveries included
-    acks: int
-    nacks: int
-    redeliveries: int  # messages given back to their group (timeouts, dead consumers, nacks)
-    retries_scheduled: int  # nacked messages a scheduler took, to come back after their delay
-    retries_stored: int  # nacked messages retried at once (delay 0), appended here
-    dead_letters: int  # nacked messages of a last attempt, appended to their dead-letter subject
-    retries_given_back: int  # nacked messages no scheduler took: given back to the group at once
-    consumers: int  # consumers alive (pulled or heartbeated within the consumer timeout)
-    subjects: int
-    message_log_end: int
-    indexed_offset: int
-    dedup_ids_in_memory: int
-    checkpoints: int
-    checkpoint_failures: int
-    fenced: int  # SENDs refused for an older epoch of their scheduler group
-    fence_raises: int  # scheduler groups' epochs raised (committed) since start
-    role: str = "master"  # "master", "slave" or "waiting" (for the metaserver's word)
-    epoch: int = 0
-    master: str = ""  # the group's master as the metaserver says (this server's address standalone)
-    replication: dict[str, Any] = field(default_factory=dict)
-    # Lateness stages of the delay path, ms (``LatencyHistogram.to_wire``; ``delaymq bench delay``):
-    lateness_accepted: dict[str, Any] = field(default_factory=dict)  # SEND accepted - due, per record
-    lateness_handed_out: dict[str, Any] = field(default_factory=dict)  # PULL handed out - due, per record
-    message_log_fsyncs: int = 0  # fsyncs of the message log (its writer's)
-    acked_messages: int = 0  # pull-log entries settled by ACKs (each once), not requests
-    # (group, subject, messages not acked yet) of the pairs with the most lag (``MAX_LAG_SERIES``; master)
-    consumer_lag: list[tuple[str, str, int]] = field(default_factory=list)
-    log_bytes: dict[str, int] = field(default_factory=dict)  # "message" on disk; "consume", "pull" (master)
-    # How long fsyncs take, µs (``LatencyHistogram.to_wire``): "message" (the log writer's group
-    # commit), "checkpoint" (a master's checkpoint write: consume and pull logs, lmdb)
-    fsync_us: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 class RealtimeServer:
@@ -134,6 +92,7 @@ class RealtimeServer:
                 Command.FETCH: self._fetch,
                 Command.STATUS: self._status,
                 Command.QUERY: partial(serve_query, self),  # delaymq.realtime.query
+                Command.CLEAR_FENCE: partial(serve_clear_fence, self),  # delaymq.realtime.clearfence
             },
             limits=limits,
         )
@@ -195,7 +154,7 @@ class RealtimeServer:
 
     def statistics(self) -> RealtimeStatistics:
         master = self.master
-        counters = master.counters() if master is not None else dict.fromkeys(_COUNTERS, 0)
+        counters = master.counters() if master is not None else dict.fromkeys(COUNTERS, 0)
         writer = self.member.writer
         message_log = self.member.storage.message_log
         log_bytes = {"message": sum(size for _base, size in message_log.segments())}
@@ -312,6 +271,7 @@ class RealtimeServer:
         return answer
 
     async def _fetch(self, request: Request) -> tuple[dict[str, Any], bytes]:
+        require_server(request.identity, "FETCH", ServerKind.REALTIME.value, self.group)  # the log is every subject's
         fetch = FetchRequest.from_metadata(request.metadata)
         session = self.session
         if not isinstance(session, MasterSession) or session.source is None:
@@ -393,6 +353,8 @@ async def open_realtime_server(
     min_insync: int = 0,
     replication_timeout_ms: int = DEFAULT_REPLICATION_TIMEOUT_MS,
     peers: AsyncCaller | None = None,
+    max_subjects: int = DEFAULT_MAX_SUBJECTS,
+    max_groups: int = DEFAULT_MAX_GROUPS,
 ) -> AsyncIterator[RealtimeServer]:
     """Open the data folder, serve on ``listen`` until the block ends.
 
@@ -408,7 +370,10 @@ async def open_realtime_server(
     ``run_blocking`` runs the disk work (default: a worker thread; ``run_inline``
     for autojump tests); ``listen=None`` opens no listener (connections go to
     ``serve_stream``) and ``peers`` replaces the connections to other servers.
+    ``max_subjects`` and ``max_groups`` cap what SENDs and PULLs may create (``realtime.caps``).
     """
+    check_cap("max_subjects", max_subjects)
+    check_cap("max_groups", max_groups)
     check_max_record(limits.max_record)
     if checkpoint_interval_ms <= 0:
         raise ValueError(f"checkpoint_interval_ms must be positive, got {checkpoint_interval_ms}")
@@ -433,6 +398,8 @@ async def open_realtime_server(
         consumer_timeout_ms=consumer_timeout_ms,
         checkpoint_interval_ms=checkpoint_interval_ms,
         replication_timeout_ms=replication_timeout_ms,
+        max_subjects=max_subjects,
+        max_groups=max_groups,
     )
     async with open_blocking(
         partial(open_storage, root, segment_size=segment_size),

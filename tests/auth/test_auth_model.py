@@ -76,7 +76,7 @@ def _patterns(pool: list[str]) -> st.SearchStrategy[tuple[str, ...] | None]:
 
 @st.composite
 def entries(draw: st.DrawFn, number: int) -> Entry:
-    roles = frozenset(draw(st.lists(st.sampled_from([P, C, A, S]), min_size=1, max_size=4, unique=True)))
+    roles = frozenset(draw(st.lists(st.sampled_from([P, C, A, S, "metrics"]), min_size=1, max_size=4, unique=True)))
     servers = draw(_patterns(SERVER_PATTERNS)) if S in roles else None
     return Entry(
         f"secret-{number:02d}-0123456789",

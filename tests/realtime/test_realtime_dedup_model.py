@@ -1,8 +1,9 @@
 """The dedup window and its lmdb rows against a plain model, through checkpoints, failures,
 the memory cap and restarts.
 
-The model is a map of every stored id to when it was last stored: a record is a duplicate
-while its id was stored within the window. Whatever the order of appends, failed appends,
+The model is a map of every stored (subject, id) to when it was last stored: a record is a
+duplicate while its id was stored on its subject within the window (the same id on another
+subject is another message). Whatever the order of appends, failed appends,
 checkpoints written or failed (before lmdb, or after it with pruning failing), a memory cap
 of 1 to 100 ids, and crashes followed by a restart that loads lmdb and replays the log past
 the last checkpoint, ``admit`` (with ``lookup_stored`` where ``to_look_up`` asks) must answer
@@ -16,12 +17,16 @@ from pathlib import Path
 
 import pytest
 
+from delaymq.protocol.records import Message, encode_batch, scan_batch
 from delaymq.realtime import dedup as dedup_store
-from delaymq.realtime.dedup import DedupWindow
+from delaymq.realtime.dedup import DedupWindow, dedup_key, dedup_keys
 from delaymq.storage.state import StateStore
 
 WINDOW = 3000
-IDS = [f"i{n}" for n in range(12)]
+#: Records as (subject, id): every id on two subjects, as two tenants might send it.
+RECORDS = [(subject, f"i{n}") for subject in ("a.orders", "b.noise") for n in range(6)]
+KEYS = {record: dedup_key(record[1], record[0], 0) for record in RECORDS}
+RECORD_OF = {key: record for record, key in KEYS.items()}
 
 
 def write_checkpoint(store: StateStore, buckets: list[int], batches: list[tuple[list[str], int]], now: int) -> None:
@@ -43,7 +48,7 @@ def run(folder: Path, seed: int, memory_ids: int) -> None:
         now = 10_000
         window = DedupWindow(window_ms=WINDOW, memory_ids=memory_ids, covers_from=now)
         buckets: list[int] = []
-        truth: dict[str, int] = {}  # id -> stored_at of its latest stored copy
+        truth: dict[tuple[str, str], int] = {}  # (subject, id) -> stored_at of its latest stored copy
         log: list[tuple[list[str], int]] = []  # indexed batches (ids, stored_at) in order
         durable = 0  # batches covered by the lmdb checkpoint
         inflight: list[tuple[list[str], int]] = []  # (ids, admitted_at)
@@ -52,22 +57,21 @@ def run(folder: Path, seed: int, memory_ids: int) -> None:
             roll = rng.random()
             now += rng.choice([0, 1, 7, 100, 400, 1000, 2500])
             if roll < 0.45:
-                ids = rng.sample(IDS, rng.randint(1, 4))
+                records = rng.sample(RECORDS, rng.randint(1, 4))
                 if rng.random() < 0.2:
-                    ids.append(ids[0])
+                    records.append(records[0])
+                ids = [KEYS[record] for record in records]
                 busy = {message_id for appending, _ in inflight for message_id in appending}
                 if busy & set(ids):
                     continue
                 unsure = window.to_look_up(ids, now)
                 stored: set[str] = dedup_store.lookup_stored(store, unsure, now - WINDOW) if unsure else set()
                 answered = window.admit(ids, now, stored)
-                seen: set[str] = set()
+                seen: set[tuple[str, str]] = set()
                 expected: list[bool] = []
-                for message_id in ids:
-                    expected.append(
-                        message_id not in seen and not (message_id in truth and truth[message_id] > now - WINDOW)
-                    )
-                    seen.add(message_id)
+                for record in records:
+                    expected.append(record not in seen and not (record in truth and truth[record] > now - WINDOW))
+                    seen.add(record)
                 assert answered == expected, (seed, step, ids, answered, expected, truth, now, window.covers_from)
                 kept = [message_id for message_id, new in zip(ids, answered) if new]
                 if kept:
@@ -79,7 +83,7 @@ def run(folder: Path, seed: int, memory_ids: int) -> None:
                 else:
                     window.indexed(kept, now, base=len(log))
                     log.append((kept, now))
-                    truth.update(dict.fromkeys(kept, now))
+                    truth.update(dict.fromkeys(map(RECORD_OF.__getitem__, kept), now))
             elif roll < 0.8 and checkpoint is None:
                 checkpoint = (window.take_unpersisted(), len(log))
             elif roll < 0.92 and checkpoint is not None:
@@ -107,7 +111,7 @@ def run(folder: Path, seed: int, memory_ids: int) -> None:
                 for ids, _ in replay:
                     window.indexed(ids, now, base=len(log))
                     log.append((ids, now))
-                    truth.update(dict.fromkeys(ids, now))
+                    truth.update(dict.fromkeys(map(RECORD_OF.__getitem__, ids), now))
     finally:
         store.close()
 
@@ -116,3 +120,21 @@ def run(folder: Path, seed: int, memory_ids: int) -> None:
 @pytest.mark.parametrize("seed", range(25))
 def test_the_window_answers_as_a_map_of_stored_times(tmp_path: Path, seed: int, memory_ids: int) -> None:
     run(tmp_path, seed, memory_ids)
+
+
+def test_dedup_keys_are_per_subject_whatever_the_shape_of_the_batch() -> None:
+    mixed = scan_batch(encode_batch([Message("x", "a.orders"), Message("x", "b.noise"), Message("y", "a.orders")]))
+    keys = dedup_keys(mixed)
+    assert keys == [dedup_key("x", "a.orders", 0), dedup_key("x", "b.noise", 0), dedup_key("y", "a.orders", 0)]
+    assert len(set(keys)) == 3
+    single = scan_batch(encode_batch([Message("x", "a.orders"), Message("y", "a.orders")]))
+    assert dedup_keys(single) == [keys[0], keys[2]]  # the one-subject path makes the same keys
+    retry = scan_batch(encode_batch([Message("x", "%retry%g%a.orders", attempts=1)]))
+    assert dedup_keys(retry) == [dedup_key("x", "%retry%g%a.orders", 1)] and dedup_keys(retry)[0] not in keys
+    window = DedupWindow(window_ms=1000, memory_ids=100, covers_from=0)
+    assert window.admit(keys[1:2], now=10) == [True]  # x on b.noise first ...
+    window.indexed(keys[1:2], 10, base=0)
+    assert window.admit(keys, now=11) == [True, False, True]  # ... leaves x on a.orders new
+    window.indexed([keys[0], keys[2]], 11, base=100)
+    # QUERY by id finds the newest copy, and a retry's key never answers for its id.
+    assert window.locate(["x", "y", "z"], now=12) == {"x": (11, 100, 0), "y": (11, 100, 1)}

@@ -284,7 +284,7 @@ async def test_replay_after_a_crash_readds_the_retry_dedup_keys(tmp_path: Path) 
         indexer.close()
     finally:
         log.close()
-    assert keys == ["m1", dedup_key("m1", "%retry%g%orders", 3)]
+    assert keys == [dedup_key("m1", "orders", 0), dedup_key("m1", "%retry%g%orders", 3)]
     assert keys[1] != dedup_key("m1", "%retry%other%orders", 3)
 
 
