@@ -116,3 +116,56 @@ async def test_a_consumer_token_limited_to_orders_cannot_pull_payments(tmp_path:
                 ) as consumer:
                     await consumer.receive()
         assert "subject 'payments'" in str(refused.value) and "not allowed for 'orders-service'" in str(refused.value)
+
+
+async def test_a_producer_cannot_carry_a_schedulers_fence_and_delayed_delivery_goes_on(
+    tmp_path: Path, tokens_file: Path
+) -> None:
+    """A SEND with the scheduler group's fence at the highest epoch, from a producer: refused, nothing fenced."""
+    async with open_cluster(tmp_path, tokens_file) as cluster:
+        group = cluster.scheduler.group
+        fence = {"fence": {"group": group, "epoch": 2**63 - 1}}
+        batch = encode_batch([Message(new_message_id(), "orders.eu", body=b"x")])
+        async with open_peers(limits=cluster.client(PRODUCER)) as peers:
+            with pytest.raises(PeerError) as refused:
+                await peers.call(cluster.realtime.address or "", Command.SEND, fence, batch, timeout=WAIT)
+        assert refused.value.code == FORBIDDEN and refused.value.field == "servers"
+        assert f"may not act as server scheduler:{group}" in str(refused.value)
+        assert cluster.realtime.statistics().messages_stored == 0
+        async with open_consumer(
+            cluster.address, "orders.eu", group="billing", start="earliest", limits=cluster.client(ORDERS)
+        ) as consumer:
+            async with open_producer(cluster.address, limits=cluster.client(ORDERS)) as producer:
+                [sent] = await producer.send_batch([producer.message("orders.eu", b"later", delay=0.2)])
+            with trio.fail_after(WAIT):
+                message = await consumer.receive()  # the scheduler's own fenced SEND still gets through
+        assert message.id == sent
+
+
+async def test_a_consumer_token_cannot_pull_ack_or_nack_as_another_teams_group(
+    tmp_path: Path, tokens_file: Path
+) -> None:
+    """orders-service may consume as billing*; as shipping, or shipping's dead letters, it is refused,
+    and shipping's consumers still get every message."""
+    async with open_cluster(tmp_path, tokens_file) as cluster:
+        async with open_producer(cluster.address, limits=cluster.client(ORDERS)) as producer:
+            [sent] = await producer.send_batch([producer.message("orders.eu", b"for shipping")])
+        address = cluster.realtime.address or ""
+        asks = [
+            (Command.PULL, {"group": "shipping", "consumer": "intruder", "subject": "orders.eu", "max": 10}),
+            (Command.ACK, {"group": "shipping", "consumer": "intruder", "subject": "orders.eu", "start": 0, "end": 1}),
+            (Command.NACK, {"group": "shipping", "consumer": "intruder", "subject": "orders.eu", "start": 0, "end": 1}),
+            (Command.PULL, {"group": "billing", "consumer": "c", "subject": "%dead%shipping%orders.eu", "max": 10}),
+        ]
+        async with open_peers(limits=cluster.client(ORDERS)) as peers:
+            for command, metadata in asks:
+                with pytest.raises(PeerError) as refused:
+                    await peers.call(address, command, metadata, timeout=WAIT)
+                assert refused.value.code == FORBIDDEN and refused.value.field == "group", refused.value
+                assert "'shipping'" in str(refused.value) and "orders-service" in str(refused.value)
+        async with open_consumer(
+            cluster.address, "orders.eu", group="shipping", start="earliest", limits=cluster.client(CONSUMER)
+        ) as consumer:
+            with trio.fail_after(WAIT):
+                message = await consumer.receive()
+        assert message.id == sent and message.attempts == 0
