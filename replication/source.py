@@ -39,7 +39,8 @@ DEFAULT_LAG_MS = 10_000
 DEFAULT_JOURNAL_ENTRIES = 65_536
 #: How often a replication wait looks again whether a silent slave left the in-sync set.
 _RECHECK_S = 0.25
-#: A slave silent this long no longer holds back the deletion of message-log segments.
+#: A slave silent this long, or out of sync and stuck at one offset this long, no longer
+#: holds back the deletion of message-log segments.
 DEFAULT_RETAIN_FOR_MS = 600_000
 
 
@@ -50,6 +51,8 @@ class _Replica:
     caught_up_ms: int | None  # monotonic: the last fetch that held everything durable
     session: str | None = None
     seq: int = 0  # journal entries of ``session`` it holds
+    advanced_ms: int = 0  # monotonic: when ``acked`` last grew (or it was first heard from)
+    stalled: bool = False  # logged as no longer holding back deletion, until it advances
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,9 +235,25 @@ class ReplicationSource:
             await self._acks.wait()
 
     def retain_from(self) -> int | None:
-        """The lowest offset a slave heard from lately still needs (None: no such slave)."""
+        """The lowest offset a slave still needs (None: no such slave): one heard from within
+        ``retain_for_ms`` that is in sync or has advanced within ``retain_for_ms``. A slave
+        that keeps fetching from one offset while the log moves on (a broken one, or a
+        client posing as one) would otherwise keep every segment after it for good."""
         now = self._clock.monotonic_ms()
-        needed = [r.acked for r in self._replicas.values() if now - r.fetched_ms < self._retain_for_ms]
+        window = self._retain_for_ms
+        needed = []
+        for address, r in self._replicas.items():
+            if now - r.fetched_ms >= window:
+                continue
+            if now - r.advanced_ms < window or self._is_in_sync(r, now):
+                needed.append(r.acked)
+            elif not r.stalled:
+                r.stalled = True
+                log.warning(
+                    "slave %s has fetched from offset %d for %d ms without advancing and is not in sync "
+                    "(master durable end %d): it no longer holds back deletion of message-log segments",
+                    address, r.acked, now - r.advanced_ms, self._log.flushed_offset,
+                )  # fmt: skip
         return min(needed) if needed else None
 
     def statistics(self) -> SourceStatistics:
@@ -318,10 +337,16 @@ class ReplicationSource:
         replica = self._replicas.get(request.address)
         was_in_sync = replica is not None and self._is_in_sync(replica, now)
         if replica is None:
-            replica = self._replicas[request.address] = _Replica(request.offset, now, None)
+            replica = self._replicas[request.address] = _Replica(request.offset, now, None, advanced_ms=now)
             log.info(
                 "slave %s fetches from offset %d (master durable end %d)", request.address, request.offset, durable
             )
+        elif request.offset > replica.acked:
+            replica.advanced_ms = now
+            if replica.stalled:
+                replica.stalled = False
+                log.info("slave %s advances again (offset %d): it holds back deletion again", request.address,
+                         request.offset)  # fmt: skip
         replica.acked = request.offset
         replica.fetched_ms = now
         replica.session, replica.seq = request.session, request.seq

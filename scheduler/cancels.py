@@ -8,7 +8,10 @@ they do not say yet (docs/cancel.md):
   at ``deliver_at``, or cancelled), so a SCHEDULE of an id accepted a moment ago is a
   duplicate and a QUERY sees it; plus the keys being appended right now. A filed entry
   stays a little longer while a lookup that started before its filing runs
-  (``begin_lookup``), so no lookup misses it both in lmdb and here.
+  (``begin_lookup``), so no lookup misses it both in lmdb and here. It knows each
+  message's subject and moves a message whose id a later one of another subject takes
+  to its displaced key, as filing will (``delaymq.scheduler.idindex``); ``fresh_records``
+  decides duplicates per (subject, id) from it and the index (``look_up_fresh``).
 - ``Holds``: the entries a cancel (or move) holds back from firing: while it is made
   durable (then a handed-out entry is parked; ``release`` gives it back to fire if the
   write failed), and once durable until replay has filed the cancel (lmdb
@@ -25,13 +28,21 @@ from that moment it is never handed out unless the cancel's write fails.
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import islice, repeat
 from operator import is_
 from typing import ClassVar, NamedTuple, Protocol
 
-from delaymq.scheduler.idindex import SCHEDULED, IdEntry, lookup
+from delaymq.scheduler.idindex import (
+    DISPLACED_DB,
+    SCHEDULED,
+    IdEntry,
+    displaced_key,
+    filed_subjects,
+    lookup,
+)
 from delaymq.scheduler.schedulelog import ScheduleStore
 from delaymq.scheduler.wheelset import Due, WheelSet
 from delaymq.wheel import hour_of
@@ -52,10 +63,17 @@ class TailEntry(NamedTuple):
     end: int  # message-log offset after that record: filed once the checkpoint reaches it
     state: int  # idindex.SCHEDULED or idindex.CANCELLED
     key_hash: bytes | None
+    subject: str | None = None  # of the message; None under a displaced key (the key names it)
+    #: Under a displaced key: the index knows the message itself (filed, maybe delivered since)
+    #: once the checkpoint reaches this; 0: at ``end``.
+    record_end: int = 0
 
     def entry(self, key: str) -> TailEntry:
         """Itself: what the tail holds for ``key`` answers ``entry`` alike, a batch or an entry."""
         return self
+
+    def subject_of(self, key: str) -> str | None:
+        return self.subject
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -72,13 +90,28 @@ class ScheduledBatch:
     ends: Sequence[int]
     offset: int  # message-log offset of the first appended record
     end: int  # message-log offset after the last: filed once the checkpoint reaches it
+    subjects: Sequence[str] | None = None  # each record's subject, in log order
+    #: Index of each key's last record (an id may come twice, under two subjects), made when first asked.
+    positions: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
     state: ClassVar[int] = SCHEDULED
 
     def entry(self, key: str) -> TailEntry:
-        i = self.keys.index(key)
+        return self.entry_at(self.position(key))
+
+    def entry_at(self, i: int) -> TailEntry:
         starts, ends = self.starts, self.ends
         source = self.offset + sum(ends[k] - starts[k] for k in self.kept[:i])
-        return TailEntry(self.deliver_ats[i], source, self.end, SCHEDULED, self.key_hashes[i])
+        subject = self.subjects[i] if self.subjects is not None else None
+        return TailEntry(self.deliver_ats[i], source, self.end, SCHEDULED, self.key_hashes[i], subject)
+
+    def position(self, key: str) -> int:
+        positions = self.positions
+        if not positions:
+            positions.update(zip(self.keys, range(len(self.keys))))
+        return positions[key]
+
+    def subject_of(self, key: str) -> str | None:
+        return self.subjects[self.position(key)] if self.subjects is not None else None
 
 
 #: What the tail holds per key: a CANCEL's or MOVE's entry, or the SCHEDULE batch that set it.
@@ -96,9 +129,12 @@ class Tail:
         self._epoch = 0
         self._lookups: Counter[int] = Counter()
 
-    def add(self, entries: list[tuple[str, TailEntry]] | ScheduledBatch, end: int) -> None:
-        """Records up to message-log offset ``end`` set these keys (appended, in log order)."""
+    def add(self, entries: list[tuple[str, TailEntry]] | ScheduledBatch, end: int, *, overlap: bool = True) -> None:
+        """Records up to message-log offset ``end`` set these keys (appended, in log order).
+        ``overlap`` False: no key of the batch is in the tail nor twice in it (nothing moves)."""
         keys = self.keys
+        if overlap:
+            self._displace(entries, end)
         if isinstance(entries, ScheduledBatch):
             self.ids.update(zip(entries.keys, repeat(entries)))
             if entries.key_hashes.count(None) != len(entries.key_hashes):
@@ -112,6 +148,64 @@ class Tail:
                     keys.setdefault(entry.key_hash, set()).add(key)
         self._unfiled.append((end, entries))
 
+    def _displace(self, entries: list[tuple[str, TailEntry]] | ScheduledBatch, end: int) -> None:
+        """Where an id the records take was held by a message of another subject (in the tail,
+        or earlier among them), that message moves to its displaced key, as filing will move
+        it: that entry is filed with these records (``end``)."""
+        ids = self.ids
+        entry_at: Callable[[int], TailEntry]
+        items: list[tuple[str, str | None]]
+        if isinstance(entries, ScheduledBatch):
+            if entries.subjects is None:
+                return
+            items = list(zip(entries.keys, entries.subjects))
+            entry_at = entries.entry_at
+        else:
+            items = [(key, entry.subject) for key, entry in entries]
+            entry_at = [entry for _key, entry in entries].__getitem__
+        latest: dict[str, int] = {}  # id -> its latest record among these so far
+        for i, (key, subject) in enumerate(items):
+            if subject is None or "\x00" in key:
+                continue
+            j = latest.get(key)
+            latest[key] = i
+            before: Callable[[], TailEntry]
+            if j is not None:
+                holder, before = items[j][1], partial(entry_at, j)
+            else:
+                held = ids.get(key)
+                if held is None:
+                    continue
+                holder, before = held.subject_of(key), partial(held.entry, key)
+            if holder is None or holder == subject:
+                continue
+            moved = before()
+            own = moved.record_end or moved.end
+            self._put(displaced_key(key, holder), moved._replace(end=end, subject=None, record_end=own), end)
+
+    def _put(self, key: str, entry: TailEntry, end: int) -> None:
+        self.ids[key] = entry
+        if entry.key_hash is not None:
+            self.keys.setdefault(entry.key_hash, set()).add(key)
+        self._unfiled.append((end, [(key, entry)]))
+
+    def state_of(self, key: str, subject: str | None, checkpoint: int) -> int | None:
+        """The tail's word on the message (``subject``, id ``key``): SCHEDULED, CANCELLED, or None
+        (ask the index, read from ``checkpoint`` on). ``subject`` None: on whatever message holds
+        ``key``. A message another subject's record took the id from answers only until its own
+        record is filed: it may be delivered since, which the index knows."""
+        held = self.ids.get(key)
+        if held is None:
+            return None
+        if subject is not None:
+            holder = held.subject_of(key)
+            if holder is not None and holder != subject:
+                moved = self.ids.get(displaced_key(key, subject))
+                if moved is None or 0 < moved.record_end <= checkpoint:  # type: ignore[union-attr]
+                    return None
+                return moved.state
+        return held.state
+
     def unfiled(self, key: str, checkpoint: int) -> TailEntry | None:
         """The tail's word on ``key`` if replay has not filed it (None: ask the index)."""
         held = self.ids.get(key)
@@ -120,7 +214,8 @@ class Tail:
         return held.entry(key)
 
     def with_key(self, hashed: bytes) -> list[str]:
-        return [key for key in self.keys.get(hashed, ()) if self.ids[key].entry(key).key_hash == hashed]
+        ids = self.ids
+        return [key for key in self.keys.get(hashed, ()) if key in ids and ids[key].entry(key).key_hash == hashed]
 
     def filed(self, checkpoint: int) -> None:
         """Replay filed everything below ``checkpoint``."""
@@ -151,20 +246,22 @@ class Tail:
             if isinstance(entries, ScheduledBatch):
                 keys, hashes = entries.keys, entries.key_hashes
                 if all(map(is_, map(ids.get, keys), repeat(entries))) and hashes.count(None) == len(keys):
-                    deque(map(ids.__delitem__, keys), 0)  # the common case: no key set again since
+                    deque(map(ids.pop, keys, repeat(None)), 0)  # the common case: no key set again since
                     continue
                 held_keys = zip(keys, repeat(entries), hashes)
             else:
                 held_keys = ((key, entry, entry.key_hash) for key, entry in entries)
+            gone: set[str] = set()  # an id may come twice in a batch (two subjects), each with its key
             for key, held, hashed in held_keys:
                 if ids.get(key) is held:
                     del ids[key]
-                    if hashed is not None:
-                        same = self.keys.get(hashed)
-                        if same is not None:
-                            same.discard(key)
-                            if not same:
-                                del self.keys[hashed]
+                    gone.add(key)
+                if hashed is not None and key in gone:
+                    same = self.keys.get(hashed)
+                    if same is not None:
+                        same.discard(key)
+                        if not same:
+                            del self.keys[hashed]
 
 
 class Firing(Protocol):
@@ -304,6 +401,85 @@ def look_up(store: ScheduleStore, keys: list[str]) -> list[tuple[IdEntry | None,
     return [(v, v is not None and (v.hour, v.entry) in logged) for v in values]
 
 
+#: The index's word on each record of a SCHEDULE: the value of its (subject, id) and whether
+#: its entry is delivered; None for the whole batch when no key can be in the index.
+Found = list[tuple[IdEntry | None, bool]] | None
+
+
+def fresh_records(
+    tail: Tail, keys: list[str], subjects: Sequence[str], found: Found, checkpoint: int
+) -> tuple[list[bool], bool]:
+    """Which records of a SCHEDULE are new, and whether any key was in the tail or came twice.
+
+    A record is a duplicate if its (subject, id) is scheduled and not delivered: in the
+    unfiled tail (``Tail.state_of``) or else in the index (``found``, ``look_up_fresh``, read
+    from ``checkpoint`` on), or came earlier in the batch. The same id on another subject
+    is another message (a retry's key names its subject already)."""
+    ids = tail.ids
+    if ids.keys().isdisjoint(keys) and len(set(keys)) == len(keys):
+        # The common case: no key in the tail, none twice: the index alone decides.
+        if found is None:
+            return [True] * len(keys), False
+        return [value is None or value.state != SCHEDULED or logged for value, logged in found], False
+    fresh = []
+    seen: set[tuple[str, str | None]] = set()
+    for i, k in enumerate(keys):
+        subject = subjects[i] if "\x00" not in k else None
+        if (k, subject) in seen:
+            fresh.append(False)
+            continue
+        seen.add((k, subject))
+        state = tail.state_of(k, subject, checkpoint)
+        if state is not None:
+            fresh.append(state != SCHEDULED)
+            continue
+        value, logged = (None, False) if found is None else found[i]
+        fresh.append(value is None or value.state != SCHEDULED or logged)
+    return fresh, True
+
+
+def look_up_fresh(store: ScheduleStore, keys: list[str], subjects: Sequence[str]) -> Found:
+    """The index's word on each record's (subject, id): its id's value if the message holding
+    the id is of that subject, otherwise that of its displaced key, and whether it is
+    delivered. The holder's record is read only for an id scheduled and not delivered (is it
+    this subject's duplicate?); a displaced key only when the index may hold one for the id.
+    Blocking, like ``look_up``."""
+    found = look_up(store, keys)
+    state = store.state
+    try:
+        highest = state.highest_key(DISPLACED_DB)
+    except KeyError:
+        highest = b"\xff"
+    if not highest and not any(value for value, _logged in found):
+        return found  # no id indexed, and no message ever displaced
+    ask: list[int] = []  # records whose (subject, id) may be under a displaced key
+    held: list[int] = []  # records whose id a message scheduled and not delivered holds
+    for i, (value, logged) in enumerate(found):
+        k = keys[i]
+        if "\x00" in k:
+            continue
+        if value is not None and value.state == SCHEDULED and not logged:
+            held.append(i)
+        elif highest and k.encode() + b"\x00\x00" <= highest:
+            ask.append(i)
+    if held:
+        holders = filed_subjects(store.directory, [found[i][0] for i in held])  # type: ignore[misc]
+        for i, holder in zip(held, holders):
+            if holder is not None and holder != subjects[i].encode():  # another subject's message
+                found[i] = (None, False)
+                ask.append(i)
+    if ask:
+        moved = lookup(state, [displaced_key(keys[i], subjects[i]) for i in ask])
+        for i, value in zip(ask, moved):
+            if value is not None:
+                found[i] = (value, _delivered(store, value))
+    return found
+
+
+def _delivered(store: ScheduleStore, value: IdEntry) -> bool:
+    return value.state == SCHEDULED and store.delivered_among(value.hour, [value.entry])[0]
+
+
 class RecentDispatches:
     """When realtime accepted the latest ``RECENT_DISPATCHES`` dispatches (epoch ms), or a
     quarter more: the oldest are let go a quarter at a time (one dict copy, not one pop each)."""
@@ -333,6 +509,8 @@ __all__ = [
     "Tail",
     "TailEntry",
     "ScheduledBatch",
+    "fresh_records",
     "handed_out",
     "look_up",
+    "look_up_fresh",
 ]

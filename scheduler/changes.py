@@ -28,9 +28,13 @@ from delaymq.scheduler.idindex import (
     SCHEDULED,
     IdEntry,
     cancel_record,
+    filed_subjects,
     ids_for_key,
+    is_displaced,
     key_hash,
+    message_id_of,
     move_record,
+    record_subject,
 )
 from delaymq.storage.errors import StorageError, storage_refusal
 
@@ -41,6 +45,10 @@ if TYPE_CHECKING:
     from delaymq.storage.threads import RunBlocking
     from delaymq.storage.writer import LogWriter
     from delaymq.wheel.clock import Clock
+
+
+#: Where each key's message is now: ``(state, its value or tail entry, in the dispatch log?)``.
+States = dict[str, tuple[str, Any, bool]]
 
 
 class ChangeCommands:
@@ -85,10 +93,14 @@ class ChangeCommands:
         if selector.key is None:  # by key, ``_selected`` read the pages already
             await self._run_blocking(partial(look_up, self.store, keys))  # the pages, for the look below
         states = self._states_now(session, keys)
+        while not _carry_key(selector, states):  # an id goes to another message once filed
+            await self._next_filing(session, "QUERY")
+            keys = await self._selected(session, selector)
+            states = self._states_now(session, keys)
         results = []
         for k in keys:
             state, value, _logged = states[k]
-            answer: dict[str, Any] = {"id": k, "state": "scheduled" if state == "unfiled" else state}
+            answer: dict[str, Any] = {"id": message_id_of(k), "state": "scheduled" if state == "unfiled" else state}
             if value is not None:
                 answer.update(deliver_at=value.deliver_at, hour=value.deliver_at // HOUR_MS, group=self.group)
                 if state == "delivered" and isinstance(value, IdEntry):
@@ -112,8 +124,12 @@ class ChangeCommands:
         hashed = key_hash(selector.subject, selector.key)
         in_tail = tail.with_key(hashed)
         # A tail entry that moved the key elsewhere (or cancelled it) still names it: its state decides.
-        keys = [k for k in dict.fromkeys([*found, *in_tail]) if "\x00" not in k]
-        return keys
+        # Retries have keys of their own (not the message's); a displaced message is the subject's.
+        keys = [k for k in dict.fromkeys([*found, *in_tail]) if "\x00" not in k or is_displaced(k)]
+        # An id under its own key and displaced too: the displaced message is the older one, done
+        # before the other was scheduled (or that would have been a duplicate).
+        held = {k for k in keys if "\x00" not in k}
+        return [k for k in keys if not is_displaced(k) or message_id_of(k) not in held]
 
     def _states_now(
         self, session: MasterSession, keys: list[str]
@@ -158,30 +174,7 @@ class ChangeCommands:
             request.metadata, command=command, limits=self._limits, now_ms=self._clock.now_ms(), move=move
         )
         await session.mastership.confirm()
-        keys = await self._selected(session, selector)
-        records: dict[str, tuple[int | None, int | None, bytes]] = {}  # MOVE: key -> (hour, entry, record) read
-        warm = selector.key is not None  # by key, ``_selected`` read the pages already
-        while True:
-            if not warm:
-                await self._run_blocking(partial(look_up, self.store, keys))  # the pages, for the look below
-            warm = False
-            if self.session is not session or not session.accepting:
-                raise NotMaster(f"{command}: scheduler {self.address or '-'} stopped being master; ask the metaserver")
-            states = self._states_now(session, keys)
-            wait = [k for k, (state, _v, _l) in states.items() if state in ("busy", "unfiled")]
-            if wait:
-                await self._wait_settled(session, states, wait, command)
-                continue
-            changing = [k for k, (state, _v, _l) in states.items() if state == "scheduled"]
-            if move:
-                wanted = [k for k in changing if records.get(k, (None, None))[:2] != _place(states[k][1])]
-                if wanted:
-                    places = [_place(states[k][1]) for k in wanted]
-                    read = await self._run_blocking(partial(_read_records, self.store, places))
-                    for k, (hour, entry), record in zip(wanted, places, read):
-                        records[k] = (hour, entry, record)
-                    continue  # decide again: nothing may have changed while reading
-            break
+        keys, states, changing, read = await self._decide(session, selector, command)
         results = self._answers(command, keys, states, selector.deliver_at)
         if not changing:
             return {"results": results}
@@ -193,7 +186,7 @@ class ChangeCommands:
             holds.append(session.holds.hold(value.hour, value.entry))
         if move:
             assert selector.deliver_at is not None
-            moved = [redeliver_at(records[k][2], selector.deliver_at) for k in changing]
+            moved = [redeliver_at(read[k][2], selector.deliver_at) for k in changing]
             data = move_record(moved)
         else:
             data = cancel_record(changing, taken_at=self._clock.now_ms())
@@ -211,19 +204,58 @@ class ChangeCommands:
             session.cancelling.end(done)
         session.holds.settle(holds, offset)
         end = offset + len(data)
-        entries = []
-        position = offset + HEADER_SIZE  # the envelope header of the MOVE record
-        for k in changing:
-            value = states[k][1]
-            assert isinstance(value, IdEntry)
-            if move:
-                assert selector.deliver_at is not None
-                entries.append((k, TailEntry(selector.deliver_at, position, end, SCHEDULED, value.key_hash)))
-                position += len(records[k][2])
-            else:
-                entries.append((k, TailEntry(value.deliver_at, offset, end, CANCELLED, value.key_hash)))
+        if move:
+            assert selector.deliver_at is not None
+            entries = _moved_entries(changing, states, read, offset, end, selector.deliver_at)
+        else:
+            entries = []
+            for k in changing:
+                value = states[k][1]
+                assert isinstance(value, IdEntry)
+                subject = read[k][2] if k in read else None
+                entries.append((k, TailEntry(value.deliver_at, offset, end, CANCELLED, value.key_hash, subject)))
         await self._logged(session, entries, end, command)
         return {"results": results}
+
+    async def _decide(
+        self, session: MasterSession, selector: Selector, command: str
+    ) -> tuple[list[str], States, list[str], dict[str, tuple[int | None, int | None, Any]]]:
+        """The keys a CANCEL or MOVE names, where each message is now (decided on the event loop
+        with no await after the last look), the keys to change, and what was read of each of
+        them: a MOVE's record (to file again), a CANCEL's subject (for the tail, ``Tail``)."""
+        move = command == "MOVE"
+        keys = await self._selected(session, selector)
+        read: dict[str, tuple[int | None, int | None, Any]] = {}  # key -> (hour, entry, record or subject)
+        warm = selector.key is not None  # by key, ``_selected`` read the pages already
+        while True:
+            if not warm:
+                await self._run_blocking(partial(look_up, self.store, keys))  # the pages, for the look below
+            warm = False
+            if self.session is not session or not session.accepting:
+                raise NotMaster(f"{command}: scheduler {self.address or '-'} stopped being master; ask the metaserver")
+            states = self._states_now(session, keys)
+            if not _carry_key(selector, states):  # an id goes to another message once filed
+                await self._next_filing(session, command)
+                keys = await self._selected(session, selector)
+                warm = True
+                continue
+            wait = [k for k, (state, _v, _l) in states.items() if state in ("busy", "unfiled")]
+            if wait:
+                await self._wait_settled(session, states, wait, command)
+                continue
+            changing = [k for k, (state, _v, _l) in states.items() if state == "scheduled"]
+            wanted = [
+                k
+                for k in changing
+                if (move or "\x00" not in k) and read.get(k, (None, None))[:2] != _place(states[k][1])
+            ]
+            if not wanted:
+                return keys, states, changing, read
+            places = [_place(states[k][1]) for k in wanted]
+            reader = _read_records if move else _subjects
+            got: list[Any] = await self._run_blocking(partial(reader, self.store, places))
+            read.update((k, (hour, entry, item)) for k, (hour, entry), item in zip(wanted, places, got))
+            # decide again: nothing may have changed while reading
 
     async def _wait_settled(
         self, session: MasterSession, states: dict[str, tuple[str, Any, bool]], wait: list[str], command: str
@@ -246,6 +278,17 @@ class ChangeCommands:
                 StorageError("replay has not reached the record"),
             )
 
+    async def _next_filing(self, session: MasterSession, command: str) -> None:
+        """Wait for replay's next step (the keys a request selected are then looked up again)."""
+        session.replay_alarm.poke()
+        with trio.move_on_after(self._replication_timeout_ms / 1000) as waited:
+            await session.step_filed.wait()
+        if waited.cancelled_caught:
+            raise storage_refusal(
+                f"{command}: a message of the key is not filed yet (replay is behind); try again",
+                StorageError("replay has not reached the record"),
+            )
+
     def _answers(
         self, command: str, keys: list[str], states: dict[str, tuple[str, Any, bool]], moved_to: int | None
     ) -> list[dict[str, Any]]:
@@ -253,7 +296,7 @@ class ChangeCommands:
         out = []
         for k in keys:
             state, value, _logged = states[k]
-            answer: dict[str, Any] = {"id": k}
+            answer: dict[str, Any] = {"id": message_id_of(k)}
             if state == "scheduled":
                 answer["state"] = done
             elif state == "cancelled":
@@ -272,6 +315,17 @@ class ChangeCommands:
         return out
 
 
+def _carry_key(selector: Selector, states: dict[str, tuple[str, Any, bool]]) -> bool:
+    """Whether each message found by subject and key still carries that key: a record filed
+    since the keys were selected may have given one of the ids to a message of another
+    subject (or another key), which the request must not touch."""
+    if selector.key is None:
+        return True
+    assert selector.subject is not None
+    hashed = key_hash(selector.subject, selector.key)
+    return all(value is None or value.key_hash == hashed for _state, value, _logged in states.values())
+
+
 def _ids_and_pages(store: ScheduleStore, subject: str, key: str) -> list[str]:
     """The index keys filed with (``subject``, ``key``), their values and dispatch logs read
     too (in memory for the decision on the event loop): one thread hop, not two."""
@@ -282,6 +336,38 @@ def _ids_and_pages(store: ScheduleStore, subject: str, key: str) -> list[str]:
 
 def _read_records(store: ScheduleStore, places: list[Any]) -> list[bytes]:
     return [store.read_record(hour, entry) for hour, entry in places]
+
+
+def _subjects(store: ScheduleStore, places: list[Any]) -> list[str | None]:
+    """The subject of each filed entry (None: its record cannot be read). Blocking."""
+    values = [IdEntry(hour * HOUR_MS, entry, 0, SCHEDULED, None) for hour, entry in places]
+    return [None if subject is None else subject.decode() for subject in filed_subjects(store.directory, values)]
+
+
+def _moved_entries(
+    changing: list[str],
+    states: States,
+    records: dict[str, tuple[int | None, int | None, Any]],
+    offset: int,
+    end: int,
+    deliver_at: int,
+) -> list[tuple[str, TailEntry]]:
+    """The tail's entries for a MOVE record at ``offset``: each moved message scheduled anew
+    under its id (filing files it there, as a new SCHEDULE of it); one moved from a displaced
+    key leaves that key cancelled."""
+    entries = []
+    position = offset + HEADER_SIZE  # the envelope header of the MOVE record
+    for k in changing:
+        value = states[k][1]
+        assert isinstance(value, IdEntry)
+        record = records[k][2]
+        subject = None if "\x00" in k and not is_displaced(k) else record_subject(record, 0).decode()
+        if is_displaced(k):
+            entries.append((k, TailEntry(value.deliver_at, offset, end, CANCELLED, value.key_hash)))
+        moved = TailEntry(deliver_at, position, end, SCHEDULED, value.key_hash, subject)
+        entries.append((message_id_of(k) if is_displaced(k) else k, moved))
+        position += len(record)
+    return entries
 
 
 def _place(value: object) -> tuple[int, int] | tuple[None, None]:

@@ -6,13 +6,21 @@ that files the records they describe (so they move together with the checkpoint)
 
     scheduler.ids   key: index key (UTF-8)        value: deliver_at i64, entry u32, source i64,
                                                          state u8 [, key hash 16 bytes]
+    scheduler.displaced  key: id NUL NUL subject-hash   value: as scheduler.ids
     scheduler.keys  key: key hash 16 bytes + index key   value: empty
     scheduler.cancelled  key: hour u32, entry u32       value: source i64 (the CANCEL or MOVE record)
 
 The **index key** of a message is its id; a record coming back from a consumer group's
 retry (``attempts`` > 0, same id, another subject) is ``id NUL attempts NUL
 subject-hash``, as the realtime server's dedup key, so it never takes the original's
-place. ``entry`` is the entry number in the hour of ``deliver_at``; ``source`` the
+place. An id belongs to the message that filed it last: when a message of another
+subject files the same id, the one it held moves to ``id NUL NUL subject-hash`` in
+``scheduler.displaced`` (``displaced_key``; its key entry follows), so each (subject,
+id) keeps one place and duplicates are decided per subject (docs/cancel.md). Filing
+decides that in log order from the log and the index alone, so a slave derives the
+same keys; only an id the index may hold is looked up (``highest_key``: new
+time-ordered ids never are), and the holder's subject is read from its record then.
+``entry`` is the entry number in the hour of ``deliver_at``; ``source`` the
 message-log offset of the record that last set the value (a re-filed record at or
 before it changes nothing: replay after a crash is idempotent); ``state`` scheduled
 or cancelled (delivered is what the hour's dispatch log says). The **key hash** is
@@ -37,8 +45,11 @@ replayed like a SCHEDULE batch:
 from __future__ import annotations
 
 import hashlib
+import os
 import struct
+import zlib
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import NamedTuple
 
 import msgpack
@@ -46,10 +57,12 @@ import msgpack
 from delaymq.protocol.cancel import KEY_PROPERTY, check_key
 from delaymq.protocol.envelope import HEADER_SIZE, RecordKind, encode, iter_spans
 from delaymq.protocol.errors import LocalProtocolError
-from delaymq.scheduler.hours import HOUR_MS
+from delaymq.scheduler.hours import HOUR_MS, INDEX_SUFFIX, LOG_SUFFIX, hour_name
 from delaymq.storage.state import StateStore
 
 IDS_DB = "scheduler.ids"
+#: Messages whose id a message of another subject filed after them took (``displaced_key``).
+DISPLACED_DB = "scheduler.displaced"
 KEYS_DB = "scheduler.keys"
 CANCELLED_DB = "scheduler.cancelled"
 #: Envelope kinds of the scheduler's message log besides MESSAGE.
@@ -63,6 +76,12 @@ _VALUE = struct.Struct(">qIqB")
 #: A ``scheduler.ids`` value without a key hash: deliver_at, entry, source, state.
 ID_VALUE = _VALUE
 _FIELDS = struct.Struct(">HHHBBHI")  # attempts .. props_len, at byte 28 of a message record
+_NAMES = struct.Struct(">HH")  # id_len, subject_len, at byte 30 of a message record
+_ENTRY_HEAD = struct.Struct(">QI")  # a delay index entry's offset and size (docs/scheduler-storage.md)
+_ENTRY_SOURCE = struct.Struct(">Q")  # ... and its source, at byte 20
+_ENTRY_SIZE = 32
+_NUL2 = "\x00\x00"
+_NUL2_BYTES = b"\x00\x00"
 #: attempts, id_len and props_len of a message record, at byte ``KEY_FIELDS_AT``: whether
 #: its index key is just its id (at byte ``ID_AT``), what replay's hot loop reads.
 KEY_FIELDS = struct.Struct(">HH6xI")
@@ -105,12 +124,108 @@ class IdEntry(NamedTuple):
         return cls(deliver_at, entry, source, state, key_hash)
 
 
+def subject_hash(subject: str | bytes) -> str:
+    """BLAKE2b-64 of the subject's UTF-8 bytes, in hex: how retry and displaced keys name it."""
+    data = subject.encode() if isinstance(subject, str) else bytes(subject)
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
 def index_key(message_id: str, subject: str, attempts: int) -> str:
     """The id; for a retry (``attempts`` > 0) ``id NUL attempts NUL subject-hash``."""
     if not attempts:
         return message_id
-    subject_hash = hashlib.blake2b(subject.encode(), digest_size=8).hexdigest()
-    return f"{message_id}\x00{attempts}\x00{subject_hash}"
+    return f"{message_id}\x00{attempts}\x00{subject_hash(subject)}"
+
+
+def displaced_key(message_id: str, subject: str | bytes) -> str:
+    """``id NUL NUL subject-hash``: where a message of ``subject`` is indexed once a message
+    of another subject filed the same id after it (``scheduler.displaced``)."""
+    return f"{message_id}{_NUL2}{subject_hash(subject)}"
+
+
+def is_displaced(key: str) -> bool:
+    """A ``displaced_key`` (a retry's key has its attempts between the NULs)."""
+    return _NUL2 in key
+
+
+def message_id_of(key: str) -> str:
+    """The message id an index key names."""
+    return key.partition("\x00")[0]
+
+
+def db_of(key: bytes) -> str:
+    """The db an index key (UTF-8) lives in."""
+    return DISPLACED_DB if _NUL2_BYTES in key else IDS_DB
+
+
+def may_be_displaced(state: StateStore, message_id: bytes) -> bool:
+    """Whether ``scheduler.displaced`` may hold a key of ``message_id`` (from memory: its keys
+    all sort from ``id NUL NUL``, so above the highest it holds there is none)."""
+    try:
+        highest = state.highest_key(DISPLACED_DB)
+    except KeyError:  # not kept in memory (a store opened without ``keep_highest_key``)
+        return True
+    return bool(highest) and message_id + _NUL2_BYTES <= highest
+
+
+def record_subject(buf: bytes | memoryview, pos: int) -> bytes:
+    """The subject (UTF-8) of the message record at ``buf[pos:]``, read at fixed offsets."""
+    id_len, subject_len = _NAMES.unpack_from(buf, pos + 30)
+    p = pos + _ID_AT + id_len
+    return bytes(buf[p : p + subject_len])
+
+
+def read_entry_head(folder: str | os.PathLike[str], hour: int, entry: int) -> tuple[int, int, int] | None:
+    """``(offset, size, source)`` of a delay index entry whose CRC checks, read from its file
+    (None: no such entry). Blocking."""
+    try:
+        with open(Path(folder) / (hour_name(hour) + INDEX_SUFFIX), "rb") as index:
+            return _entry_head(index.fileno(), entry)
+    except (OSError, ValueError):
+        return None
+
+
+def _entry_head(index_fd: int, entry: int) -> tuple[int, int, int] | None:
+    raw = os.pread(index_fd, _ENTRY_SIZE, _ENTRY_SIZE * entry)
+    if len(raw) < _ENTRY_SIZE or zlib.crc32(raw[:28]) != int.from_bytes(raw[28:], "big"):
+        return None
+    offset, size = _ENTRY_HEAD.unpack_from(raw)
+    return offset, size, _ENTRY_SOURCE.unpack_from(raw, 20)[0]
+
+
+def filed_records(folder: str | os.PathLike[str], places: list[tuple[int, int]]) -> list[bytes | None]:
+    """The records of filed entries ``(hour, entry)``, each hour's two files opened once
+    (None where one is not there). Blocking; for the rare paths that need an indexed
+    message's subject."""
+    out: list[bytes | None] = [None] * len(places)
+    by_hour: dict[int, list[int]] = {}
+    for i, (hour, _entry) in enumerate(places):
+        by_hour.setdefault(hour, []).append(i)
+    for hour, positions in by_hour.items():
+        base = Path(folder) / hour_name(hour)
+        try:
+            with open(str(base) + INDEX_SUFFIX, "rb") as index, open(str(base) + LOG_SUFFIX, "rb") as log_file:
+                for i in positions:
+                    head = _entry_head(index.fileno(), places[i][1])
+                    if head is None:
+                        continue
+                    offset, size, _source = head
+                    record = os.pread(log_file.fileno(), size, offset)
+                    out[i] = record if len(record) == size and size > _ID_AT else None
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def filed_subjects(folder: str | os.PathLike[str], values: list[IdEntry]) -> list[bytes | None]:
+    """The subject of the message each index value points to (None: its record cannot be read)."""
+    records = filed_records(folder, [(value.hour, value.entry) for value in values])
+    return [None if record is None else record_subject(record, 0) for record in records]
+
+
+def filed_subject(folder: str | os.PathLike[str], value: IdEntry) -> bytes | None:
+    """The subject of the message an index value points to (None: its record cannot be read)."""
+    return filed_subjects(folder, [value])[0]
 
 
 def key_hash(subject: str, key: str) -> bytes:
@@ -225,41 +340,57 @@ def move_spans(buf: bytes | memoryview, start: int, end: int) -> list[tuple[int,
 class IdChanges:
     """What one replay step does to the index: values set, keys added, entries cancelled.
 
-    Values are read from lmdb only for cancels and moves; a filed message just sets its
-    key's value, packed at once (a key hash its id had before stays behind, harmless:
-    lookups check it, and ``forget_hour`` removes it). Keys are the index keys' UTF-8 bytes."""
+    Values are read from lmdb only for cancels, moves and ids the index may already hold
+    (filing's ``displace``); a filed message just sets its key's value, packed at once (a
+    key hash its id had before stays behind, harmless: lookups check it, and
+    ``forget_hour`` removes it). Keys are the index keys' UTF-8 bytes."""
 
-    __slots__ = ("_state", "values", "key_entries", "cancelled", "cancelled_puts")
+    __slots__ = ("_state", "values", "displaced", "key_entries", "cancelled", "cancelled_puts")
 
     def __init__(self, state: StateStore) -> None:
         self._state = state
-        self.values: dict[bytes, bytes] = {}  # index key -> packed ``IdEntry``
+        self.values: dict[bytes, bytes] = {}  # index key -> packed ``IdEntry`` (scheduler.ids)
+        self.displaced: dict[bytes, bytes] = {}  # displaced key -> packed ``IdEntry`` (scheduler.displaced)
         self.key_entries: list[bytes] = []
         self.cancelled: dict[int, list[int]] = {}  # hour -> entry numbers cancelled by the step
         self.cancelled_puts: list[tuple[bytes, bytes]] = []  # scheduler.cancelled key, source
 
     def __bool__(self) -> bool:
-        return bool(self.values or self.cancelled)
+        return bool(self.values or self.displaced or self.cancelled)
+
+    def _values_of(self, key: bytes) -> dict[bytes, bytes]:
+        return self.displaced if _NUL2_BYTES in key else self.values
 
     def current(self, key: str, read: dict[bytes, bytes | None] | None = None) -> IdEntry | None:
         """``key``'s value as the step left it (``read``: lmdb's values, read just before)."""
         encoded = key.encode()
-        data = self.values.get(encoded)
+        data = self._values_of(encoded).get(encoded)
         if data is None:
-            data = read[encoded] if read is not None and encoded in read else self._state.get(IDS_DB, encoded)
+            data = read[encoded] if read is not None and encoded in read else self._state.get(db_of(encoded), encoded)
         return None if data is None else IdEntry.unpack(data)
 
     def read(self, keys: list[str]) -> dict[bytes, bytes | None]:
-        """lmdb's values of ``keys`` the step has not set, in one transaction (for ``cancel``)."""
-        wanted = [k for k in (key.encode() for key in keys) if k not in self.values]
-        return dict(zip(wanted, self._state.get_many(IDS_DB, wanted)))
+        """lmdb's values of ``keys`` the step has not set, one transaction per db (for ``cancel``)."""
+        wanted = [k for k in (key.encode() for key in keys) if k not in self._values_of(k)]
+        found: dict[bytes, bytes | None] = {}
+        for db in (IDS_DB, DISPLACED_DB):
+            some = [k for k in wanted if db_of(k) == db]
+            if some:
+                found.update(zip(some, self._state.get_many(db, some)))
+        return found
 
-    def filed(self, key: bytes, hashed: bytes | None, deliver_at: int, entry: int, source: int) -> None:
-        if hashed is None:
-            self.values[key] = _VALUE.pack(deliver_at, entry, source, SCHEDULED)
-        else:
-            self.values[key] = _VALUE.pack(deliver_at, entry, source, SCHEDULED) + hashed
-            self.key_entries.append(hashed + key)
+    def stored(self, keys: list[bytes]) -> list[bytes | None]:
+        """lmdb's ``scheduler.ids`` values of ``keys`` (ids filing found the index may hold)."""
+        return self._state.get_many(IDS_DB, keys)
+
+    def displace(self, key: bytes, value: bytes, subject: bytes) -> None:
+        """The message ``value`` describes (of ``subject``) held id ``key`` until a message of
+        another subject filed it: it moves to its displaced key, its key entry with it."""
+        moved = key + _NUL2_BYTES + subject_hash(subject).encode()
+        self.displaced[moved] = value
+        hashed = value[_VALUE.size :]
+        if hashed:
+            self.key_entries.append(hashed + moved)
 
     def cancel(
         self, key: str, source: int, *, moving: bool = False, read: dict[bytes, bytes | None] | None = None
@@ -273,7 +404,8 @@ class IdChanges:
         self.cancelled.setdefault(hour, []).append(value.entry)
         self.cancelled_puts.append((_PLACE.pack(hour, value.entry), _SOURCE.pack(source)))
         if not moving:
-            self.values[key.encode()] = value._replace(state=CANCELLED, source=source).pack()
+            encoded = key.encode()
+            self._values_of(encoded)[encoded] = value._replace(state=CANCELLED, source=source).pack()
         return True
 
     def write(self, batch: object) -> None:
@@ -281,6 +413,8 @@ class IdChanges:
         put_many = batch.put_many  # type: ignore[attr-defined]
         if self.values:
             put_many(IDS_DB, sorted(self.values.items()))
+        if self.displaced:
+            put_many(DISPLACED_DB, sorted(self.displaced.items()))
         if self.key_entries:
             put_many(KEYS_DB, [(entry, b"") for entry in sorted(self.key_entries)])
         if self.cancelled_puts:
@@ -288,6 +422,7 @@ class IdChanges:
 
     def clear(self) -> None:
         self.values = {}
+        self.displaced = {}
         self.key_entries = []
         self.cancelled = {}
         self.cancelled_puts = []
@@ -297,12 +432,26 @@ class IdChanges:
 
 
 def lookup(state: StateStore, keys: list[str]) -> list[IdEntry | None]:
-    """The values of ``keys`` (None: not in the index), one read transaction."""
-    found = state.get_many(IDS_DB, list(map(str.encode, keys)))
+    """The values of ``keys`` (None: not in the index), one read transaction per db."""
+    encoded = list(map(str.encode, keys))
+    if _NUL2 in "\x01".join(keys):  # displaced keys among them (ids hold no control characters)
+        found = _get_routed(state, encoded)
+    else:
+        found = state.get_many(IDS_DB, encoded)
     if not any(found):  # none indexed (every value is at least 21 bytes)
         return found  # type: ignore[return-value]
     unpack = IdEntry.unpack
     return [None if data is None else unpack(data) for data in found]
+
+
+def _get_routed(state: StateStore, keys: list[bytes]) -> list[bytes | None]:
+    """``keys``' values, each read from the db its form names."""
+    found: dict[bytes, bytes | None] = {}
+    for db in (IDS_DB, DISPLACED_DB):
+        some = [k for k in keys if db_of(k) == db]
+        if some:
+            found.update(zip(some, state.get_many(db, some)))
+    return [found[k] for k in keys]
 
 
 def ids_for_key(state: StateStore, subject: str, key: str) -> list[str]:
@@ -336,31 +485,43 @@ def hour_records(log_path: str, entries: int, *, chunk: int = 8 << 20) -> Iterat
 
 
 def forget_hour(state: StateStore, hour: int, log_path: str, entries: int) -> int:
-    """Delete the index values of ``hour``'s entries (those still pointing there) and their key
-    entries, in transactions of ``_DELETE_CHUNK``; returns how many values went. Blocking."""
+    """Delete the index values of ``hour``'s entries (those still pointing there, under their id
+    or displaced) and their key entries, in transactions of ``_DELETE_CHUNK``; returns how many
+    values went. Blocking."""
     removed = 0
-    pending: list[tuple[str, int, bytes | None]] = []  # index key, its record's key entry
+    pending: list[tuple[str, int, bytes | None, bytes]] = []  # index key, entry, key hash, subject
 
     def flush() -> None:
         nonlocal removed
-        values = lookup(state, [k for k, _n, _h in pending])
+        values = lookup(state, [k for k, _n, _h, _s in pending])
+        here = [v is not None and v.hour == hour and v.entry == n for v, (_k, n, _h, _s) in zip(values, pending)]
+        # A message whose id a later one of another subject took is under its displaced key.
+        moved = [
+            displaced_key(k, subject) if not found and "\x00" not in k and may_be_displaced(state, k.encode()) else None
+            for found, (k, _n, _h, subject) in zip(here, pending)
+        ]
+        wanted = [d.encode() for d in moved if d is not None]
+        got = iter(state.get_many(DISPLACED_DB, wanted) if wanted else [])
         with state.write() as batch:
-            for (k, number, hashed), value in zip(pending, values):
-                if value is not None and value.hour == hour and value.entry == number:
-                    batch.delete(IDS_DB, k.encode())
-                    if value.key_hash is not None:
-                        batch.delete(KEYS_DB, value.key_hash + k.encode())
-                    removed += 1
+            for (k, number, hashed, _s), value, found, d in zip(pending, values, here, moved):
+                if found:
+                    assert value is not None
+                    removed += _forget(batch, IDS_DB, k.encode(), value)
                     if value.key_hash == hashed:
                         continue
+                elif d is not None:
+                    data = next(got)
+                    other = None if data is None else IdEntry.unpack(data)
+                    if other is not None and other.hour == hour and other.entry == number:
+                        removed += _forget(batch, DISPLACED_DB, d.encode(), other)
                 if hashed is not None and (value is None or value.key_hash != hashed):
-                    batch.delete(KEYS_DB, hashed + k.encode())  # left behind by a re-scheduled id
+                    batch.delete(KEYS_DB, hashed + k.encode())  # left behind by a re-scheduled or displaced id
         pending.clear()
 
     try:
         for entry, buf, pos in hour_records(log_path, entries):
             k, hashed, _key = record_key(buf, pos)
-            pending.append((k, entry, hashed))
+            pending.append((k, entry, hashed, record_subject(buf, pos)))
             if len(pending) >= _DELETE_CHUNK:
                 flush()
     except FileNotFoundError:
@@ -370,23 +531,60 @@ def forget_hour(state: StateStore, hour: int, log_path: str, entries: int) -> in
     return removed
 
 
-def drop_from(state: StateStore, offset: int) -> int:
+def _forget(batch: object, db: str, key: bytes, value: IdEntry) -> int:
+    batch.delete(db, key)  # type: ignore[attr-defined]
+    if value.key_hash is not None:
+        batch.delete(KEYS_DB, value.key_hash + key)  # type: ignore[attr-defined]
+    return 1
+
+
+def drop_from(state: StateStore, offset: int, folder: str | os.PathLike[str] | None = None) -> int:
     """Delete every value set by a record at or after message-log ``offset`` (a cut-back of
-    entries the master never had). Blocking; reads the whole index."""
+    entries the master never had). An id such a record took from a message of another
+    subject goes back to the one of its displaced messages filed last (``folder``: the
+    schedule folder, whose delay indexes say when each was filed). Blocking; reads the
+    whole index."""
     doomed = [key for key, value in state.items(IDS_DB) if IdEntry.unpack(value).source >= offset]
+    gone = {key: value for key, value in state.items(DISPLACED_DB) if IdEntry.unpack(value).source >= offset}
     undone = [key for key, value in state.items(CANCELLED_DB) if _SOURCE.unpack(value)[0] >= offset]
+    restored: dict[bytes, tuple[bytes, bytes]] = {}  # id -> (displaced key, value) it takes back
+    for key in doomed:
+        if b"\x00" in key:  # a retry's key: never taken from another subject
+            continue
+        kept = [(d, v) for d, v in state.items(DISPLACED_DB, key + _NUL2_BYTES) if d not in gone]
+        if kept:
+            restored[key] = max(kept, key=lambda item: _filed_at(folder, IdEntry.unpack(item[1])))
     with state.write() as batch:
         for key in doomed:
             batch.delete(IDS_DB, key)
+        for key, value in gone.items():
+            batch.delete(DISPLACED_DB, key)
+            if value[_VALUE.size :]:
+                batch.delete(KEYS_DB, value[_VALUE.size :] + key)
+        for key, (moved, value) in restored.items():
+            batch.delete(DISPLACED_DB, moved)
+            batch.put(IDS_DB, key, value)
+            hashed = value[_VALUE.size :]
+            if hashed:
+                batch.delete(KEYS_DB, hashed + moved)
+                batch.put(KEYS_DB, hashed + key, b"")
         for key in undone:  # cancels the master never had: their entries fire after all
             batch.delete(CANCELLED_DB, key)
-    return len(doomed)
+    return len(doomed) + len(gone)
+
+
+def _filed_at(folder: str | os.PathLike[str] | None, value: IdEntry) -> int:
+    """The message-log offset the entry's record was filed from (its value's ``source`` when
+    the delay index cannot tell: a cancel's offset, later than the filing)."""
+    head = None if folder is None else read_entry_head(folder, value.hour, value.entry)
+    return value.source if head is None else head[2]
 
 
 __all__ = [
     "CANCELLED",
     "CANCELLED_DB",
     "CANCEL_KIND",
+    "DISPLACED_DB",
     "IDS_DB",
     "ID_AT",
     "ID_VALUE",
@@ -402,14 +600,25 @@ __all__ = [
     "cancelled_counts",
     "cancelled_entries",
     "cancelled_key",
+    "db_of",
+    "displaced_key",
     "drop_from",
+    "filed_records",
+    "filed_subject",
+    "filed_subjects",
     "forget_hour",
     "ids_for_key",
     "index_key",
+    "is_displaced",
     "key_hash",
     "lookup",
+    "may_be_displaced",
+    "message_id_of",
     "move_record",
     "move_spans",
+    "read_entry_head",
     "record_index_key",
     "record_key",
+    "record_subject",
+    "subject_hash",
 ]

@@ -61,11 +61,23 @@ from delaymq.scheduler.hours import (
     hour_name,
     parse_hour_name,
 )
-from delaymq.scheduler.idindex import IDS_DB, KEYS_DB, SCHEDULED, IdEntry, record_key
+from delaymq.scheduler.idindex import (
+    DISPLACED_DB,
+    IDS_DB,
+    KEYS_DB,
+    SCHEDULED,
+    IdEntry,
+    displaced_key,
+    filed_subject,
+    record_key,
+    record_subject,
+)
 from delaymq.storage.folder import DataFolder
 from delaymq.storage.state import StateStore, WriteBatch
 
 _CHECK_WINDOW = 8 << 20  # recovery reads the schedule log this much at a time
+#: An entry kept past the commit: ``(source, hour, entry, (index key, key hash, key), ms_in_hour, subject)``.
+Rolled = tuple[int, int, int, tuple[str, bytes | None, str | None], int, bytes]
 
 _logger = logging.getLogger(__name__)
 
@@ -106,6 +118,7 @@ def recover_hours(folder: DataFolder, state: StateStore, names: list[str], table
     repaired = checked = 0
     unlinked = False
     slots: dict[int, int] = {}
+    rolled: list[Rolled] = []
     prefix = str(folder.path) + os.sep
     with state.write() as batch:
         for hour in sorted(files.keys() | committed.keys()):
@@ -115,7 +128,7 @@ def recover_hours(folder: DataFolder, state: StateStore, names: list[str], table
                 summaries[hour] = summary
                 continue
             checked += 1
-            outcome = _recover_hour(folder, batch, tables, slots, hour, present, summary)
+            outcome = _recover_hour(folder, batch, tables, slots, hour, present, summary, rolled)
             summary, hour_restart, changed, removed = outcome
             if summary is not None:
                 summaries[hour] = summary
@@ -123,6 +136,7 @@ def recover_hours(folder: DataFolder, state: StateStore, names: list[str], table
                 restart = min(restart, hour_restart)
             repaired += changed
             unlinked |= removed
+        _index_rolled(batch, folder.path, rolled)
         if restart < checkpoint:
             _logger.warning(
                 "schedule %s: replay goes back from checkpoint %d to %d to re-file lost entries",
@@ -154,9 +168,11 @@ def _recover_hour(
     hour: int,
     present: set[str],
     summary: HourSummary | None,
+    rolled_out: list[Rolled],
 ) -> tuple[HourSummary | None, int | None, bool, bool]:
     """One hour: ``(summary or None, replay restart or None, repaired?, files removed?)``.
-    The heads changes it needs go into ``slots``."""
+    The heads changes it needs go into ``slots``, the entries it keeps past the commit into
+    ``rolled_out`` (indexed once every hour is recovered)."""
     name = hour_name(hour)
     base = folder.path / name
     committed = summary.entries if summary is not None else 0
@@ -221,8 +237,8 @@ def _recover_hour(
             start = 0
             newest, counts = empty_heads()
             checker = EntryChecker(newest, counts)
-        rolled: list[tuple[int, tuple[str, bytes | None, str | None], int, int]] = []
-        touched = _check_entries(checker, index_fd, log_fd, start, stop, log_size, name, rolled, committed)
+        rolled: list[Rolled] = []
+        touched = _check_entries(checker, index_fd, log_fd, start, stop, log_size, name, rolled, committed, hour)
         kept = checker.entries
         changed = index_size != kept * ENTRY_SIZE or log_size != checker.log_end
         if changed:
@@ -263,7 +279,7 @@ def _recover_hour(
         base_key = hour << 12
         for second in touched:
             slots[base_key | second] = (checker.newest[second] + 1) << 32 | checker.counts[second]
-    _index_rolled(batch, hour, rolled)
+    rolled_out.extend(rolled)
     result = HourSummary(kept, checker.log_end, checker.first_source, checker.last_source)
     if kept != committed:
         batch.put(HOURS_DB, hour_key(hour), result.pack())
@@ -324,17 +340,24 @@ def _committed_end_checks(index_fd: int, log_fd: int, stop: int, log_size: int, 
     return not record_problem(pread_all(log_fd, size, offset), 0, size)
 
 
-def _index_rolled(
-    batch: WriteBatch, hour: int, rolled: list[tuple[int, tuple[str, bytes | None, str | None], int, int]]
-) -> None:
+def _index_rolled(batch: WriteBatch, folder: Path, rolled: list[Rolled]) -> None:
     """Put the entries kept past the commit in the id index (``delaymq.scheduler.idindex``), as
-    their step would have: replay skips their records as filed, and the cancels and moves
-    it applies again find them there."""
-    for entry_no, (index_key, hashed, _key), ms_in_hour, source in rolled:
+    their step would have, in log order whatever their hours: replay skips their records as
+    filed, and the cancels and moves it applies again find them there. An id held by a
+    message of another subject moves that one to its displaced key, as filing does."""
+    for source, hour, entry_no, (index_key, hashed, _key), ms_in_hour, subject in sorted(rolled):
         key = index_key.encode()
         stored = batch.get(IDS_DB, key)
-        if stored is not None and IdEntry.unpack(stored).source >= source:
-            continue
+        if stored is not None:
+            held = IdEntry.unpack(stored)
+            if held.source >= source:
+                continue
+            holder = None if "\x00" in index_key else filed_subject(folder, held)
+            if holder is not None and holder != subject:
+                moved = displaced_key(index_key, holder).encode()
+                batch.put(DISPLACED_DB, moved, stored)
+                if held.key_hash is not None:
+                    batch.put(KEYS_DB, held.key_hash + moved, b"")
         batch.put(IDS_DB, key, IdEntry(hour * HOUR_MS + ms_in_hour, entry_no, source, SCHEDULED, hashed).pack())
         if hashed is not None:
             batch.put(KEYS_DB, hashed + key, b"")
@@ -348,12 +371,13 @@ def _check_entries(
     stop: int,
     log_size: int,
     name: str,
-    rolled: list[tuple[int, tuple[str, bytes | None, str | None], int, int]] | None = None,
+    rolled: list[Rolled] | None = None,
     committed: int = 0,
+    hour: int = 0,
 ) -> set[int]:
     """Feed entries ``start .. stop - 1`` and their records to ``checker`` until one fails;
     returns the seconds the accepted ones fall in. Each accepted entry from ``committed`` on
-    goes to ``rolled`` with its record's index key (``(entry, keys, ms_in_hour, source)``)."""
+    goes to ``rolled`` with its record's index key and subject (``Rolled``)."""
     touched: set[int] = set()
     window = b""
     window_start = 0
@@ -376,7 +400,9 @@ def _check_entries(
                 checker.problem = f"entry {checker.entries}'s record at log byte {entry.offset}: {problem}"
                 return touched
             if rolled is not None and checker.entries >= committed:
-                rolled.append((checker.entries, record_key(window, position), entry.ms_in_hour, entry.source))
+                keys = record_key(window, position)
+                subject = record_subject(window, position)
+                rolled.append((entry.source, hour, checker.entries, keys, entry.ms_in_hour, subject))
             checker.take(entry)
             touched.add(entry.ms_in_hour // SECOND_MS)
         n += count

@@ -90,6 +90,7 @@ from delaymq.scheduler.hours import (
 )
 from delaymq.scheduler.idindex import (
     CANCELLED_DB,
+    DISPLACED_DB,
     IDS_DB,
     cancelled_counts,
     cancelled_entries,
@@ -181,7 +182,9 @@ class ScheduleStore:
         # Hours whose table was checked against their summary since open (one int per
         # hour with messages, like ``_summaries``).
         self._checked_hours: set[int] = set()
-        self._step = StagedStep(summaries, self._checked_hours, tables, state, max_step_hours=max_step_hours)
+        self._step = StagedStep(
+            summaries, self._checked_hours, tables, state, max_step_hours=max_step_hours, folder=folder.path
+        )
         self._files = ScheduleFiles(folder, tables, fsync=fsync)
         self._write_lock = threading.RLock()
         #: The hours that have a dispatch log (found at open, or appended to since): the
@@ -237,7 +240,8 @@ class ScheduleStore:
             sync_fs = None if syncfs is None else partial(syncfs, folder)
             tables = HeadsTables(folder.path, fsync=fsync, syncfs=sync_fs)
             recovered = recover_hours(folder, state, names, tables)
-            state.keep_highest_key(IDS_DB)  # for ``past_every_indexed``
+            state.keep_highest_key(IDS_DB)  # for ``past_every_indexed`` and filing
+            state.keep_highest_key(DISPLACED_DB)  # for ``idindex.may_be_displaced``
         except BaseException:
             folder.close()
             raise

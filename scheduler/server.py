@@ -38,7 +38,6 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import asdict, replace
 from functools import partial
-from itertools import repeat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +45,7 @@ import trio
 
 from delaymq.client.registration import Registration, start_registration
 from delaymq.client.routes import CLIENT_PEERS_OPTIONS, NoRouteError, RouteClient
+from delaymq.protocol.auth import require_server
 from delaymq.protocol.cancel import MAX_KEY
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError, RemoteProtocolError
@@ -58,7 +58,14 @@ from delaymq.protocol.transport import AsyncCaller, FrameServer, Request, open_p
 from delaymq.replication.membership import member_identity
 from delaymq.replication.roles import Mastership, NotMaster, RoleLoop
 from delaymq.replication.wire import FetchRequest
-from delaymq.scheduler.cancels import RecentDispatches, ScheduledBatch, TailEntry, look_up
+from delaymq.scheduler.cancels import (
+    Found,
+    RecentDispatches,
+    ScheduledBatch,
+    TailEntry,
+    fresh_records,
+    look_up_fresh,
+)
 from delaymq.scheduler.changes import ChangeCommands
 from delaymq.scheduler.cutback import cut_schedule_folder
 from delaymq.scheduler.dispatcher import (
@@ -73,8 +80,6 @@ from delaymq.scheduler.hours import DEFAULT_RETENTION_MS, MAX_DELIVER_AT, Schedu
 from delaymq.scheduler.idindex import (
     KEY_FIELDS,
     KEY_FIELDS_AT,
-    SCHEDULED,
-    IdEntry,
     drop_from,
     record_key,
 )
@@ -475,7 +480,7 @@ class Scheduler(ChangeCommands):
         keys, hashes = _index_keys(batch)
         session.source.check_insync("SCHEDULE")
         await session.mastership.confirm()
-        fresh = await self._fresh(session, keys)
+        fresh, overlap = await self._fresh(session, keys, batch.subjects)
         if self.session is not session or not session.accepting:
             raise NotMaster(f"SCHEDULE: scheduler {self.address or '-'} stopped being master; ask the metaserver")
         count = len(fresh)
@@ -486,13 +491,14 @@ class Scheduler(ChangeCommands):
         if not duplicates:  # the common case: every record kept, nothing to pick per record
             results = ["scheduled"] * count
             kept = range(count)
-            kept_keys, kept_hashes, kept_ats = keys, hashes, deliver_ats
+            kept_keys, kept_hashes, kept_ats, kept_subjects = keys, hashes, deliver_ats, batch.subjects
         else:
             results = ["scheduled" if new else "duplicate" for new in fresh]
             kept = [i for i, new in enumerate(fresh) if new]
             kept_keys = [keys[i] for i in kept]
             kept_hashes = [hashes[i] for i in kept]
             kept_ats = [deliver_ats[i] for i in kept]
+            kept_subjects = [batch.subjects[i] for i in kept]
         if not kept:  # a "duplicate" is an answer too: its first copy is replicated
             await session.source.confirm_replicated(
                 self._log.end_offset, timeout_ms=self._replication_timeout_ms, what=f"SCHEDULE at {self.address or '-'}"
@@ -525,8 +531,8 @@ class Scheduler(ChangeCommands):
         end = offset + len(data)
         # The tail holds the batch once for all its keys: each filed at max(deliver_at, now).
         ats = [at if at > now else now for at in kept_ats] if overdue else kept_ats
-        appended = ScheduledBatch(kept_keys, ats, kept_hashes, kept, starts, ends, offset, end)
-        await self._logged(session, appended, end, "SCHEDULE")
+        appended = ScheduledBatch(kept_keys, ats, kept_hashes, kept, starts, ends, offset, end, kept_subjects)
+        await self._logged(session, appended, end, "SCHEDULE", overlap=overlap)
         self._requests += 1
         self._scheduled += len(kept)
         self._wake_housekeeping()
@@ -556,11 +562,18 @@ class Scheduler(ChangeCommands):
         )
 
     async def _logged(
-        self, session: MasterSession, entries: list[tuple[str, TailEntry]] | ScheduledBatch, end: int, command: str
+        self,
+        session: MasterSession,
+        entries: list[tuple[str, TailEntry]] | ScheduledBatch,
+        end: int,
+        command: str,
+        *,
+        overlap: bool = True,
     ) -> None:
         """What a SCHEDULE, CANCEL or MOVE appended (up to ``end``): in the unfiled tail for
-        replay, then replicated as the policy asks, before the answer."""
-        session.tail.add(entries, end)
+        replay, then replicated as the policy asks, before the answer. ``overlap`` False: no
+        key of a SCHEDULE's batch was in the tail or came twice (``fresh_records``)."""
+        session.tail.add(entries, end, overlap=overlap)
         session.source.poke()
         session.replay_alarm.poke()
         await session.source.confirm_replicated(
@@ -569,49 +582,36 @@ class Scheduler(ChangeCommands):
         if self.session is not session:
             raise NotMaster(f"{command}: scheduler {self.address or '-'} stopped being master while the write waited")
 
-    async def _fresh(self, session: MasterSession, keys: list[str]) -> list[bool]:
-        """Which records are new: not an id already scheduled and not yet delivered (in the
-        index or the unfiled tail), nor the same id twice in the batch. A record whose id is
-        being appended right now waits for that append: a duplicate only once it is stored."""
+    async def _fresh(self, session: MasterSession, keys: list[str], subjects: Sequence[str]) -> tuple[list[bool], bool]:
+        """Which records are new: not a (subject, id) already scheduled and not yet delivered
+        (in the index or the unfiled tail), nor the same twice in the batch; and whether a key
+        was in the tail or came twice (``fresh_records``). A record whose id is being appended
+        right now waits for that append: a duplicate only once it is stored."""
         tail, appending = session.tail, session.appending
         store = self.store
-        found: list[tuple[IdEntry | None, bool]] | None  # None: no key is in the index
+        found: Found
         while True:
             busy = appending.waiting_for(keys)
             if busy is not None:
                 await busy.wait()
                 continue
+            checkpoint = store.checkpoint  # what the index holds at least, read below
             if store.past_every_indexed(keys):  # new time-ordered ids: none indexed, no thread needed
                 found = None
                 break
             epoch = tail.begin_lookup()
             try:
-                found = await self._run_blocking(partial(look_up, store, keys))
+                found = await self._run_blocking(partial(look_up_fresh, store, keys, subjects))
             finally:
                 tail.end_lookup(epoch)
             if appending.waiting_for(keys) is None:
                 break
-        ids = tail.ids
-        if ids.keys().isdisjoint(keys) and len(set(keys)) == len(keys):
-            # The common case: no key in the tail, none twice: the index alone decides.
-            if found is None:
-                return [True] * len(keys)
-            return [value is None or value.state != SCHEDULED or logged for value, logged in found]
-        fresh = []
-        seen: set[str] = set()
-        for k, (value, logged) in zip(keys, repeat((None, False)) if found is None else found):
-            entry = ids.get(k)
-            if k in seen:
-                new = False
-            elif entry is not None:
-                new = entry.state != SCHEDULED
-            else:
-                new = value is None or value.state != SCHEDULED or logged
-            seen.add(k)
-            fresh.append(new)
-        return fresh
+        return fresh_records(tail, keys, subjects, found, checkpoint)
 
     async def _fetch(self, request: Request) -> tuple[dict[str, Any], bytes]:
+        # Before anything else: the answer holds this group's whole message log, and the
+        # fetcher's offset holds back its deletion (``ReplicationSource.retain_from``).
+        require_server(request.identity, "FETCH", ServerKind.SCHEDULER, self.group)
         fetch = FetchRequest.from_metadata(request.metadata)
         session = self.session
         if not isinstance(session, MasterSession):
@@ -734,7 +734,7 @@ class Scheduler(ChangeCommands):
             size = member.log.truncate(offset)
             # Ids whose last record was cut (their entries may be reused) and cancels that were cut:
             # before the store opens, which counts the cancelled entries.
-            drop_from(member.state, offset)
+            drop_from(member.state, offset, folder)
             member.store = self._stores["store"] = ScheduleStore.open(folder, member.state)
             member.store.recent_source = member.log.read_recent_many  # (as _open_storage sets it)
             member.records = DispatchRecords(member.store)

@@ -14,12 +14,21 @@ A record whose message-log offset is not after its hour's last filed one was fil
 before a crash (or before its hour was deleted) and is skipped, so re-reading from the
 checkpoint files nothing twice. ``_file_messages`` is the hot loop of replay: its aliases of
 bound methods and attributes are deliberate.
+
+An id takes its index key from the message that held it; if that one is of another
+subject it moves to its displaced key (``delaymq.scheduler.idindex``). The hot loop only
+notes the ids that were held (set earlier in the step, or possibly in lmdb: not above its
+highest key, which new time-ordered ids are), and ``_settle_holders`` decides them in log
+order before the next CANCEL or MOVE record is applied.
 """
 
 from __future__ import annotations
 
+import os
+import struct
 import zlib
 from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from delaymq.protocol.envelope import HEADER_SIZE, RecordKind
@@ -28,6 +37,7 @@ from delaymq.scheduler.delayindex import (
     DELETED_DB,
     ENTRY_BODY,
     ENTRY_CRC,
+    ENTRY_SIZE,
     MAX_ENTRIES,
     HourSummary,
     hour_key,
@@ -45,15 +55,20 @@ from delaymq.scheduler.idindex import (
     CANCEL_KIND,
     ID_AT,
     ID_VALUE,
+    IDS_DB,
     KEY_FIELDS,
     KEY_FIELDS_AT,
     MOVE_KIND,
     SCHEDULED,
     IdChanges,
+    IdEntry,
     cancel_keys,
+    displaced_key,
+    filed_subjects,
     move_spans,
     record_index_key,
     record_key,
+    record_subject,
 )
 from delaymq.storage.state import StateStore
 
@@ -61,6 +76,11 @@ _MESSAGE = int(RecordKind.MESSAGE)
 _pack_body = ENTRY_BODY.pack
 _pack_crc = ENTRY_CRC.pack
 _crc32 = zlib.crc32
+_ENTRY_PLACE = struct.Struct(">QI")  # a staged index entry's offset and size in the hour's log
+#: Sorts above every UTF-8 key: when the index's highest key is not known, every id may be held.
+_ABOVE_ALL = b"\xff"
+#: An id the hot loop found held: ``(index key, the value it had or None: ask lmdb, record position)``.
+Held = tuple[bytes, bytes | None, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +169,19 @@ class StagedHour:
             self.parts.append(self.run_view[self.run_start : self.run_end])
             self.run_view = None
 
+    def record(self, entry: int) -> bytes:
+        """The record of staged entry ``entry`` (at least ``committed_entries``)."""
+        offset, size = _ENTRY_PLACE.unpack_from(self.index, ENTRY_SIZE * (entry - self.committed_entries))
+        parts = list(self.parts)
+        if self.run_view is not None:
+            parts.append(self.run_view[self.run_start : self.run_end])
+        at = self.committed_log_end  # the parts hold the hour's new log bytes end to end
+        for part in parts:
+            if offset < at + len(part):
+                return bytes(part[offset - at : offset - at + size])
+            at += len(part)
+        raise ScheduleError(f"hour {hour_name(self.hour)}: staged entry {entry} is not among the staged records")
+
 
 class StagedStep:
     """The replay step being filed: each hour's ``StagedHour`` and the heads slots of
@@ -168,8 +201,10 @@ class StagedStep:
         state: StateStore,
         *,
         max_step_hours: int,
+        folder: str | os.PathLike[str] | None = None,
     ) -> None:
         self._summaries = summaries
+        self._folder = folder  # the schedule folder: an indexed message's record is read there
         self._checked_hours = checked_hours
         self._tables = tables
         self._state = state  # read for the tombstones of deleted hours
@@ -263,12 +298,16 @@ class StagedStep:
         unpack = RECORD_TIMES.unpack_from
         unpack_key_fields = KEY_FIELDS.unpack_from
         # A plain message (no retry, no properties): its index key is its id's bytes, its
-        # value packed here (``IdChanges.filed`` without a key hash); anything else asks idindex.
+        # value packed here without a key hash; anything else asks idindex for key and hash.
         plain = type(buf) is bytes
         pack_value = ID_VALUE.pack
         pack_body, pack_crc, crc32 = _pack_body, _pack_crc, _crc32
         values = self.changes.values
-        file_id = self.changes.filed
+        setdefault = values.setdefault
+        key_entry = self.changes.key_entries.append
+        highest = self._highest_indexed()  # an id above it is in no lmdb value
+        held: list[Held] = []  # ids found held, in log order (``_settle_holders``)
+        note_held = held.append
         staged = self._staged
         heads = self._heads
         heads_get = heads.get
@@ -345,10 +384,24 @@ class StagedStep:
                 attempts, id_len, props_len = unpack_key_fields(buf, pos + KEY_FIELDS_AT)
                 if plain and not attempts and not props_len:
                     p = pos + ID_AT
-                    values[buf[p : p + id_len]] = pack_value(at, n, src, SCHEDULED)
+                    k = buf[p : p + id_len]
+                    v = pack_value(at, n, src, SCHEDULED)
                 else:
-                    index_key, hashed = record_index_key(buf, pos)
-                    file_id(index_key, hashed, at, n, src)
+                    k, hashed = record_index_key(buf, pos)
+                    v = pack_value(at, n, src, SCHEDULED)
+                    if hashed is not None:
+                        v += hashed
+                        key_entry(hashed + k)
+                    if b"\x00" in k:  # a retry's key names its subject: never another subject's
+                        values[k] = v
+                        k = b""
+                if k:
+                    old = setdefault(k, v)
+                    if old is not v:  # set earlier in the step
+                        values[k] = v
+                        note_held((k, old, pos))
+                    elif k <= highest:  # lmdb may hold it
+                        note_held((k, None, pos))
                 n += 1
                 filed += 1
                 pos = end
@@ -358,7 +411,52 @@ class StagedStep:
                 w.run_view, w.run_start, w.run_end = run_view, run_start, run_end
             self._step_filed += filed
             self._step_already += already
+        if held:
+            self._settle_holders(held, buf)
         return pos
+
+    def _highest_indexed(self) -> bytes:
+        try:
+            return self._state.highest_key(IDS_DB)
+        except KeyError:  # not kept in memory: look every id up
+            return _ABOVE_ALL
+
+    def _settle_holders(self, held: list[Held], buf: bytes) -> None:
+        """For each id the hot loop found held (in log order): if the message that held it is
+        of another subject than the record at the noted position, it moves to its displaced
+        key. The values of ids lmdb may hold are read in one transaction."""
+        changes = self.changes
+        ask = [k for k, old, _pos in held if old is None]
+        stored = dict(zip(ask, changes.stored(ask))) if ask else {}
+        values = [stored.get(k) if old is None else old for k, old, _pos in held]
+        holders = self._subjects_of([IdEntry.unpack(value) for value in values if value is not None])
+        for (k, _old, pos), value in zip(held, values):
+            if value is None:
+                continue
+            holder = next(holders)
+            if holder is not None and holder != record_subject(buf, pos):
+                changes.displace(k, value, holder)
+
+    def _subjects_of(self, values: list[IdEntry]) -> Iterator[bytes | None]:
+        """The subject of the message each value points to: staged in this step, or filed (None:
+        its record cannot be read; the id is then taken as before, without a move)."""
+        staged: dict[int, bytes] = {}
+        filed: list[int] = []
+        for i, value in enumerate(values):
+            w = self._staged.get(value.hour)
+            if w is not None and value.entry >= w.committed_entries:
+                staged[i] = record_subject(w.record(value.entry), 0)
+            else:
+                filed.append(i)
+        if filed and self._folder is not None:
+            read = filed_subjects(self._folder, [values[i] for i in filed])
+        else:
+            read = [None] * len(filed)
+        found = dict(zip(filed, read))
+        return (staged[i] if i in staged else found[i] for i in range(len(values)))
+
+    def _subject_of(self, value: IdEntry) -> bytes | None:
+        return next(self._subjects_of([value]))
 
     def _stage_change(self, buf: bytes, view: memoryview, pos: int, end: int, source: int, kind: int) -> bool:
         """Apply a CANCEL or MOVE record (at ``view[pos:end]``, message-log offset ``source + pos``).
@@ -376,10 +474,23 @@ class StagedStep:
             return False
         for start, inner_end in spans:
             index_key, _hashed, _key = record_key(view, start)
-            self.changes.cancel(index_key, src, moving=True)
+            moved = self._moved_key(index_key, view, start)
+            # Its new entry takes ``index_key`` again: only a displaced key keeps the cancelled value.
+            self.changes.cancel(moved, src, moving=moved == index_key)
             if self._file_messages(buf, view, start, inner_end, source) != inner_end:
                 raise ScheduleError(f"MOVE record at message-log offset {src}: a moved record was not filed")
         return True
+
+    def _moved_key(self, index_key: str, view: memoryview, start: int) -> str:
+        """Where the message a MOVE record re-files is indexed now: under its id if the id's
+        holder is of its subject, otherwise displaced (the master moved what it found there)."""
+        if "\x00" in index_key:
+            return index_key
+        subject = record_subject(view, start)
+        holder = self.changes.current(index_key)
+        if holder is not None and self._subject_of(holder) in (subject, None):
+            return index_key
+        return displaced_key(index_key, subject)
 
     def _stage_hour(self, hour: int, at: int, src: int) -> StagedHour:
         if not 0 <= hour <= (MAX_DELIVER_AT // HOUR_MS):

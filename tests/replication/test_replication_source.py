@@ -260,3 +260,35 @@ async def test_a_slave_the_journal_has_moved_past_gets_a_snapshot_the_others_onl
         answer, _body = await master.source.serve_fetch(far)
         assert (answer.reset, answer.journal, answer.seq) == (True, [b"everything"], 10)
         assert master.snapshots == 2
+
+
+async def test_a_fetcher_stuck_at_one_offset_stops_holding_back_deletion_after_the_window(
+    tmp_path: Path, autojump_clock: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A slave (or anything posing as one) that keeps fetching from one offset while the
+    log moves on holds back segment deletion only for ``retain_for_ms``; one that advances,
+    however slowly, keeps holding it back."""
+    clock = TrioClock(1_700_000_000_000)
+    master = Master(tmp_path, clock, retain_for_ms=60_000, lag_ms=10_000)
+    stuck, slow = "stuck.test:1", SLAVE
+    with master.log:
+        master.write(0)
+        slow_at = 0
+        ends = [master.log.end_offset]
+        for i in range(1, 130):  # a fetch of each a second while the log grows: 129 s
+            master.write(i)
+            ends.append(master.log.end_offset)
+            await master.source.serve_fetch(FetchRequest(group="g", address=stuck, epoch=1, offset=0, last_epoch=1))
+            if i % 20 == 0:  # behind, but it moves on every 20 s
+                slow_at = ends[-4]
+                await master.source.serve_fetch(
+                    FetchRequest(group="g", address=slow, epoch=1, offset=slow_at, last_epoch=1)
+                )
+            if i == 59:
+                assert master.source.retain_from() == 0  # within the window: still kept for it
+            await trio.sleep(1)
+        assert master.source.in_sync() == []
+        assert master.source.retain_from() == slow_at  # the stuck one no longer counts, the slow one does
+        assert any(stuck in r.getMessage() and "no longer holds back" in r.getMessage() for r in caplog.records)
+        await master.source.serve_fetch(FetchRequest(group="g", address=stuck, epoch=1, offset=ends[0], last_epoch=1))
+        assert master.source.retain_from() == ends[0]  # it advanced: it counts again
