@@ -45,8 +45,7 @@ Wire metadata (msgpack maps) of each command:
 
 Refusals are ``bad_request`` errors naming the field (``register_first``,
 ``superseded``, ``member_taken`` and ``forbidden`` aside). SET_STATE and HANDOVER
-are logged with the name of the token that asked; a SET_STATE from a token that is
-not an admin's may change only a group its ``servers`` let it act as.
+are logged with the name of the token that asked (both are admin only).
 """
 
 from __future__ import annotations

@@ -146,14 +146,17 @@ class FrameDecoder:
 
     Metadata past ``limits.max_metadata`` is refused from the header, and a
     request's metadata with too many objects or too deep (``shape.py``) before it
-    is decoded, each as a skipped frame. ``gate`` narrows what a connection may
+    is decoded, each as a skipped frame; ``serving`` (a server's decoder) skips a
+    response frame the same way, so every frame a server decodes was counted. ``gate`` narrows what a connection may
     send until ``open_gate`` (a server with tokens, before AUTH): a larger frame
     is fatal, another command skipped with an ``unauthorized`` error; neither has
     its metadata decoded.
     """
 
-    def __init__(self, limits: Limits = DEFAULT_LIMITS) -> None:
+    def __init__(self, limits: Limits = DEFAULT_LIMITS, *, serving: bool = False) -> None:
         self._limits = limits
+        #: A server's decoder: a RESPONSE frame is skipped from its header, undecoded.
+        self._serving = serving
         self._buf = bytearray()
         self._pos = 0  # bytes before this were consumed
         self._failed: ProtocolError | None = None
@@ -240,7 +243,7 @@ class FrameDecoder:
         meta_start = pos + FRAME_HEADER_SIZE
         body_start = meta_start + meta_len
         end = pos + size
-        refusal = self._refusal(command, meta_len)
+        refusal = self._refusal(kind, command, meta_len)
         with memoryview(buf) as view:
             raw_metadata = view[meta_start:body_start]
             try:
@@ -285,9 +288,11 @@ class FrameDecoder:
             )
         return Frame(FrameKind(kind), command, request_id, metadata, body)
 
-    def _refusal(self, command: int, meta_len: int) -> tuple[str, str, str, int | None] | None:
-        """(code, field, reason, limit) of a frame skipped undecoded: a command shut out by the gate, or
-        metadata over ``max_metadata``."""
+    def _refusal(self, kind: int, command: int, meta_len: int) -> tuple[str, str, str, int | None] | None:
+        """(code, field, reason, limit) of a frame skipped undecoded: a response sent to a server, a
+        command shut out by the gate, or metadata over ``max_metadata``."""
+        if self._serving and kind == FrameKind.RESPONSE:
+            return "bad_frame", "kind", "a response frame sent to a server", None
         if self._gate is not None and command not in self._gate[1]:
             allowed = ", ".join(sorted(command_name(code) for code in self._gate[1]))
             return "unauthorized", "token", f"only {allowed} until {self._gate[2]}", None

@@ -472,32 +472,33 @@ class FrameServer:
     def _authorize(self, tokens: TokenFile, frame: Frame, token: str | None) -> tuple[Identity, dict[str, int] | None]:
         """The identity the request acts as, and what it took from its rates (None: nothing);
         ``RemoteProtocolError`` when the token may not send it, ``ProtocolError`` (``rate_limited``, or
-        ``limit`` for a batch over a second's worth) past its rates."""
+        ``limit`` for a batch over a second's worth) past its rates.
+
+        A known token's request is taken from ``requests_per_s`` first, before its scope is read (a
+        SEND's records) or decided: a refused request is work too, and floods of them are rated."""
         table = tokens.table
+        identity = table.identify(token)
+        if identity is not None and "requests_per_s" in identity.rates:
+            self._take_rates(table, identity, frame, {"requests_per_s": 1})
         checked = table.check(token, frame.command, request_scope(frame))
         if isinstance(checked, AuthRefusal):
             raise checked.error()
-        taken = None
-        if checked.rates:
-            taken = self._check_rates(table, checked, frame)
-        return checked, taken
+        if not checked.rates.keys() - {"requests_per_s"} or frame.command not in RATED_COMMANDS:
+            return checked, None
+        amounts = {"messages_per_s": batch_messages(frame), "bytes_per_s": len(frame.body)}
+        self._take_rates(table, checked, frame, amounts)
+        return checked, amounts
 
-    def _check_rates(self, table: TokenTable, identity: Identity, frame: Frame) -> dict[str, int]:
-        """Take the request (and a batch's messages and bytes) from the token's buckets (returned), or
-        refuse it (nothing taken)."""
+    def _take_rates(self, table: TokenTable, identity: Identity, frame: Frame, amounts: dict[str, int]) -> None:
+        """Take ``amounts`` from the token's buckets of those rates, or refuse the request (nothing taken)."""
         if table is not self._rated_table:  # reloaded: a token removed takes its buckets with it
             self._rates.forget(table.names())
             self._rated_table = table
-        amounts = {"requests_per_s": 1}
-        if frame.command in RATED_COMMANDS:
-            amounts |= {"messages_per_s": batch_messages(frame), "bytes_per_s": len(frame.body)}
+        rates = {name: rate for name, rate in identity.rates.items() if name in amounts}
         now_ms = math.floor(trio.current_time() * 1000)
-        refusal = self._rates.check(
-            identity.name, dict(identity.rates), amounts, now_ms, command=command_name(frame.command)
-        )
+        refusal = self._rates.check(identity.name, rates, amounts, now_ms, command=command_name(frame.command))
         if refusal is not None:
             raise refusal.error()
-        return amounts
 
     async def _answer(self, frame: Frame, peer: str, token: str | None = None, connection: int = 0) -> Frame | None:
         expects_answer = frame.kind == FrameKind.REQUEST
@@ -525,9 +526,8 @@ class FrameServer:
                 )
             reply = await handler(Request(frame, peer, identity, connection))
         except ProtocolError as error:
-            if taken is not None and identity is not None:  # a refused batch stores nothing: its messages are
-                # not charged; the request itself was work, and counts against requests_per_s all the same
-                taken.pop("requests_per_s", None)
+            if taken is not None and identity is not None:  # a refused batch stores nothing: its messages
+                # are not charged (the request itself counts against requests_per_s all the same)
                 self._rates.give_back(identity.name, taken, math.floor(trio.current_time() * 1000))
             self._error_answered(error.code)
             # A flood of one refusal (a full disk refuses every SEND) is a line a minute with a count.
@@ -570,7 +570,7 @@ class _ServedConnection:
         self._admitted = admitted
         self._nursery = nursery
         self._timeouts = server.limits.connections
-        self._decoder = FrameDecoder(server.limits)
+        self._decoder = FrameDecoder(server.limits, serving=True)
         self._send_lock = trio.Lock()
         self._in_flight = trio.Semaphore(server.limits.connections.max_in_flight)
         self._handling = 0
@@ -580,12 +580,8 @@ class _ServedConnection:
         #: The token this connection's AUTH presented (checked again at each request: a reload applies).
         self._token: str | None = None
         self._number = next(_connection_numbers)
-        if server.limits.tokens is not None:  # nothing but AUTH and PING, in small frames, until a token is taken
-            self._decoder.gate(
-                max_frame=MAX_UNAUTHENTICATED_FRAME,
-                commands=UNAUTHENTICATED_COMMANDS,
-                reason="AUTH presents a token: no token yet, and this server requires one (--token or DELAYMQ_TOKEN)",
-            )
+        self._table_seen = server.limits.tokens.table if server.limits.tokens is not None else None
+        self._shut_gate()
 
     def _read_deadline(self) -> float:
         if self._decoder.pending:
@@ -673,6 +669,7 @@ class _ServedConnection:
         """Start a handler for each complete frame; how many frames were complete."""
         completed = 0
         while True:
+            self._check_token_kept()  # before the frame is decoded: a dropped token gates it
             try:
                 frame = self._decoder.next_frame()
             except ProtocolError as error:
@@ -694,19 +691,40 @@ class _ServedConnection:
                 await self._in_flight.acquire()  # backpressure: stop reading this peer
             self._handling += 1
             if frame.command == Command.AUTH and frame.kind == FrameKind.REQUEST:
-                # Taken here, before the next frame is decoded: the gate opens for what follows it.
+                # Taken here, before the next frame is decoded: what follows it is read under
+                # it. A refused AUTH leaves the connection with no token, gated again.
                 answer, token = self._server.authenticate(frame, self._peer)
-                if token is not None:
-                    self._token = token
+                self._token = token
+                if token is None:
+                    self._shut_gate()
+                else:
                     self._decoder.open_gate()
-                self._nursery.start_soon(self._handle, frame, answer)
+                self._nursery.start_soon(self._handle, frame, None, answer)
             else:
-                self._nursery.start_soon(self._handle, frame)
+                self._nursery.start_soon(self._handle, frame, self._token)
 
-    async def _handle(self, frame: Frame, answer: Frame | None = None) -> None:
+    def _shut_gate(self) -> None:
+        if self._server.limits.tokens is not None:  # nothing but AUTH and PING, in small frames, until a token
+            self._decoder.gate(
+                max_frame=MAX_UNAUTHENTICATED_FRAME,
+                commands=UNAUTHENTICATED_COMMANDS,
+                reason="AUTH presents a token: no token yet, and this server requires one (--token or DELAYMQ_TOKEN)",
+            )
+
+    def _check_token_kept(self) -> None:
+        """After a reload that dropped this connection's token, it is gated as one that never had one."""
+        tokens = self._server.limits.tokens
+        if tokens is None or self._token is None or tokens.table is self._table_seen:
+            return
+        self._table_seen = tokens.table
+        if tokens.table.identify(self._token) is None:
+            self._token = None
+            self._shut_gate()
+
+    async def _handle(self, frame: Frame, token: str | None, answer: Frame | None = None) -> None:
         try:
             if answer is None:
-                answer = await self._server._answer(frame, self._peer, self._token, self._number)
+                answer = await self._server._answer(frame, self._peer, token, self._number)
             if answer is not None:
                 await self._send(answer)
         except (trio.BrokenResourceError, trio.ClosedResourceError):

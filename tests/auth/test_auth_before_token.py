@@ -25,7 +25,7 @@ from delaymq.protocol.transport import UNAUTHENTICATED_COMMANDS, open_peers, par
 from delaymq.wheel.clock import SystemClock
 
 from .conftest import PRODUCER, TOKENS
-from .test_auth_limits import batch, served, tokens_text
+from .test_auth_limits import SHOP, batch, served, tokens_text
 
 MiB = 1024 * 1024
 
@@ -177,3 +177,46 @@ async def test_a_token_over_its_request_rate_is_refused_whatever_the_command(tmp
     assert outcomes == ["answered"] * 5 + ["rate_limited"] * 7
     assert store.messages == 2  # the SENDs among the first five, a message each
     assert server.statistics().refused_by_reason["rate_limited"] == 7
+
+
+def test_a_server_skips_a_response_frame_undecoded() -> None:
+    decoder = FrameDecoder(serving=True)
+    metadata = empty_arrays(2 * MiB)
+    header = FRAME_HEADER.pack(MAGIC, VERSION, FrameKind.RESPONSE, Command.STATUS, 9, len(metadata), 0)
+    decoder.feed(header + metadata)
+    with pytest.raises(RemoteProtocolError) as refused:
+        decoder.next_frame()
+    assert refused.value.code == "bad_frame" and refused.value.field == "kind" and not refused.value.fatal
+
+
+async def test_forbidden_requests_count_against_the_request_rate(tmp_path: Path) -> None:
+    """A token flooding requests it may not make is rated like any other."""
+    text = tokens_text(requests_per_s=3).replace('roles = ["producer"]', 'roles = ["producer"]\nsubjects = ["x.*"]')
+    async with served(tmp_path, text) as (_server, store, connection):
+        codes = []
+        for _ in range(5):
+            try:
+                await connection.call(Command.SEND, {}, batch(), timeout=5)  # orders.eu: not x.*
+            except PeerError as error:
+                codes.append(error.code)
+    assert codes == ["forbidden"] * 3 + ["rate_limited"] * 2
+    assert store.messages == 0
+
+
+async def test_a_refused_auth_or_a_reload_without_the_token_gates_the_connection_again(tmp_path: Path) -> None:
+    async with served(tmp_path, tokens_text()) as (server, _store, connection):
+        await connection.call(Command.SEND, {}, batch(), timeout=5)
+        with pytest.raises(PeerError):
+            await connection.call(Command.AUTH, {"token": "not-a-known-secret-at-all"}, timeout=5)
+        with pytest.raises(PeerError) as refused:  # the first token no longer counts on this connection
+            await connection.call(Command.SEND, {}, batch(), timeout=5)
+        assert refused.value.code == "unauthorized" and "no token yet" in str(refused.value)
+        await connection.call(Command.AUTH, {"token": SHOP}, timeout=5)
+        await connection.call(Command.SEND, {}, batch(), timeout=5)
+        tokens = server.limits.tokens
+        assert tokens is not None
+        tokens.path.write_text(tokens_text().replace(SHOP, "a-new-shop-secret-0123456789"))
+        assert tokens.reload()
+        with pytest.raises(PeerError) as refused:
+            await connection.call(Command.SEND, {}, batch(), timeout=5)
+        assert refused.value.code == "unauthorized" and "no token yet" in str(refused.value)
