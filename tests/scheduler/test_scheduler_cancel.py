@@ -421,7 +421,7 @@ def test_filed_cancels_are_done_entries_of_their_hours_without_a_dispatch_log(tm
             store.delete_hour(first)
             assert store.cancelled(first) == []
             assert store.cancelled(first + 5) == [1]
-        drop_from(state, cancel_at)  # the CANCEL record cut: its entries are scheduled again
+        drop_from(state, cancel_at, tmp_path / "schedule")  # the CANCEL record cut: its entries are scheduled again
         with ScheduleStore.open(tmp_path / "schedule", state) as store:
             assert store.cancelled(first + 5) == [] and store.pending(first + 5) == 3
 

@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from delaymq.protocol.commands import Command
+from delaymq.protocol.envelope import HEADER_SIZE
 from delaymq.protocol.records import encode_message, redeliver_at, scan_batch
 from delaymq.scheduler import roles
 from delaymq.scheduler.cancels import ScheduledBatch, Tail, fresh_records, look_up_fresh
@@ -38,7 +39,9 @@ from delaymq.scheduler.idindex import (
     cancel_record,
     displaced_key,
     drop_from,
+    filed_records,
     ids_for_key,
+    index_key,
     lookup,
     move_record,
 )
@@ -54,7 +57,7 @@ SECOND = 1_000
 INDEX_DBS = (IDS_DB, DISPLACED_DB, KEYS_DB, CANCELLED_DB)
 
 
-def record(subject: str, message_id: str, at: int, key: str | None = None) -> bytes:
+def record(subject: str, message_id: str, at: int, key: str | None = None, attempts: int = 0) -> bytes:
     properties = {"key": key} if key else None
     return encode_message(
         message_id,
@@ -63,6 +66,7 @@ def record(subject: str, message_id: str, at: int, key: str | None = None) -> by
         deliver_at=at,
         created_at=NOW,
         properties=properties,
+        attempts=attempts,
     )
 
 
@@ -477,3 +481,125 @@ def test_a_cut_back_gives_an_id_back_to_the_message_the_cut_record_took_it_from(
     finally:
         slave.close()
         master.close()
+
+
+def cut_back(folder: Folder, root: Path, offset: int) -> None:
+    """What a slave does with a filed tail its new master never had (``_cut`` in the server)."""
+    folder.store.close()
+    cut_schedule_folder(root / "schedule", offset)
+    folder.log.truncate(offset)
+    drop_from(folder.state, offset, root / "schedule")
+    folder.store = ScheduleStore.open(root / "schedule", folder.state)
+
+
+@pytest.mark.parametrize("change", ["cancel", "move"])
+def test_a_cut_cancel_or_move_gives_the_message_filed_before_it_its_id_back(tmp_path: Path, change: str) -> None:
+    """B's x, then A's x (B displaced), then a CANCEL or MOVE of x that the new master never
+    had: cut, A's message holds x again, scheduled where it was, and B stays displaced."""
+    a, b, _c = SUBJECTS
+    b_x, a_x = record(b, "x", NOW + 10 * SECOND), record(a, "x", NOW + 20 * SECOND)
+    kept = b_x + a_x
+    cut = cancel_record(["x"], taken_at=NOW) if change == "cancel" else move_record([redeliver_at(a_x, NOW + HOUR_MS)])
+    slave, master = Folder(tmp_path / "slave"), Folder(tmp_path / "master")
+    try:
+        for folder, records in ((slave, [kept, cut]), (master, [kept])):
+            for data in records:
+                folder.log.append(data)
+            folder.log.flush()
+            replay_until_caught_up(folder.log, folder.store)
+        cut_back(slave, tmp_path / "slave", len(kept))
+        assert slave.index() == master.index()
+        [x_value, b_value] = lookup(slave.state, ["x", displaced_key("x", b)])
+        assert x_value is not None and (x_value.state, x_value.deliver_at) == (SCHEDULED, NOW + 20 * SECOND)
+        assert b_value is not None and (b_value.state, b_value.deliver_at) == (SCHEDULED, NOW + 10 * SECOND)
+        assert slave.store.cancelled(NOW // HOUR_MS) == []
+    finally:
+        slave.close()
+        master.close()
+    again = Master(tmp_path / "slave")
+    try:  # retries of both are each their tenant's duplicate, as on the master
+        assert again.schedule([a_x, b_x]) == [False, False]
+    finally:
+        again.close()
+
+
+KEY_FORMS = ("id", "displaced", "retry")
+key_specs = st.tuples(st.sampled_from(KEY_FORMS), st.sampled_from(SUBJECTS), st.sampled_from(("x", "y")))
+scheduled_specs = st.tuples(
+    st.sampled_from(SUBJECTS),
+    st.sampled_from(("x", "y")),
+    st.sampled_from((NOW + 10 * SECOND, NOW + HOUR_MS + 5 * SECOND)),
+    st.sampled_from((None, "k1", "k2")),
+    st.sampled_from((0, 0, 1)),
+)
+changes = st.lists(
+    st.one_of(
+        st.tuples(st.just("schedule"), st.lists(scheduled_specs, min_size=1, max_size=3)),
+        st.tuples(st.just("cancel"), st.lists(key_specs, min_size=1, max_size=2)),
+        st.tuples(st.just("move"), st.lists(key_specs, min_size=1, max_size=2)),
+    ),
+    min_size=1,
+    max_size=16,
+)
+
+
+def spec_key(form: str, subject: str, message_id: str) -> str:
+    if form == "displaced":
+        return displaced_key(message_id, subject)
+    return index_key(message_id, subject, 1 if form == "retry" else 0)
+
+
+def apply_change(master: Master, root: Path, change: str, specs: list[Any]) -> None:
+    """Append what a master appends for the change (a CANCEL or MOVE only of what is
+    scheduled), then file the whole log."""
+    if change == "schedule":
+        master.schedule([record(s, i, at, key, attempts) for s, i, at, key, attempts in specs])
+    else:
+        keys = list(dict.fromkeys(spec_key(*spec) for spec in specs))
+        scheduled = [(k, v) for k, v in zip(keys, lookup(master.state, keys)) if v is not None and v.state == SCHEDULED]
+        if scheduled and change == "cancel":
+            master.log.append(cancel_record([k for k, _v in scheduled], taken_at=NOW))
+        elif scheduled:
+            found = filed_records(root / "schedule", [(v.hour, v.entry) for _k, v in scheduled])
+            to = NOW + 2 * HOUR_MS + master.log.end_offset % 7 * SECOND  # varied, as the log grows
+            master.log.append(move_record([redeliver_at(r, to) for r in found if r is not None]))
+        master.log.flush()
+    replay_until_caught_up(master.log, master.store)
+    master.tail.filed(master.store.checkpoint)
+
+
+def record_starts(data: bytes) -> list[int]:
+    """Every record boundary of a message log's bytes, its end included."""
+    starts = [0]
+    while starts[-1] < len(data):
+        starts.append(starts[-1] + HEADER_SIZE + int.from_bytes(data[starts[-1] : starts[-1] + 4], "big"))
+    return starts
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(changes, st.integers(min_value=0, max_value=1_000))
+def test_a_cut_back_leaves_the_index_that_filing_the_log_up_to_the_cut_gives(ops: list[Any], pick: int) -> None:
+    """SCHEDULE, CANCEL and MOVE records of a few (subject, id) pairs, as a master appends
+    them, filed; then cut back at any record: the index is the one filing only the log before
+    the cut builds from scratch (what the new master holds)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        master = Master(root / "master")
+        reference = None
+        try:
+            for change, specs in ops:
+                apply_change(master, root / "master", change, specs)
+            data = master.log.read_raw(0, 1 << 30)[0]
+            starts = record_starts(data)
+            offset = starts[pick % len(starts)]
+            reference = Folder(root / "reference")
+            if offset:
+                reference.log.append(data[:offset])
+                reference.log.flush()
+                replay_until_caught_up(reference.log, reference.store)
+            cut_back(master, root / "master", offset)
+            assert master.index() == reference.index()
+        finally:
+            master.close()
+            if reference is not None:
+                reference.close()
