@@ -19,9 +19,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from delaymq.scheduler.delayindex import ENTRY_SIZE, read_entry
+from delaymq.scheduler.delayindex import CHECKPOINT_KEY, ENTRY_SIZE, REPLAY_DB, read_entry
 from delaymq.scheduler.dispatchlog import DispatchLog, read_delivered
 from delaymq.scheduler.hours import DISPATCH_SUFFIX, INDEX_SUFFIX, LOG_SUFFIX
+from delaymq.storage.state import StateStore
 
 
 def cut_schedule_folder(folder: Path, offset: int) -> int:
@@ -55,6 +56,18 @@ def cut_schedule_folder(folder: Path, offset: int) -> int:
     finally:
         os.close(dir_fd)
     return cut
+
+
+def lower_checkpoint(state: StateStore, offset: int) -> None:
+    """Replay's checkpoint back to ``offset`` if it is past it.
+
+    Recovery moves it back for hours that lost entries; a cut tail that filed no entry (a
+    CANCEL alone) shortens no hour, and a checkpoint left past the log's new end would have
+    replay read the next record from the middle of it."""
+    stored = state.get(REPLAY_DB, CHECKPOINT_KEY)
+    if stored is not None and int.from_bytes(stored, "big") > offset:
+        with state.write() as batch:
+            batch.put(REPLAY_DB, CHECKPOINT_KEY, offset.to_bytes(8, "big"))
 
 
 def _truncate(path: Path, size: int) -> None:

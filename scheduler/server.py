@@ -67,7 +67,7 @@ from delaymq.scheduler.cancels import (
     look_up_fresh,
 )
 from delaymq.scheduler.changes import ChangeCommands
-from delaymq.scheduler.cutback import cut_schedule_folder
+from delaymq.scheduler.cutback import cut_schedule_folder, lower_checkpoint
 from delaymq.scheduler.dispatcher import (
     DEFAULT_DISPATCH_BATCH,
     DEFAULT_SEND_AHEAD_MS,
@@ -735,6 +735,7 @@ class Scheduler(ChangeCommands):
             # Ids whose last record was cut (their entries may be reused) and cancels that were cut:
             # before the store opens, which counts the cancelled entries.
             drop_from(member.state, offset, folder)
+            lower_checkpoint(member.state, offset)
             member.store = self._stores["store"] = ScheduleStore.open(folder, member.state)
             member.store.recent_source = member.log.read_recent_many  # (as _open_storage sets it)
             member.records = DispatchRecords(member.store)

@@ -372,9 +372,11 @@ async def test_a_slave_far_behind_catches_up_over_many_fetches(sched: Any, tmp_p
         assert hour_files(slave) == hour_files(master)
 
 
+@pytest.mark.parametrize("lost", ["schedule", "cancel"])
 async def test_under_async_a_deposed_master_cuts_even_what_it_had_filed_and_counts_it(
-    sched: Any, tmp_path: Path, autojump_clock: Any
+    sched: Any, tmp_path: Path, autojump_clock: Any, lost: str
 ) -> None:
+    """What the deposed master filed alone is a SCHEDULE, or a CANCEL (which files no entry)."""
     async with sched.open_cluster(tmp_path, meta=META_OPTIONS) as cluster:
         receiver = cluster.receiver()
         partition = Partition(cluster.net)
@@ -385,7 +387,10 @@ async def test_under_async_a_deposed_master_cuts_even_what_it_had_filed_and_coun
         await wait_until(lambda: new.store.checkpoint == old.member.log.end_offset)
         partition.cut.add(A)
         await wait_until(lambda: new.statistics().replication["fetch_failures"] > 0)
-        await schedule(cluster, sched, ["lost-with-the-old-master"], due, A)  # answered: async
+        if lost == "schedule":
+            await schedule(cluster, sched, ["lost-with-the-old-master"], due, A)  # answered: async
+        else:  # answered at once too; the new master never hears of it, so "kept" is delivered
+            await cluster.net.call(A, Command.CANCEL, {"ids": ["kept"]})
         await wait_until(lambda: old.store.checkpoint == old.member.log.end_offset)  # and filed at once
         old.crash()
         cluster.net.remove(A)
