@@ -47,14 +47,16 @@ import os
 import struct
 import threading
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import starmap
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from delaymq.realtime.openfiles import OpenFiles
 from delaymq.storage.errors import CorruptLog
 from delaymq.storage.files import pwrite_all
+
+_T = TypeVar("_T")
 
 #: Entries a log keeps in memory after writing them (its tail), and a window holds at most.
 TAIL_ENTRIES = 2048
@@ -179,18 +181,28 @@ class ConsumeLog:
             raise
         log = cls(subject, path, fd, checkpoint_count, on_disk, files=files)
         log.created = created
-        if files is not None:
+        if files is not None and files.closed:
+            log._close()  # opened late (see ``_use``): nothing would close it
+        elif files is not None:
             files.fd(log)  # the most recently used now: the least recently used may close
         return log
 
     # ---------------------------------------------------------------- descriptor
 
-    def _use(self) -> int:
-        """The descriptor for the owner's own calls (writes, recovery), opened if need be."""
+    def _use(self, call: Callable[[int], _T]) -> _T:
+        """``call`` with the descriptor, for the owner's own calls (writes, recovery), opened if
+        need be. Once the owner closed ``files`` (a master stepped down while a SEND's append was
+        in flight, whose index step comes late) with the file opened and closed for the call."""
         files = self.files
-        if files is None or files.closed:
-            return self._fd
-        return files.fd(self)
+        if files is None:
+            return call(self._fd)
+        if not files.closed:
+            return call(files.fd(self))
+        fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            return call(fd)
+        finally:
+            os.close(fd)
 
     def _open(self) -> int:
         """Open the descriptor if ``files`` closed it (the owner; through ``files``)."""
@@ -243,14 +255,14 @@ class ConsumeLog:
         """
         if self._on_disk > self._written:
             position = self._written * ENTRY_SIZE
-            fd = self._use()
-            old = decode_entry(os.pread(fd, ENTRY_SIZE, position).ljust(ENTRY_SIZE, b"\0"))
+            found = self._use(lambda fd: os.pread(fd, ENTRY_SIZE, position))
+            old = decode_entry(found.ljust(ENTRY_SIZE, b"\0"))
             if old is not None and old.offset == offset and old.size == size:
                 self._written += 1
                 self.count += 1
                 self._forget_held()
                 return
-            os.ftruncate(fd, position)
+            self._use(lambda fd: os.ftruncate(fd, position))
             self._on_disk = self._written
         self._pending += encode_entry(offset, size, tag_mask, stored_at)
         self.count += 1
@@ -270,7 +282,8 @@ class ConsumeLog:
         if not self._pending:
             return
         written = self._written
-        pwrite_all(self._use(), self._pending, written * ENTRY_SIZE, path=self.path)
+        pending, path = self._pending, self.path
+        self._use(lambda fd: pwrite_all(fd, pending, written * ENTRY_SIZE, path=path))
         tail = self._tail
         if self._tail_start + len(tail) // ENTRY_SIZE != written:
             tail.clear()
@@ -300,7 +313,8 @@ class ConsumeLog:
         """Cut entries past the checkpoint that replay did not confirm."""
         self.write_pending()
         if self._on_disk > self._written:
-            os.ftruncate(self._use(), self._written * ENTRY_SIZE)
+            length = self._written * ENTRY_SIZE
+            self._use(lambda fd: os.ftruncate(fd, length))
             self._on_disk = self._written
         self._forget_held()
 
@@ -308,7 +322,7 @@ class ConsumeLog:
         """Forget entries from ``count`` on (their records are gone from the message log)."""
         if count < self.count:
             self.write_pending()
-            os.ftruncate(self._use(), count * ENTRY_SIZE)
+            self._use(lambda fd: os.ftruncate(fd, count * ENTRY_SIZE))
             self.count = self._written = self._on_disk = count
             self._forget_held()
 

@@ -21,7 +21,7 @@ from typing import Any
 import trio
 
 from delaymq.protocol.errors import RemoteProtocolError
-from delaymq.realtime.caps import DEFAULT_MAX_GROUPS, check_group_cap
+from delaymq.realtime.caps import DEFAULT_MAX_GROUPS, GroupCap
 from delaymq.realtime.checkpoint import consumer_from_record, load_consumer, share_key
 from delaymq.realtime.delivery import Picked
 from delaymq.realtime.groups import ConsumerState, Groups, Share
@@ -59,8 +59,8 @@ class Consumers:
         max_groups: int = DEFAULT_MAX_GROUPS,
     ) -> None:
         self._groups = groups
-        #: Shares (a group reading a subject) a PULL may make at most (``caps.check_group_cap``).
-        self.max_groups = max_groups
+        #: Shares (a group reading a subject) a PULL may make at most (``caps.GroupCap``).
+        self.group_cap = GroupCap(max_groups, groups.shares)
         self._run_blocking = run_blocking
         self._indexer = indexer
         self._store = store
@@ -142,7 +142,7 @@ class Consumers:
         key = share_key(subject, group, broadcast_consumer)
         share = self._groups.shares.get(key)
         if share is None:
-            check_group_cap(self.max_groups, self._groups.shares, subject, group, broadcast_consumer)
+            self.group_cap.check(subject, group, broadcast_consumer)
             position = 0 if earliest else self._indexer.count(subject)
             share = self._groups.add_share(Share(key, subject, group, broadcast_consumer, position))
             self._groups.dirty_shares.add(share)

@@ -30,8 +30,9 @@ are the blocking lmdb parts, run in a worker thread.
 lmdb layout (named dbs of the state store)::
 
     dedup_ids      key: dedup key (UTF-8)          value: stored_at i64 BE
-                   (before 2026-12 a first delivery's key was its bare id: such rows are
-                   no one's key now, and are pruned with their bucket)
+                   (before 2026-12 a first delivery's key was its bare id: while such rows
+                   may be within the window, ``bare_ids_until``, a SEND looks its ids up
+                   bare too; they are pruned with their bucket)
     dedup_time     key: bucket u64 BE + NUL + stored_at i64 BE + 16-byte BLAKE2b of the value
                                                    value: msgpack array of the batch's dedup keys
                    (before 2026-11-24 a row an id:  key: bucket u64 BE + dedup key, value empty;
@@ -47,6 +48,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import struct
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterable, Sequence
 from itertools import groupby, repeat
@@ -65,6 +67,8 @@ _I64 = struct.Struct(">q")
 #: After the bucket in a ``dedup_time`` key: the row lists a batch's ids (no id starts with NUL).
 _BATCH_ROW = b"\x00"
 _U64 = struct.Struct(">Q")
+#: ``covers_from`` when memory holds every id ever stored (a new data folder); as a time, never.
+EVERYTHING = -(1 << 62)
 
 
 @functools.lru_cache(maxsize=16384)
@@ -136,6 +140,8 @@ class DedupWindow:
         self._committed = 0  # how many of ``_batches``, from the left, are in lmdb
         self._committed_keys = 0  # and their keys
         self._unpersisted: list[tuple[list[str], int]] = []
+        #: Until when rows keyed by a bare message id may be within the window (``bare_ids_until``).
+        self.bare_ids_until = EVERYTHING
 
     def __len__(self) -> int:
         return len(self._known)
@@ -169,6 +175,27 @@ class DedupWindow:
                 fresh.append(True)
         return fresh
 
+    def stored_bare(self, ids: Sequence[str], now: int) -> tuple[set[str], dict[str, list[str]]]:
+        """Rows written before keys held the subject (a first delivery keyed by its bare id): the
+        keys of ``ids`` whose bare id memory holds within the window, and the bare ids memory
+        cannot settle, with their keys (look them up with ``lookup_stored``). A bare row names
+        no subject: it answers for the id on every subject, as it did when written."""
+        known = self._known
+        oldest = now - self.window_ms
+        covered = oldest >= self.covers_from
+        stored: set[str] = set()
+        unsure: dict[str, list[str]] = {}
+        for key in ids:
+            message_id = message_id_of(key)
+            if message_id is None:
+                continue  # a retry's or dead letter's key: its form did not change
+            stored_at = known.get(message_id)
+            if stored_at is not None and stored_at > oldest:
+                stored.add(key)
+            elif not covered:
+                unsure.setdefault(message_id, []).append(key)
+        return stored, unsure
+
     def forget(self, ids: Iterable[str]) -> None:
         """Admitted ids whose records were not stored after all (the append failed)."""
         for message_id in ids:
@@ -194,10 +221,6 @@ class DedupWindow:
             if base is not None:
                 out.append((stored_at, base, keys))
         return out
-
-    def locate(self, ids: Iterable[str], now: int) -> dict[str, tuple[int, int, int]]:
-        """``locate`` over ``recent(now)``."""
-        return locate(self.recent(now), ids)
 
     def take_unpersisted(self) -> list[tuple[list[str], int]]:
         """The batches of ids for the next checkpoint, ``(ids, stored_at)`` each, oldest first
@@ -314,8 +337,17 @@ def load_buckets(store: StateStore) -> list[int]:
     return sorted(_U64.unpack(key)[0] for key, _ in store.items(BUCKETS_DB))
 
 
-#: ``covers_from`` when memory holds every id ever stored (a new data folder).
-EVERYTHING = -(1 << 62)
+def bare_ids_until(store: StateStore, buckets: list[int], now: int, window_ms: int) -> int:
+    """Until when a SEND must look its ids up bare too (start-up, blocking): ``now + window_ms``
+    if the oldest bucket within the window holds a key without NUL (a first delivery's key before
+    keys held the subject), else ``EVERYTHING`` (never). Such rows are older than any other,
+    so the oldest bucket tells; one bucket is read."""
+    first = bisect_left(buckets, (now - window_ms) // BUCKET_MS)
+    if first == len(buckets):
+        return EVERYTHING
+    if any(b"\x00" not in key for _row, key in _bucket_keys(store, buckets[first])):
+        return now + window_ms
+    return EVERYTHING
 
 
 def load_recent(
@@ -380,6 +412,7 @@ __all__ = [
     "BUCKET_MS",
     "EVERYTHING",
     "DedupWindow",
+    "bare_ids_until",
     "dedup_key",
     "dedup_keys",
     "locate",

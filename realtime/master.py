@@ -141,7 +141,7 @@ class RealtimeMaster:
             dedup=dedup,
             fences=self.fences,
             run_blocking=run_blocking,
-            subjects=SubjectCap(max_subjects, indexer),
+            subjects=SubjectCap(max_subjects, indexer, groups.shares, clock),
         )
         self.pull_handler = PullHandler(
             consumers=self.consumers,
@@ -219,6 +219,7 @@ class RealtimeMaster:
             "checkpoint_failures": self.committer.failures,
             "fenced": self.fences.refused,
             "fence_raises": self.fences.raised,
+            "subjects_over_cap": sent.subjects.over if sent.subjects is not None else 0,
         }
 
     def log_bytes(self) -> dict[str, int]:

@@ -7,9 +7,9 @@ index business keys, so ``subject`` + ``key`` is refused naming ``subject``. Ans
 one per id asked, in order:
 
 - ``stored``: False when the id is not within this server's query window: the
-  batches its dedup window still places (``DedupWindow.locate``: the newest
-  ``dedup_memory_ids`` ids within ``dedup_window_ms``, indexed by this master since
-  it became master, its start-up replay of the log tail included). Older messages,
+  batches its dedup window still places (``dedup.locate`` over ``DedupWindow.recent``:
+  the newest ``dedup_memory_ids`` ids within ``dedup_window_ms``, indexed by this master
+  since it became master, its start-up replay of the log tail included). Older messages,
   and those stored before a restart or a failover, answer unknown here.
 - ``offset``: the record's message-log offset; ``subject`` its subject;
   ``stored_at`` when it was indexed (epoch ms).

@@ -187,6 +187,7 @@ def recover(
         index_offset = end
     entries, covers_from = dedup_store.load_recent(store, state.dedup_buckets, now, dedup.window_ms, dedup.memory_ids)
     dedup.load(entries, covers_from)
+    dedup.bare_ids_until = dedup_store.bare_ids_until(store, state.dedup_buckets, now, dedup.window_ms)
     indexer = Indexer(consume_dir, indexed_offset=index_offset, on_ids=dedup.indexed)
     try:
         indexer.open_existing(counts)

@@ -22,8 +22,9 @@ scheduler). An immediate record's ``deliver_at`` is its producer's clock: never 
 A scheduler's SEND carries a fence (its group and epoch, the only metadata a
 SEND takes): ``fences.Fences`` admits it before anything of the batch is
 looked at by the dedup window or stored, and refuses an older epoch (``fenced``).
-Before that, a batch that would make more subjects than the server's cap is refused
-whole (``caps.SubjectCap``).
+A producer's batch that would make more subjects than the server's cap is
+refused whole (``caps.SubjectCap``); a scheduler's passes the cap once its fence is
+admitted (counted and logged): it carries messages the scheduler accepted earlier.
 """
 
 from __future__ import annotations
@@ -97,11 +98,12 @@ class SendHandler:
         fence = Fence.from_metadata(request.metadata)
         batch = scan_batch(request.batch_body(fields=_SEND_FIELDS), self._limits)
         _check_ahead(batch, self._clock.now_ms())
+        if fence is not None:
+            await self.fences.admit(fence)
         cap = self.subjects
-        admitted = cap.admit(batch.subjects) if cap is not None else []
+        fenced_by = fence.group if fence is not None else None
+        admitted = cap.admit(batch.subjects, fenced_by=fenced_by) if cap is not None else []
         try:
-            if fence is not None:
-                await self.fences.admit(fence)
             fresh = await self.append(batch)
         finally:
             if cap is not None:
@@ -127,6 +129,8 @@ class SendHandler:
                     partial(dedup_store.lookup_stored, self._store, unsure, now - dedup.window_ms)
                 )
                 now = self._clock.now_ms()
+            if now < dedup.bare_ids_until:  # rows of an older version may be in the window
+                stored |= await self._stored_bare(ids, now)
             busy = appending.waiting_for(ids)
             if busy is None:
                 break
@@ -165,6 +169,19 @@ class SendHandler:
         if self.replicated is not None:
             await self.replicated(base + len(data))  # sync: answered once the in-sync slaves hold it
         return fresh
+
+    async def _stored_bare(self, ids: list[str], now: int) -> set[str]:
+        """Keys of ``ids`` stored within the window by a version that keyed first deliveries by the
+        bare id (memory first, then lmdb)."""
+        dedup = self._dedup
+        stored, unsure = dedup.stored_bare(ids, now)
+        if unsure:
+            found = await self._run_blocking(
+                partial(dedup_store.lookup_stored, self._store, list(unsure), now - dedup.window_ms)
+            )
+            for message_id in found:
+                stored.update(unsure[message_id])
+        return stored
 
 
 def _check_ahead(batch: MessageBatch, now_ms: int) -> None:

@@ -8,7 +8,8 @@ from typing import Any
 #: The counters a master keeps (``RealtimeMaster.counters``); all 0 while not master.
 COUNTERS = ("sends messages_stored duplicates pulls pulls_waiting messages_delivered acks nacks redeliveries "
              "retries_scheduled retries_stored dead_letters retries_given_back consumers subjects indexed_offset "
-             "dedup_ids_in_memory checkpoints checkpoint_failures fenced fence_raises").split()  # fmt: skip
+             "dedup_ids_in_memory checkpoints checkpoint_failures fenced fence_raises "
+             "subjects_over_cap").split()  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +49,7 @@ class RealtimeStatistics:
     lateness_handed_out: dict[str, Any] = field(default_factory=dict)  # PULL handed out - due, per record
     message_log_fsyncs: int = 0  # fsyncs of the message log (its writer's)
     acked_messages: int = 0  # pull-log entries settled by ACKs (each once), not requests
+    subjects_over_cap: int = 0  # subjects schedulers' SENDs made past --max-subjects (``caps.SubjectCap``)
     # (group, subject, messages not acked yet) of the pairs with the most lag (``MAX_LAG_SERIES``; master)
     consumer_lag: list[tuple[str, str, int]] = field(default_factory=list)
     log_bytes: dict[str, int] = field(default_factory=dict)  # "message" on disk; "consume", "pull" (master)

@@ -8,15 +8,18 @@ trio's own clock, and looks at what the caller is told and at what the server ho
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 
+from delaymq.metaserver.server import open_metaserver
 from delaymq.protocol.auth import FORBIDDEN, TokenFile
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError
@@ -26,12 +29,16 @@ from delaymq.protocol.limits import Limits
 from delaymq.protocol.records import Message, decode_batch, encode_batch
 from delaymq.protocol.transport import open_peers
 from delaymq.realtime import RealtimeServer, open_realtime_server
+from delaymq.realtime import dedup as dedup_store
+from delaymq.realtime.caps import OVER_LOG_INTERVAL_MS, SubjectCap
 from delaymq.realtime.consumelog import OPEN_CONSUME_LOGS, ConsumeLog, encode_entry
 from delaymq.realtime.fences import MAX_EPOCH_AHEAD_MS
 from delaymq.realtime.openfiles import OpenFiles
 from delaymq.replication.wire import FetchRequest
+from delaymq.scheduler.server import Scheduler, open_scheduler
+from delaymq.storage.state import StateStore
 from delaymq.storage.threads import run_inline
-from delaymq.wheel.clock import TrioClock
+from delaymq.wheel.clock import SystemClock, TrioClock
 
 from ..conftest import open_local_servers
 
@@ -124,8 +131,8 @@ class Secured:
         results: list[str] = frame.metadata["results"]
         return results
 
-    async def pull(self, token: str, subject: str, group: str) -> list[Message]:
-        metadata = {"group": group, "consumer": "c", "subject": subject, "max": 100, "from": "earliest"}
+    async def pull(self, token: str, subject: str, group: str, **options: Any) -> list[Message]:
+        metadata = {"group": group, "consumer": "c", "subject": subject, "max": 100, "from": "earliest", **options}
         frame = await self.call(token, Command.PULL, metadata)
         return decode_batch(frame.body) if frame.body else []
 
@@ -152,8 +159,36 @@ async def open_secured(tmp_path: Path, tokens: Path, **options: Any) -> AsyncIte
         yield Secured(server, data)
 
 
+@asynccontextmanager
+async def open_cluster(tmp_path: Path, tokens: Path, **options: Any) -> AsyncIterator[tuple[Secured, Scheduler]]:
+    """A metaserver, the realtime server (with ``options``) and a scheduler on loopback, on the real
+    clock, each with the tokens file; yielded once both servers have registered."""
+    limits = Limits(tokens=TokenFile(tokens), token=SERVER)
+    clock = SystemClock()
+    async with AsyncExitStack() as stack:
+        meta = await stack.enter_async_context(open_metaserver(data_dir=tmp_path / "meta", clock=clock, limits=limits))
+        assert meta.address is not None
+        realtime = await stack.enter_async_context(
+            open_realtime_server(
+                data_dir=tmp_path / "rt", clock=clock, meta_address=meta.address, limits=limits, **options
+            )
+        )
+        scheduler = await stack.enter_async_context(
+            open_scheduler(data_dir=tmp_path / "sched", clock=clock, meta_address=meta.address, limits=limits)
+        )
+        with trio.fail_after(WAIT):
+            for server in (realtime, scheduler):
+                assert server.registration is not None
+                await server.registration.wait_registered()
+        yield Secured(realtime, tmp_path / "rt"), scheduler
+
+
 def message(message_id: str, subject: str, body: bytes = b"body") -> Message:
     return Message(message_id, subject, body=body)
+
+
+def pull_metadata(group: str, subject: str, **options: Any) -> dict[str, Any]:
+    return {"group": group, "consumer": "c", "subject": subject, "max": 1, "timeout_ms": 0, **options}
 
 
 def open_descriptors() -> int:
@@ -270,6 +305,141 @@ async def test_pulls_past_the_group_cap_are_refused_and_make_no_files(tmp_path: 
         assert error.limit == 10 and files(rt.data / "pull") == pull_files
 
 
+async def test_a_groups_retry_and_dead_letter_subjects_pass_the_subject_cap_and_do_not_count(
+    tmp_path: Path, tokens: Path
+) -> None:
+    retry, dead = "%retry%team-x%orders", "%dead%team-x%orders"
+    async with open_secured(tmp_path, tokens, max_subjects=2) as rt:
+        assert await rt.send(PRODUCER, [message("m1", "orders")]) == ["stored"]
+        assert [m.id for m in await rt.pull(CONSUMER, "orders", "team-x")] == ["m1"]
+        # Where a server puts what team-x nacks (a scheduler's, or its own appends): not counted.
+        assert await rt.send(SERVER, [message("r1", retry), message("d1", dead)]) == ["stored"] * 2
+        assert await rt.send(PRODUCER, [message("m2", "s.2")]) == ["stored"]  # subject number 2
+        error = await rt.refused(PRODUCER, Command.SEND, {}, encode_batch([message("m3", "s.3")]))
+        assert "subject 's.3' would be subject number 3 on this server (--max-subjects 2)" in error.message
+        # A group that does not read the base subject, or a group's retries of its own retry
+        # subject (a chain), get no such place.
+        for subject in ("%retry%team-y%orders", "%dead%team-x%%retry%team-x%orders"):
+            error = await rt.refused(SERVER, Command.SEND, {}, encode_batch([message("x", subject)]))
+            assert (error.code, error.field, error.limit) == ("limit", "subject", 2)
+        assert (await rt.status())["statistics"]["subjects"] == 4
+        assert [m.id for m in await rt.pull(CONSUMER, retry, "team-x")] == ["r1"]
+        assert [m.id for m in await rt.pull(CONSUMER, dead, "team-x")] == ["d1"]
+    async with open_secured(tmp_path, tokens, max_subjects=2) as rt:  # counted alike at start-up
+        assert await rt.send(SERVER, [message("r2", retry)]) == ["stored"]
+        error = await rt.refused(PRODUCER, Command.SEND, {}, encode_batch([message("m3", "s.3")]))
+        assert "'s.3' would be subject number 3" in error.message
+
+
+async def test_a_schedulers_send_passes_the_subject_cap_counted_and_logged(
+    tmp_path: Path, tokens: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with open_secured(tmp_path, tokens, max_subjects=1) as rt:
+        assert await rt.send(PRODUCER, [message("m1", "orders")]) == ["stored"]
+        fence = Fence("sched-1", rt.server.member.clock.now_ms()).as_metadata()
+        with caplog.at_level(logging.WARNING, logger="delaymq.realtime.caps"):
+            # Messages the scheduler accepted (a SCHEDULE to a new subject) fall due: stored.
+            assert await rt.send(SCHEDULER, [message("s1", "reminders")], **fence) == ["stored"]
+            batch = [message("s2", "invoices"), message("s3", "orders"), message("s4", "invoices")]
+            assert await rt.send(SCHEDULER, batch, **fence) == ["stored"] * 3
+        lines = [record.getMessage() for record in caplog.records if "over --max-subjects" in record.getMessage()]
+        assert len(lines) == 1  # at most once a minute
+        assert "scheduler group 'sched-1' stored subject 'reminders' over --max-subjects 1" in lines[0]
+        statistics = (await rt.status())["statistics"]
+        assert (statistics["subjects_over_cap"], statistics["subjects"]) == (2, 3)
+        # A producer's SEND to a new subject is refused still; a fence with a stale epoch too.
+        error = await rt.refused(PRODUCER, Command.SEND, {}, encode_batch([message("p1", "news")]))
+        assert "'news' would be subject number 4 on this server (--max-subjects 1)" in error.message
+        stale = Fence("sched-1", fence["fence"]["epoch"] - 1).as_metadata()
+        error = await rt.refused(SCHEDULER, Command.SEND, stale, encode_batch([message("s5", "alerts")]))
+        assert error.code == "fenced" and (await rt.status())["statistics"]["subjects_over_cap"] == 2
+        assert [m.id for m in await rt.pull(CONSUMER, "invoices", "team-x")] == ["s2", "s4"]
+
+
+def test_subjects_over_the_cap_are_logged_once_a_minute_with_the_count_since(caplog: pytest.LogCaptureFixture) -> None:
+    class Index:
+        logs: dict[str, Any] = {"orders": None}
+
+        def subjects_coming(self) -> set[str]:
+            return set()
+
+    class Clock:
+        now = 0
+
+        def monotonic_ms(self) -> int:
+            return self.now
+
+    clock = Clock()
+    cap = SubjectCap(1, Index(), {}, clock)  # type: ignore[arg-type]
+    with caplog.at_level(logging.WARNING, logger="delaymq.realtime.caps"):
+        for now, subjects in ((0, ["a", "b"]), (OVER_LOG_INTERVAL_MS - 1, ["c"]), (OVER_LOG_INTERVAL_MS, ["d"])):
+            clock.now = now
+            assert cap.admit(subjects, fenced_by="sched-1") == subjects
+            cap.settle(subjects)  # never indexed here: each counts as new again
+    lines = [record.getMessage() for record in caplog.records]
+    assert len(lines) == 2 and cap.over == 4
+    assert "subject 'a' over --max-subjects 1 (3 subjects now; 2 made over the cap since the last" in lines[0]
+    assert "subject 'd' over --max-subjects 1 (2 subjects now; 2 made over the cap since the last" in lines[1]
+    assert lines[1].endswith(
+        "4 since start): messages a scheduler accepted are never refused; raise the cap or clean up"
+    )
+
+
+async def test_at_the_caps_a_delayed_retry_and_a_scheduled_message_to_a_new_subject_arrive(
+    tmp_path: Path, tokens: Path
+) -> None:
+    async with open_cluster(tmp_path, tokens, max_subjects=1, max_groups=1) as (rt, scheduler):
+        assert await rt.send(PRODUCER, [message("m1", "orders")]) == ["stored"]
+        metadata = pull_metadata("team-x", "orders", **{"from": "earliest"})
+        start = (await rt.call(CONSUMER, Command.PULL, metadata)).metadata["pull_start"]
+        nack = {"group": "team-x", "consumer": "c", "subject": "orders", "start": start, "end": start + 1}
+        await rt.call(CONSUMER, Command.NACK, {**nack, "delay_ms": 300})
+        # The scheduler sends the retry back when due, to a subject and a share past both caps.
+        [retry] = await rt.pull(CONSUMER, "%retry%team-x%orders", "team-x", timeout_ms=20_000)
+        assert (retry.id, retry.attempts) == ("m1", 1)
+        # A producer's SCHEDULE to a new subject: accepted by the scheduler, delivered past the cap.
+        now = SystemClock().now_ms()
+        scheduled = Message("s1", "reminders", body=b"later", deliver_at=now + 300, created_at=now)
+        async with open_peers(limits=Limits(token=PRODUCER)) as peers:
+            frame = await peers.call(scheduler.address, Command.SCHEDULE, {}, encode_batch([scheduled]), timeout=WAIT)
+        assert frame.metadata["results"] == ["scheduled"]
+        with trio.fail_after(WAIT):
+            while (await rt.status())["statistics"]["subjects_over_cap"] == 0:
+                await trio.sleep(0.05)
+        statistics = (await rt.status())["statistics"]
+        assert (statistics["subjects"], statistics["subjects_over_cap"]) == (3, 1)  # the retry subject not over
+
+
+async def test_a_group_at_the_group_cap_reads_its_own_retry_and_dead_letter_subjects(
+    tmp_path: Path, tokens: Path
+) -> None:
+    retry, dead = "%retry%team-a%orders", "%dead%team-a%orders"
+    async with open_secured(tmp_path, tokens, max_groups=2) as rt:
+        assert await rt.send(PRODUCER, [message("m1", "orders")]) == ["stored"]
+        assert await rt.send(SERVER, [message("r1", retry), message("d1", dead)]) == ["stored"] * 2
+        assert [m.id for m in await rt.pull(CONSUMER, "orders", "team-a")] == ["m1"]
+        assert [m.id for m in await rt.pull(CONSUMER, retry, "team-a")] == ["r1"]
+        assert [m.id for m in await rt.pull(CONSUMER, dead, "team-a")] == ["d1"]
+        # Not counted: a second group fits, a third does not.
+        assert [m.id for m in await rt.pull(CONSUMER, "orders", "team-b")] == ["m1"]
+        error = await rt.refused(CONSUMER, Command.PULL, pull_metadata("team-c", "orders"))
+        assert "consumer group 'team-c' reading subject 'orders' would be group number 3" in error.message
+        # At the cap, team-b's retries fit; another group's, a subject team-a does not read, or a
+        # broadcast consumer (its own share each) do not.
+        assert await rt.pull(CONSUMER, "%retry%team-b%orders", "team-b", timeout_ms=0) == []
+        for metadata in (
+            pull_metadata("team-c", "%retry%team-c%orders"),
+            pull_metadata("team-a", "%retry%team-a%other"),
+            pull_metadata("team-a", retry, broadcast=True, consumer="b"),
+        ):
+            error = await rt.refused(CONSUMER, Command.PULL, metadata)
+            assert (error.code, error.field, error.limit) == ("limit", "group", 2)
+    async with open_secured(tmp_path, tokens, max_groups=2) as rt:  # counted alike at start-up
+        assert await rt.pull(CONSUMER, "%dead%team-b%orders", "team-b", timeout_ms=0) == []
+        error = await rt.refused(CONSUMER, Command.PULL, pull_metadata("team-c", "orders"))
+        assert "would be group number 3" in error.message
+
+
 # ------------------------------------------------------------------ dedup per subject
 
 
@@ -291,6 +461,27 @@ async def test_an_id_known_from_another_tenant_does_not_make_its_message_a_dupli
             "stored",
             "duplicate",
         ]
+
+
+@pytest.mark.parametrize("memory_ids", [100_000, 1], ids=["in-memory", "in-lmdb"])
+async def test_a_resend_across_the_upgrade_to_per_subject_keys_is_a_duplicate(
+    tmp_path: Path, tokens: Path, memory_ids: int
+) -> None:
+    async with open_secured(tmp_path, tokens, dedup_memory_ids=memory_ids) as rt:
+        assert await rt.send(PRODUCER, [message("new-1", "orders")]) == ["stored"]
+        now = rt.server.member.clock.now_ms()
+    # Rows as the version before wrote them: a first delivery keyed by its bare id.
+    store = StateStore.open(rt.data / "state", extra_format={"realtime_state": 1})
+    try:
+        with store.write() as batch:
+            dedup_store.write_ids(batch, [(["old-1", "old-2"], now - 5_000)])
+    finally:
+        store.close()
+    async with open_secured(tmp_path, tokens, dedup_memory_ids=memory_ids) as rt:
+        batch = [message("old-1", "orders"), message("old-3", "orders"), message("old-2", "other")]
+        assert await rt.send(PRODUCER, batch) == ["duplicate", "stored", "duplicate"]
+        assert await rt.send(PRODUCER, [message("old-1", "orders"), message("new-1", "orders")]) == ["duplicate"] * 2
+        assert (await rt.status())["statistics"]["messages_stored"] == 1
 
 
 def test_consume_logs_past_the_bound_close_and_are_read_written_and_fsynced_as_before(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ import pytest
 
 from delaymq.protocol.records import Message, encode_batch, scan_batch
 from delaymq.realtime import dedup as dedup_store
-from delaymq.realtime.dedup import DedupWindow, dedup_key, dedup_keys
+from delaymq.realtime.dedup import DedupWindow, dedup_key, dedup_keys, locate
 from delaymq.storage.state import StateStore
 
 WINDOW = 3000
@@ -137,4 +137,4 @@ def test_dedup_keys_are_per_subject_whatever_the_shape_of_the_batch() -> None:
     assert window.admit(keys, now=11) == [True, False, True]  # ... leaves x on a.orders new
     window.indexed([keys[0], keys[2]], 11, base=100)
     # QUERY by id finds the newest copy, and a retry's key never answers for its id.
-    assert window.locate(["x", "y", "z"], now=12) == {"x": (11, 100, 0), "y": (11, 100, 1)}
+    assert locate(window.recent(12), ["x", "y", "z"]) == {"x": (11, 100, 0), "y": (11, 100, 1)}

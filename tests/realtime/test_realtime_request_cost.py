@@ -3,7 +3,9 @@
 A NACK of entries the consume log no longer holds in memory reads them in a worker
 thread (``run_blocking``), as a PULL that lags does. A consumer's pull log keeps its
 descriptor open between PULLs, within a bound across the server (``OPEN_PULL_LOGS``):
-the least recently written is closed and opened again when its consumer comes back.
+the least recently written is closed and opened again when its consumer comes back. A
+consume log written after its indexer closed (a master stepped down with a SEND's append in
+flight) opens and closes its file for the write.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import trio.testing
 
 from delaymq.protocol.commands import Command
 from delaymq.realtime import consumelog, pulllog
-from delaymq.realtime.consumelog import TAIL_ENTRIES
+from delaymq.realtime.consumelog import TAIL_ENTRIES, ConsumeLog, encode_entry
 from delaymq.realtime.consumers import consumer_key
+from delaymq.realtime.index import Indexer
 from delaymq.realtime.pulllog import (
     OPEN_PULL_LOGS,
     PULL_ENTRY_SIZE,
@@ -205,3 +208,26 @@ async def test_more_consumers_than_the_bound_keep_at_most_the_bound_of_pull_logs
     async with local.server(listen=None) as server, rt.memory_client(server) as client:  # a restart
         pulled = await client.pull(10)
         assert (pulled.start, pulled.acked, pulled.count) == (5, 5, 0)
+
+
+# ----------------------------------------------------------------- consume logs
+
+STORED_AT = 1_700_000_000_000
+
+
+def test_an_index_step_after_the_indexer_closed_writes_its_files_and_holds_no_descriptor(tmp_path: Path) -> None:
+    """A SEND whose append was in flight when its master stepped down is indexed after the master
+    closed its indexer: each write opens and closes its file itself."""
+    indexer = Indexer(tmp_path, indexed_offset=0)
+    indexer.submit(0, 100, [("s.0", 0, 100, 0, 0)], ["k0"], STORED_AT)
+    indexer.close()
+    indexer.submit(100, 300, [("s.0", 100, 100, 0, 0), ("s.new", 200, 100, 0, 0)], ["k1", "k2"], STORED_AT + 1)
+    assert indexer.stalled is None and indexer.indexed_offset == 300
+    assert open_pull_log_fds(tmp_path) == 0 and len(indexer.files) == 0
+    assert all(consume_log._fd == -1 for consume_log in indexer.logs.values())
+    again = ConsumeLog.open(tmp_path, "s.0", checkpoint_count=2)
+    assert again.read(0, 2) == encode_entry(0, 100, 0, STORED_AT) + encode_entry(100, 100, 0, STORED_AT + 1)
+    again.close()
+    new = ConsumeLog.open(tmp_path, "s.new", checkpoint_count=1)
+    assert new.read(0, 1) == encode_entry(200, 100, 0, STORED_AT + 1)
+    new.close()

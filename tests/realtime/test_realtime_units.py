@@ -25,7 +25,7 @@ from delaymq.realtime.consumelog import (
     iter_entries,
     list_subjects,
 )
-from delaymq.realtime.dedup import DedupWindow
+from delaymq.realtime.dedup import DedupWindow, locate
 from delaymq.realtime.delivery import EntriesNotHeld, pick
 from delaymq.realtime.groups import ConsumerState, Groups, Share, UnknownPull
 from delaymq.realtime.index import MAX_AHEAD_MS, RELEASE_TICK_MS, Indexer
@@ -391,7 +391,7 @@ def test_dedup_batches_leave_memory_in_order_and_only_once_committed() -> None:
     window.restore_unpersisted(first)  # the checkpoint failed: nothing may leave memory
     window.evict(now=5000)
     assert len(window) == 4
-    assert window.locate(["c", "z"], now=12) == {"c": (11, 100, 0)}
+    assert locate(window.recent(12), ["c", "z"]) == {"c": (11, 100, 0)}
     window.committed(window.take_unpersisted(), now=13)
     assert len(window) == 2  # over the cap: the oldest batch went, whole
     assert window.covers_from == 11
@@ -452,6 +452,35 @@ def test_dedup_rows_of_both_forms_load_and_prune(tmp_path: Path) -> None:
         assert loaded == [2]
         assert dedup_store.lookup_stored(store, ["m1", "m2", "old", "m3"], since=0) == {"m3"}
         assert store.items(dedup_store.TIME_DB, struct.pack(">Q", 1)) == []
+    finally:
+        store.close()
+
+
+def test_bare_id_rows_are_looked_for_only_while_the_window_may_hold_them(tmp_path: Path) -> None:
+    """Rows keyed by a bare message id (a first delivery before keys held the subject) are older
+    than any other: the window's oldest bucket says whether SENDs look ids up bare for a window."""
+    store = StateStore.open(tmp_path / "state")
+    new_key = dedup_store.dedup_key("n1", "orders", 0)
+    retry_key = dedup_store.dedup_key("old", "%retry%g%orders", 1)
+    try:
+        with store.write() as batch:
+            dedup_store.write_ids(batch, [(["old", "old-2"], 1500), ([new_key, retry_key], 2500)])
+        buckets = dedup_store.load_buckets(store)
+        assert dedup_store.bare_ids_until(store, buckets, now=3000, window_ms=10_000) == 13_000
+        # Once the window passed the bare rows (pruned or not), nothing is looked up bare.
+        assert dedup_store.bare_ids_until(store, buckets, now=12_000, window_ms=10_000) == dedup_store.EVERYTHING
+        assert dedup_store.bare_ids_until(store, [], now=3000, window_ms=10_000) == dedup_store.EVERYTHING
+        entries, covers = dedup_store.load_recent(store, buckets, now=3000, window_ms=10_000, memory_ids=100)
+        window = DedupWindow(window_ms=10_000, memory_ids=100, covers_from=0)
+        window.load(entries, covers)
+        keys = [dedup_store.dedup_key("old", "orders", 0), dedup_store.dedup_key("old", "other", 0), retry_key]
+        # Memory holds them: the first deliveries of "old" on any subject; a retry's key is not bare.
+        assert window.stored_bare([*keys, new_key], now=3000) == (set(keys[:2]), {})
+        assert window.stored_bare(keys, now=11_500) == (set(), {})  # out of the window
+        # Memory short of the window: lmdb settles them.
+        short = DedupWindow(window_ms=10_000, memory_ids=1, covers_from=2000)
+        assert short.stored_bare(keys, now=3000) == (set(), {"old": keys[:2]})
+        assert dedup_store.lookup_stored(store, ["old", "gone"], since=3000 - 10_000) == {"old"}
     finally:
         store.close()
 
