@@ -288,6 +288,7 @@ def realtime_families(stats: RealtimeStatistics, transport: ServerStatistics) ->
         ("pulls_waiting", "pulls_waiting", "Long polls waiting now"),
         ("consumers", "consumers", "Consumers alive (pulled or heartbeated within the consumer timeout)"),
         ("subjects", "subjects", "Subjects with a consume log"),
+        ("subjects_over_cap", "subjects_over_cap", "Subjects schedulers' SENDs made past --max-subjects"),
         ("message_log_end", "message_log_end_bytes", "Message-log end offset: bytes ever appended"),
         ("indexed_offset", "indexed_offset_bytes", "Message-log offset the consume logs index up to"),
         ("dedup_ids_in_memory", "dedup_ids", "Message ids held in memory for deduplication"),
