@@ -135,8 +135,8 @@ class MemberTaken(RegistryError):
             "member",
             f"member {member!r} of group {group!r} is live at {address} (heard from {silent_ms / 1000:.1f} s "
             f"ago), registered by another run of the server: {claimant} may not take its place. If {claimant} "
-            f"is that member restarted, stop the process at {address}, or wait until it is evicted (after "
-            f"{evict_in_ms / 1000:.1f} s more of silence), then register again; otherwise give {claimant} a data "
+            f"is that member restarted, stop the process at {address}, or wait until it has been silent "
+            f"{evict_in_ms / 1000:.1f} s more (it registers by itself then); otherwise give {claimant} a data "
             "folder of its own (a copied folder: delete its 'member' file)",
         )
         self.member = member
@@ -900,12 +900,15 @@ class Registry:
         if info.member is None:
             return
         for address, server in group.servers.items():
-            if address == info.address or server.member != info.member or not self._alive(server, now):
+            # Live is: neither evicted nor silent past failover_after_ms (a master the metaserver
+            # would fail over from): a crashed member restarted elsewhere takes its place that soon.
+            live_ms = min(self._evict_after_ms, self._failover_after_ms)
+            silent = now - server.last_heartbeat_ms
+            if address == info.address or server.member != info.member or silent >= live_ms:
                 continue
             if info.incarnation is not None and server.incarnation == info.incarnation:
                 continue  # the same run, at a new address
-            silent = now - server.last_heartbeat_ms
-            raise MemberTaken(info.group, info.member, info.address, address, silent, self._evict_after_ms - silent)
+            raise MemberTaken(info.group, info.member, info.address, address, silent, live_ms - silent)
 
     def _alive(self, server: _Server, now: int) -> bool:
         return now - server.last_heartbeat_ms < self._evict_after_ms

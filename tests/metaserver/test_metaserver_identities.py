@@ -115,6 +115,7 @@ async def serving(tmp_path: Path, clock: ManualClock) -> AsyncIterator[Metaserve
         clock=clock,
         limits=Limits(tokens=TokenFile(tokens)),
         evict_after_ms=EVICT_MS,
+        failover_after_ms=EVICT_MS,  # a member is live for both (the shorter counts)
         run_blocking=run_inline,
     ) as meta:
         yield meta
@@ -206,7 +207,11 @@ async def test_a_live_member_id_cannot_be_taken_at_another_address(tmp_path: Pat
         error = await refused(meta, SCHED_OTHER, Command.REGISTER, scheduler(ROGUE, "rogue"))
         assert (error.code, error.field) == ("member_taken", "member")
         assert str(error).startswith("REGISTER: member 'folder-a' of group 'sched-1' is live at " + REAL)
-        for words in (f"{ROGUE} may not take its place", f"stop the process at {REAL}", "wait until it is evicted"):
+        for words in (
+            f"{ROGUE} may not take its place",
+            f"stop the process at {REAL}",
+            "wait until it has been silent",
+        ):
             assert words in str(error), error
         assert await view(meta) == before
         assert before[0][0]["address"] == REAL
@@ -284,7 +289,7 @@ def managed(address: str, incarnation: str | None, member: str = "folder-a") -> 
 
 
 def test_a_live_member_from_another_run_at_another_address_is_refused_and_nothing_changes() -> None:
-    registry = Registry(evict_after_ms=EVICT_MS)
+    registry = Registry(evict_after_ms=EVICT_MS, failover_after_ms=EVICT_MS)
     registry.register(managed("a:1", "run1"), now_ms=T0)
     registry.register(managed("b:1", "run1", member="folder-b"), now_ms=T0)
     snapshot, changes, version = registry.snapshot(), registry.changes, registry.version
@@ -315,3 +320,13 @@ def test_after_a_restore_the_same_run_registers_and_another_run_elsewhere_waits_
         restored.register(managed("a:2", "run2"), now_ms=T0 + 60_002)
     reply = restored.register(managed("a:2", "run2"), now_ms=T0 + 60_001 + EVICT_MS)
     assert reply.master == "a:2"
+
+
+def test_a_crashed_member_restarted_at_another_address_takes_its_place_after_the_failover_time() -> None:
+    """Evicted after 30 s, failed over after 5 s: the restart waits out the shorter, not the eviction."""
+    registry = Registry(evict_after_ms=30_000, failover_after_ms=5_000)
+    registry.register(managed("a:1", "run1"), now_ms=T0)
+    with pytest.raises(MemberTaken):
+        registry.register(managed("a:2", "run2"), now_ms=T0 + 4_999)
+    registry.register(managed("a:2", "run2"), now_ms=T0 + 5_000)
+    assert [row.address for row in registry.status(T0 + 5_000) if not row.evicted] == ["a:2"]
