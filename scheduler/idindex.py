@@ -83,7 +83,7 @@ _ENTRY_SOURCE = struct.Struct(">Q")  # ... and its source, at byte 20
 _ENTRY = struct.Struct(">QIIiQI")  # a whole entry: offset, size, ms_in_hour, prev, source, CRC
 _ENTRY_SIZE = 32
 _NUL2 = "\x00\x00"
-_NUL2_BYTES = b"\x00\x00"
+_NUL2_BYTES = DISPLACED_SEPARATOR = b"\x00\x00"  # between a displaced key's id and subject hash
 #: attempts, id_len and props_len of a message record, at byte ``KEY_FIELDS_AT``: whether
 #: its index key is just its id (at byte ``ID_AT``), what replay's hot loop reads.
 KEY_FIELDS = struct.Struct(">HH6xI")
@@ -294,6 +294,17 @@ def record_index_key(buf: bytes, pos: int) -> tuple[bytes, bytes | None]:
 def cancelled_key(hour: int, entry: int) -> bytes:
     """The ``scheduler.cancelled`` key of an entry."""
     return _PLACE.pack(hour, entry)
+
+
+def cancelled_place(key: bytes) -> tuple[int, int]:
+    """(hour, entry) of a ``scheduler.cancelled`` key."""
+    hour, entry = _PLACE.unpack(key)
+    return hour, entry
+
+
+def cancelled_by(value: bytes) -> int:
+    """The message-log offset of the CANCEL or MOVE record a ``scheduler.cancelled`` row names."""
+    return int(_SOURCE.unpack(value)[0])
 
 
 def cancelled_entries(state: StateStore, hour: int) -> list[int]:
@@ -540,173 +551,12 @@ def _forget(batch: object, db: str, key: bytes, value: IdEntry) -> int:
     return 1
 
 
-class _Filed(NamedTuple):
-    """A filed entry as a cut-back reads it back from its hour's files (sorts in filing order)."""
-
-    source: int  # message-log offset of the record it was filed from
-    hour: int
-    entry: int
-    deliver_at: int
-    index_key: bytes
-    subject: bytes
-    key_hash: bytes | None
-
-
-def drop_from(state: StateStore, offset: int, folder: str | os.PathLike[str]) -> int:
-    """Undo what the records from message-log ``offset`` on did to the index (a cut-back of
-    entries the master never had; ``folder``: the schedule folder, cut already or not), so
-    it holds what filing the log up to ``offset`` gives. Returns how many values changed.
-
-    A CANCEL or MOVE rewrites its values' ``source``: a value's ``source`` does not say when
-    its message was filed, its delay index entry does. Each id such a record touched (a
-    value of it set at or after ``offset``: every later value of its keys is too) is filed
-    again, in log order, from the entries before ``offset`` that the index and
-    ``scheduler.cancelled`` still name; the cut records' cancelled rows go. Exact but for a
-    delivered message whose value a cut record replaced (nothing names it any more).
-    Blocking; reads the whole index."""
-    touched = _touched_ids(state, offset)
-    rows = {key: _SOURCE.unpack(value)[0] for key, value in state.items(CANCELLED_DB)}
-    current: dict[tuple[str, bytes], bytes] = {}
-    for message_id in touched:
-        current.update(_values_of_id(state, message_id))
-    rebuilt, key_entries = _rebuilt(folder, offset, touched, current, rows)
-    stale = {entry for entry, _ in state.items(KEYS_DB) if entry[KEY_HASH_SIZE:].partition(b"\x00")[0] in touched}
-    with state.write() as batch:
-        for key, source in rows.items():
-            if source >= offset:  # cancels the master never had: their entries fire after all
-                batch.delete(CANCELLED_DB, key)
-        for db_key in current.keys() - rebuilt.keys():
-            batch.delete(*db_key)
-        for (db, key), value in rebuilt.items():
-            if current.get((db, key)) != value:
-                batch.put(db, key, value)
-        for entry in stale - key_entries:
-            batch.delete(KEYS_DB, entry)
-        for entry in key_entries - stale:
-            batch.put(KEYS_DB, entry, b"")
-    return sum(current.get(db_key) != rebuilt.get(db_key) for db_key in current.keys() | rebuilt.keys())
-
-
-def _rebuilt(
-    folder: str | os.PathLike[str],
-    offset: int,
-    touched: set[bytes],
-    current: dict[tuple[str, bytes], bytes],
-    rows: dict[bytes, int],
-) -> tuple[dict[tuple[str, bytes], bytes], set[bytes]]:
-    """The values and key entries of the ``touched`` ids as filing the log up to ``offset``
-    leaves them, from the entries filed before it that their ``current`` values and the
-    cancelled ``rows`` name (a message a cut record cancelled, or replaced under its id
-    after a cancel or move, is named by its row only)."""
-    if not touched:
-        return {}, set()
-    places = {(value.hour, value.entry) for value in map(IdEntry.unpack, current.values())}
-    places.update(_PLACE.unpack(key) for key in rows)
-    by_id: dict[bytes, list[_Filed]] = {}
-    for filed in _read_filed(folder, places, offset):
-        message_id = filed.index_key.partition(b"\x00")[0]
-        if message_id in touched:
-            by_id.setdefault(message_id, []).append(filed)
-    kept_rows = {key: source for key, source in rows.items() if source < offset}
-    rebuilt: dict[tuple[str, bytes], bytes] = {}
-    key_entries: set[bytes] = set()
-    for message_id, entries in by_id.items():
-        values, hashed = _refiled(message_id, entries, kept_rows)
-        rebuilt.update(values)
-        key_entries |= hashed
-    return rebuilt, key_entries
-
-
-def _touched_ids(state: StateStore, offset: int) -> set[bytes]:
-    """The ids of the values set (filed, displaced, cancelled) by a record at or after ``offset``."""
-    return {
-        key.partition(b"\x00")[0]
-        for db in (IDS_DB, DISPLACED_DB)
-        for key, value in state.items(db)
-        if _SOURCE.unpack_from(value, _VALUE_SOURCE_AT)[0] >= offset
-    }
-
-
-def _values_of_id(state: StateStore, message_id: bytes) -> dict[tuple[str, bytes], bytes]:
-    """Every value of ``message_id``'s keys (its id, its retries' keys, its displaced keys)."""
-    found = {(IDS_DB, key): value for key, value in state.items(IDS_DB, message_id + b"\x00")}
-    found.update(((DISPLACED_DB, key), value) for key, value in state.items(DISPLACED_DB, message_id + _NUL2_BYTES))
-    value = state.get(IDS_DB, message_id)
-    if value is not None:
-        found[(IDS_DB, message_id)] = value
-    return found
-
-
-def _read_filed(folder: str | os.PathLike[str], places: Iterable[tuple[int, int]], before: int) -> list[_Filed]:
-    """The entries at ``places`` (hour, entry) filed from a record before message-log offset
-    ``before``, each hour's two files opened once (an entry cut, or not readable, is left out)."""
-    by_hour: dict[int, list[int]] = {}
-    for hour, entry in places:
-        by_hour.setdefault(hour, []).append(entry)
-    found: list[_Filed] = []
-    for hour, entries in by_hour.items():
-        base = Path(folder) / hour_name(hour)
-        try:
-            with open(str(base) + INDEX_SUFFIX, "rb") as index, open(str(base) + LOG_SUFFIX, "rb") as log_file:
-                for entry in entries:
-                    filed = _read_one(index.fileno(), log_file.fileno(), hour, entry)
-                    if filed is not None and filed.source < before:
-                        found.append(filed)
-        except OSError:
-            continue
-    return found
-
-
-def _read_one(index_fd: int, log_fd: int, hour: int, entry: int) -> _Filed | None:
-    raw = os.pread(index_fd, _ENTRY_SIZE, _ENTRY_SIZE * entry)
-    if len(raw) < _ENTRY_SIZE or zlib.crc32(raw[:28]) != int.from_bytes(raw[28:], "big"):
-        return None
-    offset, size, ms_in_hour, _prev, source, _crc = _ENTRY.unpack(raw)
-    record = os.pread(log_fd, size, offset)
-    if len(record) != size or size <= _ID_AT:
-        return None
-    try:
-        key, hashed, _key = record_key(record, 0)
-    except (ValueError, struct.error):
-        return None
-    subject = record_subject(record, 0)
-    return _Filed(source, hour, entry, hour * HOUR_MS + ms_in_hour, key.encode(), subject, hashed)
-
-
-def _refiled(
-    message_id: bytes, entries: list[_Filed], cancelled: dict[bytes, int]
-) -> tuple[dict[tuple[str, bytes], bytes], set[bytes]]:
-    """The values and key entries filing ``entries`` (all of ``message_id``) in log order gives,
-    as ``IdChanges`` and ``StagedStep`` do: the id goes to the entry filed last, the one of
-    another subject holding it moves to its displaced key. Which key holds which entry depends
-    on the filing order alone; a value's state on whether a kept ``cancelled`` row names it."""
-    values: dict[tuple[str, bytes], bytes] = {}
-    key_entries: set[bytes] = set()
-    holder: tuple[_Filed, bytes] | None = None  # the entry holding the id, its value
-    for filed in sorted(entries):
-        by = cancelled.get(_PLACE.pack(filed.hour, filed.entry))
-        state, source = (SCHEDULED, filed.source) if by is None else (CANCELLED, by)
-        value = IdEntry(filed.deliver_at, filed.entry, source, state, filed.key_hash).pack()
-        if filed.key_hash is not None:
-            key_entries.add(filed.key_hash + filed.index_key)
-        if filed.index_key != message_id:  # a retry's key: its own, never another subject's
-            values[(IDS_DB, filed.index_key)] = value
-            continue
-        if holder is not None and holder[0].subject != filed.subject:
-            moved = message_id + _NUL2_BYTES + subject_hash(holder[0].subject).encode()
-            values[(DISPLACED_DB, moved)] = holder[1]
-            if holder[0].key_hash is not None:
-                key_entries.add(holder[0].key_hash + moved)
-        values[(IDS_DB, message_id)] = value
-        holder = (filed, value)
-    return values, key_entries
-
-
 __all__ = [
     "CANCELLED",
     "CANCELLED_DB",
     "CANCEL_KIND",
     "DISPLACED_DB",
+    "DISPLACED_SEPARATOR",
     "IDS_DB",
     "ID_AT",
     "ID_VALUE",
@@ -721,10 +571,11 @@ __all__ = [
     "cancel_record",
     "cancelled_counts",
     "cancelled_entries",
+    "cancelled_by",
     "cancelled_key",
+    "cancelled_place",
     "db_of",
     "displaced_key",
-    "drop_from",
     "filed_records",
     "filed_subject",
     "filed_subjects",

@@ -77,10 +77,10 @@ from delaymq.scheduler.dispatcher import (
     Dispatcher,
 )
 from delaymq.scheduler.hours import DEFAULT_RETENTION_MS, MAX_DELIVER_AT, ScheduleError, hour_name
+from delaymq.scheduler.idcutback import drop_from
 from delaymq.scheduler.idindex import (
     KEY_FIELDS,
     KEY_FIELDS_AT,
-    drop_from,
     record_key,
 )
 from delaymq.scheduler.replay import DEFAULT_STEP_BYTES, REPLAY_RECENT_BYTES, Unfiled, unfiled

@@ -390,7 +390,8 @@ def test_filed_cancels_are_done_entries_of_their_hours_without_a_dispatch_log(tm
     """A CANCEL of ids in many hours files with the step's lmdb commit (no dispatch log, no
     fsync per hour); the hours count them done, after a reopen too; deleting an hour forgets
     them; a cut-back of the cancel record (a tail the master never had) gives them back."""
-    from delaymq.scheduler.idindex import cancel_record, drop_from
+    from delaymq.scheduler.idcutback import drop_from
+    from delaymq.scheduler.idindex import cancel_record
     from delaymq.scheduler.replay import replay_until_caught_up
     from delaymq.scheduler.schedulelog import ScheduleStore
     from delaymq.storage.log import SegmentedLog

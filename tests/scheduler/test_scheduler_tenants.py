@@ -29,6 +29,7 @@ from delaymq.scheduler.cancels import ScheduledBatch, Tail, fresh_records, look_
 from delaymq.scheduler.cutback import cut_schedule_folder
 from delaymq.scheduler.delayindex import ENTRY, ENTRY_SIZE
 from delaymq.scheduler.hours import HOUR_MS
+from delaymq.scheduler.idcutback import drop_from
 from delaymq.scheduler.idindex import (
     CANCELLED,
     CANCELLED_DB,
@@ -38,7 +39,6 @@ from delaymq.scheduler.idindex import (
     SCHEDULED,
     cancel_record,
     displaced_key,
-    drop_from,
     filed_records,
     ids_for_key,
     index_key,
