@@ -12,13 +12,14 @@ forged epoch that fences the group's real master out): ``delaymq admin clear-fen
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from functools import partial
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from delaymq.protocol.errors import RemoteProtocolError
 from delaymq.protocol.fencing import group_name_problem
 from delaymq.protocol.transport import Request
+from delaymq.realtime.query import Serving
 
 if TYPE_CHECKING:
     from delaymq.realtime.master import RealtimeMaster
@@ -26,21 +27,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _FIELDS = ("group",)
-
-
-class Serving(Protocol):
-    """What ``serve_clear_fence`` needs of ``delaymq.realtime.server.RealtimeServer``."""
-
-    group: str
-
-    async def _serve(
-        self,
-        what: str,
-        handler: Callable[[RealtimeMaster], Callable[[Request], Awaitable[Any]]],
-        request: Request,
-        *,
-        replicated: bool = True,
-    ) -> Any: ...
 
 
 def parse_clear_fence(metadata: Mapping[str, Any]) -> str:

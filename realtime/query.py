@@ -60,8 +60,10 @@ Place = tuple[int, str]
 
 
 class Serving(Protocol):
-    """What ``serve_query`` needs of ``delaymq.realtime.server.RealtimeServer`` (which imports this module)."""
+    """What ``serve_query`` and ``clearfence.serve_clear_fence`` need of
+    ``delaymq.realtime.server.RealtimeServer`` (which imports both)."""
 
+    group: str
     member: Member
 
     async def _serve(
