@@ -299,6 +299,12 @@ async def call(cluster: Any, command: Command, metadata: dict[str, Any]) -> list
     return results
 
 
+async def all_filed(scheduler: Any) -> None:
+    """Until replay has filed the whole message log (each step sets a new ``step_filed``)."""
+    while scheduler.store.checkpoint < scheduler.member.log.end_offset:
+        await scheduler.session.step_filed.wait()
+
+
 async def test_another_tenants_id_is_scheduled_and_both_are_delivered_at_their_time(
     sched: Any, tmp_path: Path, autojump_clock: Any
 ) -> None:
@@ -307,12 +313,12 @@ async def test_another_tenants_id_is_scheduled_and_both_are_delivered_at_their_t
         a_receiver, b_receiver = cluster.receiver(TENANT_A), cluster.receiver(TENANT_B)
         b_at, a_at = now + 10 * SECOND, now + 20 * SECOND
         b_x, a_x = record(TENANT_B, "X", b_at), record(TENANT_A, "X", a_at)
-        async with cluster.scheduler():
+        async with cluster.scheduler() as scheduler:
             assert await schedule(cluster, b_x) == ["scheduled"]
             assert await schedule(cluster, a_x) == ["scheduled"]
             assert await schedule(cluster, a_x) == ["duplicate"]  # a retry, not yet filed
             assert await schedule(cluster, b_x) == ["duplicate"]
-            await trio.sleep(1)  # filed: the index answers now
+            await all_filed(scheduler)  # the index answers now
             assert await schedule(cluster, a_x, b_x) == ["duplicate", "duplicate"]
             await a_receiver.wait_for(1)
             await b_receiver.wait_for(1)
@@ -331,7 +337,7 @@ async def test_by_id_the_newest_message_of_an_id_is_reached_by_key_each_tenants_
     async with sched.open_cluster(tmp_path, **QUIET) as cluster:
         now = cluster.clock.now_ms()
         a_receiver, b_receiver = cluster.receiver(TENANT_A), cluster.receiver(TENANT_B)
-        async with cluster.scheduler():
+        async with cluster.scheduler() as scheduler:
             b_x = record(TENANT_B, "X", now + 30 * SECOND, key="order-7")
             a_x = record(TENANT_A, "X", now + 40 * SECOND, key="order-7")
             assert await schedule(cluster, b_x, a_x) == ["scheduled", "scheduled"]
@@ -343,7 +349,7 @@ async def test_by_id_the_newest_message_of_an_id_is_reached_by_key_each_tenants_
             assert [(m["id"], m["state"], m["deliver_at"]) for m in moved] == [("X", "moved", moved_to)]
             cancelled = await call(cluster, Command.CANCEL, {"subject": TENANT_A, "key": "order-7"})
             assert [(c["id"], c["state"]) for c in cancelled] == [("X", "cancelled")]
-            await trio.sleep(1)
+            await all_filed(scheduler)
             # The moved message filed the id last: by id it is B's now.
             queried = await call(cluster, Command.QUERY, {"ids": ["X"]})
             assert [(q["state"], q["deliver_at"]) for q in queried] == [("scheduled", moved_to)]
@@ -373,9 +379,9 @@ async def test_a_cancel_by_key_right_after_another_tenant_took_the_id_cancels_it
     async with sched.open_cluster(tmp_path, **QUIET) as cluster:
         now = cluster.clock.now_ms()
         a_receiver, b_receiver = cluster.receiver(TENANT_A), cluster.receiver(TENANT_B)
-        async with cluster.scheduler():
+        async with cluster.scheduler() as scheduler:
             assert await schedule(cluster, record(TENANT_A, "X", now + 30 * SECOND, key="order-7")) == ["scheduled"]
-            await trio.sleep(1)  # filed
+            await all_filed(scheduler)
             monkeypatch.setattr(roles, "replay_step", step_when_released)
             assert await schedule(cluster, record(TENANT_B, "X", now + 20 * SECOND)) == ["scheduled"]
             answers: list[list[dict[str, Any]]] = []
