@@ -11,17 +11,17 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
 import trio
-from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from delaymq.cli.metrics import Exposition
 from delaymq.cli.metrics_endpoint import open_metrics_endpoint
 from delaymq.protocol.auth import TokenFile
+
+from .test_metrics_mapping import CountingSource
 
 DELAYMQ = [sys.executable, "-P", "-m", "delaymq.cli"]
 WAIT = 30.0
@@ -54,24 +54,6 @@ roles = ["metrics"]
 _METRICS_LINE = re.compile(rb"metrics on http://(?P<address>\S+)/metrics")
 
 Answer = tuple[str, dict[str, str], bytes]
-
-
-class _Counted:
-    """A metrics source with one counter, counting the snapshots taken."""
-
-    def __init__(self) -> None:
-        self.snapshots = 0
-
-    async def snapshot(self) -> int:
-        self.snapshots += 1
-        return self.snapshots
-
-    def families(self, snapshot: int) -> Iterable[Metric]:
-        from prometheus_client.core import CounterMetricFamily
-
-        family = CounterMetricFamily("delaymq_test_scrapes", "Scrapes answered")
-        family.add_metric([], snapshot)
-        return [family]
 
 
 async def get(address: str, *, authorization: str | None = None, path: str = "/metrics") -> Answer:
@@ -119,7 +101,7 @@ def tokens(tmp_path: Path) -> TokenFile:
 
 
 async def test_only_a_bearer_token_of_role_admin_server_or_metrics_reads_the_metrics(tokens: TokenFile) -> None:
-    source = _Counted()
+    source = CountingSource()
     async with open_metrics_endpoint(Exposition(source), "127.0.0.2:0", tokens=tokens) as endpoint:
         address = endpoint.address
         assert_refused(await get(address), "401 Unauthorized")
@@ -130,14 +112,14 @@ async def test_only_a_bearer_token_of_role_admin_server_or_metrics_reads_the_met
         assert source.snapshots == 0  # no refused request had the statistics read
         assert endpoint.refused == 5
 
-        assert "delaymq_test_scrapes" in metric_names(await get(address, authorization=f"Bearer {ADMIN}"))
-        assert "delaymq_test_scrapes" in metric_names(await get(address, authorization=f"bearer {SERVER}"))
-        assert "delaymq_test_scrapes" in metric_names(await get(address, authorization=f"Bearer {SCRAPER}"))
+        assert "delaymq_test_snapshots" in metric_names(await get(address, authorization=f"Bearer {ADMIN}"))
+        assert "delaymq_test_snapshots" in metric_names(await get(address, authorization=f"bearer {SERVER}"))
+        assert "delaymq_test_snapshots" in metric_names(await get(address, authorization=f"Bearer {SCRAPER}"))
         assert source.snapshots == 3 and endpoint.scrapes == 3
 
 
 async def test_a_reloaded_tokens_file_applies_to_the_next_scrape(tokens: TokenFile) -> None:
-    async with open_metrics_endpoint(Exposition(_Counted()), "127.0.0.1:0", tokens=tokens) as endpoint:
+    async with open_metrics_endpoint(Exposition(CountingSource()), "127.0.0.1:0", tokens=tokens) as endpoint:
         assert metric_names(await get(endpoint.address, authorization=f"Bearer {ADMIN}"))
         tokens.path.write_text(TOKENS.replace(ADMIN, "a-new-admin-secret-0123456789"))
         assert tokens.reload()

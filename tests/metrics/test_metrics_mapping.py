@@ -60,7 +60,7 @@ def test_pending_windows_put_each_hour_in_its_window_and_the_rest_in_later() -> 
     assert len(windows) == 1 + 24 + 1
 
 
-class _Fixed:
+class CountingSource:
     """A metrics source with fixed families, counting its snapshots."""
 
     def __init__(self) -> None:
@@ -78,13 +78,13 @@ class _Fixed:
         return [family]
 
 
-class _Failing(_Fixed):
+class _Failing(CountingSource):
     def families(self, snapshot: int) -> Iterable[Metric]:
         raise RuntimeError("a mapping bug")
 
 
 async def test_the_endpoint_answers_metrics_404_405_400_and_head() -> None:
-    source = _Fixed()
+    source = CountingSource()
     async with open_metrics_endpoint(Exposition(source), "127.0.0.1:0") as endpoint:
         status, headers, body = await http_get(endpoint.address)
         assert status == "HTTP/1.1 200 OK" and headers["connection"] == "close"
@@ -115,7 +115,7 @@ async def test_a_failing_scrape_answers_500_and_the_endpoint_keeps_serving(caplo
 async def test_silent_connections_past_the_cap_do_not_stop_scrapes_for_long() -> None:
     """Connections that send nothing hold a slot each; past the cap new ones are closed, and
     once the silent ones go, scrapes are answered again."""
-    async with open_metrics_endpoint(Exposition(_Fixed()), "127.0.0.1:0") as endpoint:
+    async with open_metrics_endpoint(Exposition(CountingSource()), "127.0.0.1:0") as endpoint:
         host, port = endpoint.address.split(":")
         silent = [await trio.open_tcp_stream(host, int(port)) for _ in range(MAX_SCRAPES)]
         with trio.fail_after(10):
