@@ -57,7 +57,7 @@ from typing import Any
 from delaymq.protocol.commands import Command, command_name
 from delaymq.protocol.errors import RemoteProtocolError
 from delaymq.protocol.ratelimit import RATE_FIELDS
-from delaymq.protocol.subjects import DEAD_PREFIX, RETRY_PREFIX, SEPARATOR
+from delaymq.protocol.subjects import carrier
 
 log = logging.getLogger(__name__)
 
@@ -193,22 +193,14 @@ class AuthRefusal:
 
 def base_subject(subject: str) -> str:
     """The subject a retry or dead-letter subject carries messages of; other subjects as they are."""
-    for prefix in (RETRY_PREFIX, DEAD_PREFIX):
-        if subject.startswith(prefix):
-            _group, sep, rest = subject[len(prefix) :].partition(SEPARATOR)
-            if sep:
-                return rest
-    return subject
+    carried = carrier(subject)
+    return subject if carried is None else carried[1]
 
 
 def carrier_group(subject: str) -> str | None:
     """The consumer group a retry or dead-letter subject belongs to; None for other subjects."""
-    for prefix in (RETRY_PREFIX, DEAD_PREFIX):
-        if subject.startswith(prefix):
-            group, sep, _rest = subject[len(prefix) :].partition(SEPARATOR)
-            if sep:
-                return group
-    return None
+    carried = carrier(subject)
+    return None if carried is None else carried[0]
 
 
 def _digest(token: str) -> bytes:

@@ -54,12 +54,22 @@ def original_subject(group: str, subject: str) -> str:
     return subject[len(prefix) :] if subject.startswith(prefix) else subject
 
 
+def carrier(subject: str) -> tuple[str, str] | None:
+    """``(group, subject it carries)`` of a retry or dead-letter subject; None for other subjects."""
+    for prefix in (RETRY_PREFIX, DEAD_PREFIX):
+        if subject.startswith(prefix):
+            group, sep, base = subject[len(prefix) :].partition(SEPARATOR)
+            return (group, base) if sep else None
+    return None
+
+
 def dead_subject(group: str, subject: str) -> str:
     """The dead-letter subject of ``group`` for ``subject`` (or for its retry subject)."""
     return f"{DEAD_PREFIX}{group}{SEPARATOR}{original_subject(group, subject)}"
 
 
 __all__ = [
+    "carrier",
     "DEAD_PREFIX",
     "RETRY_PREFIX",
     "SEPARATOR",

@@ -34,7 +34,7 @@ from itertools import islice
 from typing import Any
 
 from delaymq.protocol.errors import RemoteProtocolError
-from delaymq.protocol.subjects import DEAD_PREFIX, RETRY_PREFIX, SEPARATOR
+from delaymq.protocol.subjects import SEPARATOR, carrier
 from delaymq.realtime.checkpoint import share_key
 from delaymq.realtime.groups import Share
 from delaymq.realtime.index import Indexer
@@ -54,15 +54,6 @@ def check_cap(name: str, value: int) -> None:
         raise ValueError(f"{name} must be a whole number of at least 1, not {value!r}")
 
 
-def _carrier(subject: str) -> tuple[str, str] | None:
-    """``(group, base subject)`` of a retry or dead-letter subject; None for other subjects."""
-    for prefix in (RETRY_PREFIX, DEAD_PREFIX):
-        if subject.startswith(prefix):
-            group, sep, base = subject[len(prefix) :].partition(SEPARATOR)
-            return (group, base) if sep else None
-    return None
-
-
 def carried(subject: str, shares: Mapping[bytes, Any], group: str | None = None) -> bool:
     """Whether ``subject`` is the retry or dead-letter subject of a group (``group``, if given)
     that reads its base subject (a clustered share on it): such subjects and their shares count
@@ -70,11 +61,11 @@ def carried(subject: str, shares: Mapping[bytes, Any], group: str | None = None)
     a chain of them would be bounded by nothing."""
     if not subject.startswith(SEPARATOR):
         return False
-    parts = _carrier(subject)
+    parts = carrier(subject)
     if parts is None or (group is not None and parts[0] != group):
         return False
     owner, base = parts
-    inner = _carrier(base)
+    inner = carrier(base)
     if inner is not None and inner[0] == owner:
         return False
     return share_key(base, owner, None) in shares
