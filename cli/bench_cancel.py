@@ -1,5 +1,5 @@
 """``delaymq bench cancel``: how fast a scheduler cancels and looks up scheduled messages,
-and what its id index costs, at 1 and 10 million scheduled (issue 14).
+and what its id index costs, at 1 and 10 million scheduled.
 
 For each count the benchmark builds a scheduler data folder holding that many
 messages of 100 bytes due over the next 30 days, each with a business key that names

@@ -30,7 +30,7 @@ MAX_SEND_AHEAD_MS = 10_000
 #: trip. A consumer fetching ahead releases each message by its own clock, so a longer
 #: interval costs no lateness, only the cancel cut-off (a cancel in the last 100 ms is too
 #: late); 40 / 100 ms cost the servers about a sixth less CPU than 20 / 50, and 60 / 100
-#: about a tenth less again (docs/performance.md, fifth and sixth sessions).
+#: about a tenth less again (docs/performance.md, "Sending ahead").
 SEND_AHEAD = "100ms"
 SEND_INTERVAL = "60ms"
 #: scheduler.wheelset.DEFAULT_LOAD_AHEAD_MS, as text (a test checks they agree).

@@ -90,7 +90,7 @@ async def serve_until_stopped(
 #: about 11 % of its CPU in collections while a producer sent flat out. ``delaymq bench
 #: delay``'s runs (producer and consumer, delaymq's and Redis's alike) collect the same way:
 #: at 700 a producer sending flat out, its batches' messages and ids alive until answered,
-#: spent about 0.26 µs a message there (docs/performance.md, eleventh session).
+#: spent about 0.26 µs a message there (docs/performance.md, "The benchmark's collector").
 SERVER_GC_THRESHOLDS = (10_000, 10, 10)
 
 

@@ -51,7 +51,7 @@ DEFAULT_MAX_GROUP_BYTES = 4 << 20
 #: scheduler's filing (which never passes the fsynced end) lags. At 100 ms filing came in
 #: steps of 100 ms of traffic that held the GIL for tens of ms while SCHEDULEs waited;
 #: at 20 ms a producer sending flat out got 179,000-186,000 msg/s accepted against
-#: 161,000-170,000 (docs/performance.md, tenth session).
+#: 161,000-170,000 (docs/performance.md, "The async flush interval: 20 ms").
 DEFAULT_FLUSH_INTERVAL_MS = 20
 
 

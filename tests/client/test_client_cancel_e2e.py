@@ -1,5 +1,5 @@
 """Cancel, move and query end to end: the producer against a real metaserver, realtime
-server and scheduler(s), in-process, under ``autojump_clock`` (issue 14's tests).
+server and scheduler(s), in-process, under ``autojump_clock``.
 
 Every connection is an in-memory stream (``trio.open_tcp_stream`` is routed to the
 servers' ``serve_stream``) and blocking calls run inline, so hours and days of

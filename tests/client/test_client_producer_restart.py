@@ -1,4 +1,4 @@
-"""The producer rides out a restart of the only server group (issue 8, item 1).
+"""The producer rides out a restart of the only server group.
 
 A metaserver, a realtime server and a scheduler run in-process on an in-memory
 network under ``autojump_clock``: a server is restarted for real (its block

@@ -1,6 +1,6 @@
 """Connection floods against a real ``delaymq realtime`` process with a low open-file limit.
 
-Issue 8, item 7: 1,224 idle connections exhausted a 1,024 file limit and locked
+Without the connection caps, 1,224 idle connections exhausted a 1,024 file limit and locked
 every real client out (``accept returned EMFILE``, 176 tracebacks); 4,000 idle
 connections were held for ever; 8 connections each sending 60 MiB of a 64 MiB
 frame took the server from 40 MB to 595 MB. Here the same floods run while a
