@@ -26,7 +26,7 @@ run: $(VENV)/.installed-run
 	$(BIN)/delaymq cluster --data $(DATA)
 
 # mypy cannot follow the package-dir mapping, so it reads a tree of links named as installed.
-PARTS := protocol storage wheel replication scheduler realtime metaserver client cli backlog
+PARTS := protocol clock net storage wheel replication scheduler realtime metaserver client cli backlog bench
 
 test: $(VENV)/.installed-dev
 	$(BIN)/ruff check --quiet .

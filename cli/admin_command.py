@@ -13,11 +13,11 @@ from delaymq.cli import options
 from delaymq.cli.connection_options import client_limits
 from delaymq.cli.status_command import add_meta_option, ask_metaserver
 from delaymq.client.blocking import BlockingPeers
+from delaymq.net.connection import TransportError
+from delaymq.net.tls import TlsConfigError
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError, ProtocolError
 from delaymq.protocol.routes import GroupState
-from delaymq.protocol.tls import TlsConfigError
-from delaymq.protocol.transport import TransportError
 
 STATE_HELP = "RW: read-write; R: read-only (consumers only, no new messages); NRW: routed to nobody"
 #: How often ``handover`` asks the metaserver whether the target took over.

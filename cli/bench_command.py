@@ -16,14 +16,14 @@ Row = tuple[str, float, str]
 
 #: suite name -> (module, function, does it take a scratch directory)
 SUITES: dict[str, tuple[str, str, bool]] = {
-    "codec": ("delaymq.protocol.bench", "bench_codec", False),
-    "log": ("delaymq.storage.bench", "bench_log_append", True),
-    "realtime": ("delaymq.cli.bench_realtime", "bench_realtime", True),
-    "delay": ("delaymq.cli.bench_cluster", "bench_delay", True),
-    "restart": ("delaymq.cli.bench_restart", "bench_restart", True),
-    "failover": ("delaymq.cli.bench_failover", "bench_failover", True),
-    "cancel": ("delaymq.cli.bench_cancel", "bench_cancel", True),
-    "backlog": ("delaymq.backlog.bench", "bench_backlog", True),
+    "codec": ("delaymq.bench.codec", "bench_codec", False),
+    "log": ("delaymq.bench.log", "bench_log_append", True),
+    "realtime": ("delaymq.bench.realtime", "bench_realtime", True),
+    "delay": ("delaymq.bench.cluster", "bench_delay", True),
+    "restart": ("delaymq.bench.restart", "bench_restart", True),
+    "failover": ("delaymq.bench.failover", "bench_failover", True),
+    "cancel": ("delaymq.bench.cancel", "bench_cancel", True),
+    "backlog": ("delaymq.bench.backlog", "bench_backlog", True),
 }
 
 

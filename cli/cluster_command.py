@@ -49,7 +49,7 @@ from delaymq.cli.scheduler_command import LOAD_AHEAD, SEND_AHEAD, SEND_INTERVAL
 from delaymq.cli.serving import STARTUP_ERRORS, fail
 from delaymq.cli.supervisor import StartFailed, Supervisor, open_supervisor
 from delaymq.client.producer import DEFAULT_META
-from delaymq.protocol.transport import format_address, split_listen
+from delaymq.net.addresses import format_address, split_listen
 from delaymq.storage.format import write_json_atomically
 from delaymq.storage.threads import run_in_thread
 

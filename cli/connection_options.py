@@ -21,10 +21,10 @@ import re
 from pathlib import Path
 
 from delaymq.cli import options
-from delaymq.protocol.auth import TokenFile, TokenFileError
-from delaymq.protocol.limits import DEFAULT_CONNECTION_LIMITS, ConnectionLimits, Limits
-from delaymq.protocol.tls import TlsConfigError, TlsSettings
-from delaymq.protocol.transport import split_listen
+from delaymq.net.addresses import split_listen
+from delaymq.net.auth import TokenFile, TokenFileError
+from delaymq.net.limits import DEFAULT_CONNECTION_LIMITS, ConnectionLimits, Limits
+from delaymq.net.tls import TlsConfigError, TlsSettings
 
 log = logging.getLogger("delaymq")
 

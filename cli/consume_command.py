@@ -16,8 +16,8 @@ from delaymq.client.consumer import ConsumerFailed
 from delaymq.client.delivery import ReceivedMessage
 from delaymq.client.messages import iso
 from delaymq.client.routes import RouteError
+from delaymq.net.connection import TransportError
 from delaymq.protocol.errors import ProtocolError
-from delaymq.protocol.transport import TransportError
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

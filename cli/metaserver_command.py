@@ -16,9 +16,9 @@ from delaymq.cli.connection_options import add_connection_options, connection_li
 from delaymq.cli.server_options import add_metrics_option
 from delaymq.cli.serving import fail, run_server, serve_until_stopped
 from delaymq.client.producer import DEFAULT_META
+from delaymq.clock import SystemClock
 from delaymq.metaserver.registry import HEARTBEATS_PER_FAILOVER
-from delaymq.protocol.limits import Limits
-from delaymq.wheel.clock import SystemClock
+from delaymq.net.limits import Limits
 
 if TYPE_CHECKING:
     from delaymq.cli.metrics import MetricsSource

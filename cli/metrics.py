@@ -29,8 +29,8 @@ from prometheus_client.utils import floatToGoString
 from delaymq.client.registration import software_version
 from delaymq.metaserver.registry import StatusRow
 from delaymq.metaserver.server import Metaserver, MetaserverStatistics
+from delaymq.net.server import ServerStatistics
 from delaymq.protocol.histogram import LatencyHistogram, bucket_bounds
-from delaymq.protocol.transport import ServerStatistics
 from delaymq.realtime.server import RealtimeServer, RealtimeStatistics
 from delaymq.scheduler.server import Scheduler
 from delaymq.scheduler.status import DEFAULT_STATUS_HOURS, SchedulerStatistics

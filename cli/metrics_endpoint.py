@@ -31,10 +31,10 @@ import trio
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from delaymq.cli.metrics import Exposition
-from delaymq.protocol.auth import TokenFile
-from delaymq.protocol.connections import RefusalLog
-from delaymq.protocol.tls import TlsSettings
-from delaymq.protocol.transport import format_address, split_listen
+from delaymq.net.addresses import format_address, split_listen
+from delaymq.net.admission import RefusalLog
+from delaymq.net.auth import TokenFile
+from delaymq.net.tls import TlsSettings
 
 log = logging.getLogger("delaymq.metrics")
 

@@ -18,8 +18,8 @@ from delaymq.cli.options import add_duration
 from delaymq.cli.server_options import add_realtime_caps, add_replication_options, add_server_options, cap_value
 from delaymq.cli.serving import fail, run_server, serve_until_stopped
 from delaymq.client.producer import DEFAULT_META
-from delaymq.protocol.limits import Limits
-from delaymq.wheel.clock import SystemClock
+from delaymq.clock import SystemClock
+from delaymq.net.limits import Limits
 
 if TYPE_CHECKING:
     from delaymq.cli.metrics import MetricsSource

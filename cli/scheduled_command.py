@@ -22,8 +22,8 @@ from delaymq.client.blocking import BlockingProducer
 from delaymq.client.messages import iso
 from delaymq.client.routes import RouteError
 from delaymq.client.scheduled import MessageState
+from delaymq.net.connection import TransportError
 from delaymq.protocol.errors import ProtocolError
-from delaymq.protocol.transport import TransportError
 
 _STATES = {
     "cancel": "cancelled (it will not be delivered), delivered (too late) or unknown (no scheduler group holds it)",

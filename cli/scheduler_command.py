@@ -17,8 +17,8 @@ from delaymq.cli.options import add_duration
 from delaymq.cli.server_options import add_replication_options, add_server_options
 from delaymq.cli.serving import fail, run_server, serve_until_stopped
 from delaymq.client.producer import DEFAULT_META
-from delaymq.protocol.limits import Limits
-from delaymq.wheel.clock import SystemClock
+from delaymq.clock import SystemClock
+from delaymq.net.limits import Limits
 
 #: scheduler.dispatcher.MAX_SEND_AHEAD_MS (not imported: the command starts sooner; a test checks they agree)
 MAX_SEND_AHEAD_MS = 10_000

@@ -11,8 +11,8 @@ from delaymq.cli.connection_options import add_tls_options, client_limits
 from delaymq.client.blocking import BlockingProducer
 from delaymq.client.producer import DEFAULT_META
 from delaymq.client.routes import RouteError
+from delaymq.net.connection import TransportError
 from delaymq.protocol.errors import ProtocolError
-from delaymq.protocol.transport import TransportError
 
 #: Messages per request when ``--count`` asks for many.
 CHUNK = 1000

@@ -12,7 +12,6 @@ ignored from the start of ``run_server``, before the server listens.
 
 from __future__ import annotations
 
-import gc
 import logging
 import signal
 import threading
@@ -24,9 +23,10 @@ import trio
 
 from delaymq.client.registration import RegistrationRefused
 from delaymq.metaserver.registry import RegistryError
-from delaymq.protocol.auth import TokenFile
+from delaymq.net.auth import TokenFile
+from delaymq.net.serving import tuned_collector
+from delaymq.net.tls import TlsSettings
 from delaymq.protocol.errors import sole
-from delaymq.protocol.tls import TlsSettings
 from delaymq.storage.errors import StorageError
 
 if TYPE_CHECKING:
@@ -82,33 +82,6 @@ async def serve_until_stopped(
 
     async with open_metrics_endpoint(Exposition(metrics()), metrics_listen, tls=tls, tokens=tokens):
         await wait_for_stop_signal(tokens=tokens)
-
-
-#: The cyclic collector's thresholds in a server process (CPython's default: 700, 10, 10).
-#: A server allocates a few container objects per message it handles, most of them freed
-#: at once or kept long (the unfiled tail, the dedup window); at 700 the scheduler spent
-#: about 11 % of its CPU in collections while a producer sent flat out. ``delaymq bench
-#: delay``'s runs (producer and consumer, delaymq's and Redis's alike) collect the same way:
-#: at 700 a producer sending flat out, its batches' messages and ids alive until answered,
-#: spent about 0.26 µs a message there (docs/performance.md, "The benchmark's collector").
-SERVER_GC_THRESHOLDS = (10_000, 10, 10)
-
-
-@contextmanager
-def tuned_collector() -> Iterator[None]:
-    """For the block, collect cycles less often and never scan what was there before it (modules,
-    classes, a benchmark's earlier results: ``gc.freeze``); the collector as it was afterwards,
-    however the block ends (a server run in-process, one benchmark run). Not nested: the inner
-    block's end would unfreeze the outer one's heap."""
-    thresholds = gc.get_threshold()
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(*SERVER_GC_THRESHOLDS)
-    try:
-        yield
-    finally:
-        gc.set_threshold(*thresholds)
-        gc.unfreeze()
 
 
 @contextmanager

@@ -18,10 +18,10 @@ from delaymq.cli import options
 from delaymq.cli.connection_options import add_tls_options, client_limits
 from delaymq.client.blocking import BlockingPeers
 from delaymq.client.producer import DEFAULT_META
+from delaymq.net.connection import TransportError
+from delaymq.net.tls import TlsConfigError
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError, ProtocolError
-from delaymq.protocol.tls import TlsConfigError
-from delaymq.protocol.transport import TransportError
 
 COLUMNS = ("GROUP", "KIND", "ROLE", "EPOCH", "ADDRESS", "STATE", "LAST HEARTBEAT", "EVICTED", "VERSION")
 

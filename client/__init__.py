@@ -32,10 +32,10 @@ from delaymq.client.messages import SentId
 from delaymq.client.producer import Producer, ProducerStatistics, open_producer
 from delaymq.client.routes import CallFailed, CallTimedOut, NoRouteError, RouteError
 from delaymq.client.scheduled import MessageState
+from delaymq.net.connection import TransportError
+from delaymq.net.limits import Limits
 from delaymq.protocol.errors import LocalProtocolError, PeerError, ProtocolError, RemoteProtocolError
-from delaymq.protocol.limits import Limits
 from delaymq.protocol.records import Message
-from delaymq.protocol.transport import TransportError
 
 __all__ = [
     "BlockingConsumer",

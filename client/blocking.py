@@ -48,10 +48,10 @@ from delaymq.client.delivery import ConsumerStatistics, ReceivedMessage
 from delaymq.client.messages import SentId
 from delaymq.client.producer import Producer, ProducerStatistics, open_producer
 from delaymq.client.scheduled import MessageState
+from delaymq.net.peers import Peers, open_peers
 from delaymq.protocol.errors import sole
 from delaymq.protocol.frames import Frame
 from delaymq.protocol.records import Message
-from delaymq.protocol.transport import Peers, open_peers
 
 log = logging.getLogger(__name__)
 

@@ -69,13 +69,15 @@ from delaymq.client.delivery import (
 from delaymq.client.release import ReleaseQueue
 from delaymq.client.retry import DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_DELAYS
 from delaymq.client.routes import CLIENT_PEERS_OPTIONS, RouteClient, RouteTable, meta_addresses
+from delaymq.clock import Clock, SystemClock
+from delaymq.net.connection import TransportError
+from delaymq.net.limits import DEFAULT_LIMITS, Limits
+from delaymq.net.peers import Peers, open_peers
 from delaymq.protocol.backoff import BackoffRun
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError, ProtocolError
-from delaymq.protocol.limits import DEFAULT_LIMITS, Limits, MiB
+from delaymq.protocol.limits import MiB
 from delaymq.protocol.routes import RouteAnswer, RouteKind
-from delaymq.protocol.transport import Peers, TransportError, open_peers
-from delaymq.wheel.clock import Clock, SystemClock
 
 log = logging.getLogger(__name__)
 

@@ -33,18 +33,17 @@ from typing import Any, NamedTuple
 
 from delaymq.client.messages import seconds_to_ms
 from delaymq.client.retry import DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_DELAYS, RetryNack, RetryPolicy
+from delaymq.net.limits import DEFAULT_LIMITS, Limits
 from delaymq.protocol.backoff import Backoff, BackoffRun, RandomSource
 from delaymq.protocol.errors import LocalProtocolError, RemoteProtocolError
 from delaymq.protocol.fields import PULL_STARTS, check_int, check_name
 from delaymq.protocol.limits import (
-    DEFAULT_LIMITS,
     DEFAULT_POLL_MS,
     FRAME_RESERVE,
     MAX_NAME,
     MAX_POLL_MS,
     MAX_PULL,
     MAX_PULL_AHEAD_MS,
-    Limits,
     MiB,
 )
 from delaymq.protocol.ranges import AckRanges, RangeSet

@@ -25,12 +25,13 @@ from datetime import UTC, datetime, timedelta
 from itertools import repeat
 from typing import Any
 
+from delaymq.net.limits import DEFAULT_LIMITS, Limits
 from delaymq.protocol.cancel import KEY_PROPERTY, MAX_KEY
 from delaymq.protocol.cancel import check_key as check_key_field
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import LocalProtocolError, RemoteProtocolError
 from delaymq.protocol.fields import encode_name
-from delaymq.protocol.limits import DEFAULT_LIMITS, FRAME_RESERVE, Limits, MiB
+from delaymq.protocol.limits import FRAME_RESERVE, MiB
 from delaymq.protocol.records import Message, make_message, make_plain_message, new_message_id
 from delaymq.protocol.routes import RouteKind
 

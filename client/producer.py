@@ -66,13 +66,13 @@ from delaymq.client.routes import (
     meta_addresses,
 )
 from delaymq.client.scheduled import GroupCalls, MessageState, select, with_locations
+from delaymq.clock import Clock, SystemClock
+from delaymq.net.limits import DEFAULT_LIMITS, Limits
+from delaymq.net.peers import AsyncCaller, open_peers
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import LocalProtocolError, PeerError
-from delaymq.protocol.limits import DEFAULT_LIMITS, Limits
 from delaymq.protocol.records import Message
 from delaymq.protocol.routes import RouteKind
-from delaymq.protocol.transport import AsyncCaller, open_peers
-from delaymq.wheel.clock import Clock, SystemClock
 
 #: Where a client finds the metaserver unless told otherwise.
 DEFAULT_META = "127.0.0.1:20880"

@@ -40,12 +40,13 @@ from typing import Any
 
 import trio
 
+from delaymq.clock import Clock
+from delaymq.net.connection import TransportError
+from delaymq.net.peers import AsyncCaller
 from delaymq.protocol.backoff import Backoff, BackoffRun, RandomSource
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError, RemoteProtocolError
 from delaymq.protocol.routes import MEMBER_TAKEN, REGISTER_FIRST, ROLE_MASTER, ROLE_SLAVE, SUPERSEDED, ServerKind
-from delaymq.protocol.transport import AsyncCaller, TransportError
-from delaymq.wheel.clock import Clock
 
 log = logging.getLogger(__name__)
 

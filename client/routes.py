@@ -41,15 +41,16 @@ import trio
 from delaymq.client.faults import AvoidancePolicy, FaultTableStatistics, LatencyFaultTable
 from delaymq.client.routecache import CachedRoute, RouteCache, RouteCacheStatistics, RouteKey
 from delaymq.client.selector import GroupSelector
-from delaymq.protocol.auth import FORBIDDEN, UNAUTHORIZED
+from delaymq.clock import Clock
+from delaymq.net.auth import FORBIDDEN, UNAUTHORIZED
+from delaymq.net.connection import TransportError
+from delaymq.net.peers import AsyncCaller
+from delaymq.net.tls import TLS_REQUIRED
 from delaymq.protocol.backoff import Backoff, BackoffRun, RandomSource
 from delaymq.protocol.commands import Command, command_name
 from delaymq.protocol.errors import PeerError, ProtocolError, RemoteProtocolError
 from delaymq.protocol.frames import Frame
 from delaymq.protocol.routes import GroupState, RouteAnswer, RoutedGroup, RouteKind, ServerKind
-from delaymq.protocol.tls import TLS_REQUIRED
-from delaymq.protocol.transport import AsyncCaller, TransportError
-from delaymq.wheel.clock import Clock
 
 #: Error codes that mean "this group will not take it now; another may".
 RETRY_CODES = frozenset(

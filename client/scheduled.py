@@ -43,15 +43,16 @@ from delaymq.client.routes import (
     RouteClient,
     RouteTable,
 )
+from delaymq.clock import Clock
+from delaymq.net.connection import TransportError
+from delaymq.net.limits import DEFAULT_LIMITS, Limits
+from delaymq.net.peers import AsyncCaller
 from delaymq.protocol.backoff import BackoffRun
 from delaymq.protocol.cancel import MAX_IDS
 from delaymq.protocol.commands import Command, command_name
 from delaymq.protocol.errors import LocalProtocolError, PeerError, RemoteProtocolError
 from delaymq.protocol.fields import check_name
-from delaymq.protocol.limits import DEFAULT_LIMITS, Limits
 from delaymq.protocol.routes import RoutedGroup, RouteKind
-from delaymq.protocol.transport import AsyncCaller, TransportError
-from delaymq.wheel.clock import Clock
 
 #: The states each command answers, per id.
 STATES: dict[Command, frozenset[str]] = {

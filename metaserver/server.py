@@ -60,6 +60,7 @@ from typing import Any
 
 import trio
 
+from delaymq.clock import Clock
 from delaymq.metaserver.registry import (
     DEFAULT_EVICT_AFTER_MS,
     DEFAULT_FAILOVER_AFTER_MS,
@@ -80,16 +81,17 @@ from delaymq.metaserver.registry import (
     check_address,
     check_group_name,
 )
-from delaymq.protocol.auth import require_server
+from delaymq.net.addresses import split_listen
+from delaymq.net.auth import require_server
+from delaymq.net.limits import DEFAULT_LIMITS, Limits
+from delaymq.net.requests import Handler, Request
+from delaymq.net.server import FrameServer, ServerStatistics
+from delaymq.net.serving import serve_frames
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import RemoteProtocolError
-from delaymq.protocol.limits import DEFAULT_LIMITS, Limits
 from delaymq.protocol.routes import REGISTER_FIRST, SUPERSEDED
-from delaymq.protocol.serving import serve_frames
-from delaymq.protocol.transport import FrameServer, Handler, Request, ServerStatistics, split_listen
 from delaymq.storage.state import StateStore, pack, unpack
 from delaymq.storage.threads import RunBlocking, open_blocking, run_in_thread
-from delaymq.wheel.clock import Clock
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from delaymq.protocol.frames import (
     response_error,
     response_to,
 )
-from delaymq.protocol.limits import DEFAULT_LIMITS, Limits
+from delaymq.protocol.limits import DEFAULT_CODEC_LIMITS, CodecLimits
 from delaymq.protocol.records import (
     Message,
     MessageBatch,
@@ -51,14 +51,14 @@ from delaymq.protocol.subjects import (
 
 __all__ = [
     "DEAD_PREFIX",
-    "DEFAULT_LIMITS",
+    "DEFAULT_CODEC_LIMITS",
     "FRAME_HEADER_SIZE",
     "RETRY_PREFIX",
     "Command",
     "Frame",
     "FrameDecoder",
     "FrameKind",
-    "Limits",
+    "CodecLimits",
     "LocalProtocolError",
     "Message",
     "MessageBatch",

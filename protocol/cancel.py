@@ -22,7 +22,7 @@ from typing import Any
 
 from delaymq.protocol.errors import ProtocolError, RemoteProtocolError
 from delaymq.protocol.fields import check_name
-from delaymq.protocol.limits import Limits
+from delaymq.protocol.limits import CodecLimits
 
 #: Ids one request may name.
 MAX_IDS = 1000
@@ -49,7 +49,7 @@ def check_key(value: Any, *, field: str = KEY_PROPERTY, error: type[ProtocolErro
 
 
 def parse_selector(
-    metadata: Mapping[str, Any], *, command: str, limits: Limits, now_ms: int | None = None, move: bool = False
+    metadata: Mapping[str, Any], *, command: str, limits: CodecLimits, now_ms: int | None = None, move: bool = False
 ) -> Selector:
     """The checked selector of a request (``move``: ``deliver_at`` required, checked
     against ``now_ms`` and ``limits.horizon_ms``; a past moment becomes ``now_ms``)."""

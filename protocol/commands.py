@@ -12,7 +12,7 @@ import enum
 
 class Command(enum.IntEnum):
     PING = 1
-    AUTH = 2  # the connection's token, sent first by a client that has one (delaymq.protocol.auth)
+    AUTH = 2  # the connection's token, sent first by a client that has one (delaymq.net.auth)
     # metaserver: registry, routes, mastership
     REGISTER = 10
     HEARTBEAT = 11

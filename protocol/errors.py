@@ -26,7 +26,7 @@ CODES = frozenset(
         "bad_value",  # a field with invalid content (UTF-8, control chars, types)
         "limit",  # a field longer (or shorter) than its limit allows
         "bad_request",  # a well-formed request the peer cannot serve
-        "unauthorized",  # no token, or one the server does not know (delaymq.protocol.auth)
+        "unauthorized",  # no token, or one the server does not know (delaymq.net.auth)
         "forbidden",  # a known token without the role or subject the request needs
         "rate_limited",  # a token over its messages_per_s or bytes_per_s: retry after retry_after_ms
     }

@@ -35,7 +35,7 @@ from delaymq.protocol.errors import (
     ProtocolError,
     RemoteProtocolError,
 )
-from delaymq.protocol.limits import DEFAULT_LIMITS, MAX_METADATA_DEPTH, MAX_METADATA_ITEMS, Limits
+from delaymq.protocol.limits import DEFAULT_CODEC_LIMITS, MAX_METADATA_DEPTH, MAX_METADATA_ITEMS, CodecLimits
 from delaymq.protocol.shape import shape_problem
 
 MAGIC = b"DQ"
@@ -66,7 +66,7 @@ class Frame:
     body: bytes = b""
 
 
-def encode_frame(frame: Frame, limits: Limits = DEFAULT_LIMITS) -> bytes:
+def encode_frame(frame: Frame, limits: CodecLimits = DEFAULT_CODEC_LIMITS) -> bytes:
     """The bytes of one frame; ``LocalProtocolError`` when it breaks a limit."""
     if not isinstance(frame.kind, int) or frame.kind not in _KINDS:
         raise LocalProtocolError(
@@ -153,7 +153,7 @@ class FrameDecoder:
     its metadata decoded.
     """
 
-    def __init__(self, limits: Limits = DEFAULT_LIMITS, *, serving: bool = False) -> None:
+    def __init__(self, limits: CodecLimits = DEFAULT_CODEC_LIMITS, *, serving: bool = False) -> None:
         self._limits = limits
         #: A server's decoder: a RESPONSE frame is skipped from its header, undecoded.
         self._serving = serving

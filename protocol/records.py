@@ -61,7 +61,7 @@ from delaymq.protocol.envelope import (
 )
 from delaymq.protocol.errors import LocalProtocolError, RemoteProtocolError
 from delaymq.protocol.fields import CONTROL, encode_name
-from delaymq.protocol.limits import DEFAULT_LIMITS, MESSAGE_HEADER_SIZE, Limits
+from delaymq.protocol.limits import DEFAULT_CODEC_LIMITS, MESSAGE_HEADER_SIZE, CodecLimits
 
 #: The fixed message header inside the payload (offsets 12..46 of the record);
 #: ``Limits.max_record`` counts its ``MESSAGE_HEADER_SIZE`` bytes.
@@ -193,7 +193,7 @@ class Message:
     #: tuple: one object fewer for the garbage collector per message; the bytes do not depend
     #: on the limits, so a ``_limits`` paired with another call's record is still right.
     _record: bytes | None = field(default=None, init=False, repr=False, compare=False)
-    _limits: Limits | None = field(default=None, init=False, repr=False, compare=False)
+    _limits: CodecLimits | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if type(self.tags) is not tuple:
@@ -201,7 +201,7 @@ class Message:
                 raise TypeError("Message.tags is a sequence of str, not a str")
             object.__setattr__(self, "tags", tuple(self.tags))
 
-    def encode(self, limits: Limits = DEFAULT_LIMITS) -> bytes:
+    def encode(self, limits: CodecLimits = DEFAULT_CODEC_LIMITS) -> bytes:
         """This message as one record; ``LocalProtocolError`` names a broken limit."""
         record = self._record
         if record is not None and self._limits is limits and not self.properties:
@@ -236,7 +236,7 @@ def encode_message(
     deliver_at: int = 0,
     created_at: int = 0,
     attempts: int = 0,
-    limits: Limits = DEFAULT_LIMITS,
+    limits: CodecLimits = DEFAULT_CODEC_LIMITS,
 ) -> bytes:
     """One message record; ``LocalProtocolError`` names the field and limit broken."""
     id_bytes = encode_name(id, "id", limits.max_id)
@@ -302,12 +302,12 @@ _pack_prefix = _PREFIX.pack
 _pack_envelope = HEADER.pack
 
 
-def encode_batch(messages: Iterable[Message], limits: Limits = DEFAULT_LIMITS) -> bytes:
+def encode_batch(messages: Iterable[Message], limits: CodecLimits = DEFAULT_CODEC_LIMITS) -> bytes:
     """Records end to end, ready for a frame body or a log append."""
     return b"".join([message.encode(limits) for message in messages])
 
 
-def _encode_tags(tags: Iterable[str], limits: Limits) -> tuple[int, bytes]:
+def _encode_tags(tags: Iterable[str], limits: CodecLimits) -> tuple[int, bytes]:
     if isinstance(tags, str):
         raise LocalProtocolError("tags is a str, not a sequence of str", code="bad_value", field="tags")
     parts = []
@@ -326,7 +326,7 @@ def _encode_tags(tags: Iterable[str], limits: Limits) -> tuple[int, bytes]:
     return count, b"".join(parts)
 
 
-def _encode_properties(properties: Mapping[str, Any], limits: Limits) -> bytes:
+def _encode_properties(properties: Mapping[str, Any], limits: CodecLimits) -> bytes:
     if not isinstance(properties, Mapping):
         raise LocalProtocolError(
             f"properties is of type {type(properties).__name__}, not a mapping",
@@ -385,7 +385,7 @@ def _check_delivery_fields(*, deliver_at: Any, created_at: Any, attempts: Any) -
 
 def scan_batch(
     buf: bytes | bytearray | memoryview,
-    limits: Limits = DEFAULT_LIMITS,
+    limits: CodecLimits = DEFAULT_CODEC_LIMITS,
     *,
     now_ms: int | None = None,
     check_properties: bool = False,
@@ -410,7 +410,7 @@ def _scan(
     data: bytes,
     start: int,
     stop: int,
-    limits: Limits,
+    limits: CodecLimits,
     max_deliver_at: int,
     properties_out: list[dict[str, Any]] | None,
     count: int | None,
@@ -655,7 +655,9 @@ def _envelope_code(error: EnvelopeError, max_payload: int) -> tuple[str, str | N
 # --------------------------------------------------------------------- decode
 
 
-def decode_message(buf: bytes | bytearray | memoryview, start: int = 0, *, limits: Limits = DEFAULT_LIMITS) -> Message:
+def decode_message(
+    buf: bytes | bytearray | memoryview, start: int = 0, *, limits: CodecLimits = DEFAULT_CODEC_LIMITS
+) -> Message:
     """The full message of the record at ``buf[start:]`` (later records are ignored).
 
     Checks what ``scan_batch`` checks, plus the properties. Copies at most that
@@ -693,7 +695,7 @@ def decode_message(buf: bytes | bytearray | memoryview, start: int = 0, *, limit
     )
 
 
-def decode_batch(buf: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> list[Message]:
+def decode_batch(buf: bytes | bytearray | memoryview, limits: CodecLimits = DEFAULT_CODEC_LIMITS) -> list[Message]:
     """Every message of a batch, fully decoded (properties checked too)."""
     data = buf if type(buf) is bytes else bytes(buf)
     properties: list[dict[str, Any]] = []
@@ -721,7 +723,7 @@ def make_message(
     created_at: int,
     attempts: int = 0,
     record: bytes | None = None,
-    limits: Limits | None = None,
+    limits: CodecLimits | None = None,
 ) -> Message:
     """``Message(...)`` for fields already of the right types (``tags`` a tuple), at about
     a sixth of the cost: a producer builds one per message it sends, a consumer one per message received.
@@ -745,7 +747,7 @@ def make_message(
 
 
 def make_plain_message(
-    subject: str, subject_bytes: bytes, body: bytes, deliver_at: int, created_at: int, limits: Limits
+    subject: str, subject_bytes: bytes, body: bytes, deliver_at: int, created_at: int, limits: CodecLimits
 ) -> Message | None:
     """A message with a new time-ordered id (``new_message_id(created_at)``) and no tags,
     properties or attempts, encoded now, so its ``encode(limits)`` returns that record: a

@@ -15,16 +15,16 @@ from typing import Any
 
 import trio
 
+from delaymq.clock import Clock
+from delaymq.net.limits import Limits
+from delaymq.net.requests import Request
 from delaymq.protocol.errors import RemoteProtocolError
-from delaymq.protocol.limits import Limits
-from delaymq.protocol.transport import Request
 from delaymq.realtime.consumers import Consumers
 from delaymq.realtime.groups import Groups
 from delaymq.realtime.parked import ParkedPulls
 from delaymq.realtime.redelivery import RedeliverySweeper
 from delaymq.realtime.requests import AckRequest, parse_ack, parse_heartbeat
 from delaymq.realtime.retries import Retries
-from delaymq.wheel.clock import Clock
 
 
 class AckHandler:

@@ -33,12 +33,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import islice
 from typing import Any
 
+from delaymq.clock import Clock
 from delaymq.protocol.errors import RemoteProtocolError
 from delaymq.protocol.subjects import SEPARATOR, carrier
 from delaymq.realtime.checkpoint import share_key
 from delaymq.realtime.groups import Share
 from delaymq.realtime.index import Indexer
-from delaymq.wheel.clock import Clock
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ from collections.abc import Mapping
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from delaymq.net.requests import Request
 from delaymq.protocol.errors import RemoteProtocolError
 from delaymq.protocol.fencing import group_name_problem
-from delaymq.protocol.transport import Request
 from delaymq.realtime.query import Serving
 
 if TYPE_CHECKING:

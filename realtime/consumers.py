@@ -20,6 +20,7 @@ from typing import Any
 
 import trio
 
+from delaymq.clock import Clock
 from delaymq.protocol.errors import RemoteProtocolError
 from delaymq.realtime.caps import DEFAULT_MAX_GROUPS, GroupCap
 from delaymq.realtime.checkpoint import consumer_from_record, load_consumer, share_key
@@ -32,7 +33,6 @@ from delaymq.realtime.requests import PullRequest
 from delaymq.storage.errors import storage_refusal
 from delaymq.storage.state import StateStore
 from delaymq.storage.threads import RunBlocking
-from delaymq.wheel.clock import Clock
 
 
 @functools.lru_cache(maxsize=4096)

@@ -39,12 +39,12 @@ from functools import partial
 
 import trio
 
+from delaymq.clock import Clock
 from delaymq.protocol.errors import RemoteProtocolError
 from delaymq.protocol.fencing import FENCE_FIELD, Fence, fenced_error
 from delaymq.storage.errors import StorageError, storage_refusal
 from delaymq.storage.state import StateStore
 from delaymq.storage.threads import RunBlocking
-from delaymq.wheel.clock import Clock
 
 log = logging.getLogger(__name__)
 

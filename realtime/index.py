@@ -25,9 +25,10 @@ from pathlib import Path
 
 import trio
 
+from delaymq.clock import Clock
+from delaymq.net.limits import Limits
 from delaymq.protocol.backoff import Backoff, BackoffRun
 from delaymq.protocol.envelope import HEADER_SIZE, iter_spans
-from delaymq.protocol.limits import Limits
 from delaymq.protocol.records import MessageBatch, scan_batch, tags_mask
 from delaymq.realtime.consumelog import HELD, OPEN_CONSUME_LOGS, ConsumeLog, list_subjects, subject_stem
 from delaymq.realtime.dedup import dedup_keys
@@ -35,7 +36,6 @@ from delaymq.realtime.openfiles import OpenFiles
 from delaymq.realtime.progress import MESSAGE_KIND, PROGRESS_KIND, kind_runs
 from delaymq.storage.errors import CorruptLog, describe
 from delaymq.storage.log import SegmentedLog
-from delaymq.wheel.clock import Clock
 
 log = logging.getLogger(__name__)
 

@@ -31,8 +31,9 @@ from pathlib import Path
 import trio
 
 from delaymq.client.routes import RouteClient
+from delaymq.clock import Clock
+from delaymq.net.limits import Limits
 from delaymq.protocol.histogram import LatencyHistogram
-from delaymq.protocol.limits import Limits
 from delaymq.realtime.acks import AckHandler
 from delaymq.realtime.caps import DEFAULT_MAX_GROUPS, DEFAULT_MAX_SUBJECTS, SubjectCap
 from delaymq.realtime.checkpoint import Committer, Snapshot, encode_consumer, encode_share, write_snapshot
@@ -56,7 +57,6 @@ from delaymq.storage.log import SegmentedLog
 from delaymq.storage.state import StateStore
 from delaymq.storage.threads import RunBlocking
 from delaymq.storage.writer import LogWriter
-from delaymq.wheel.clock import Clock
 
 log = logging.getLogger(__name__)
 

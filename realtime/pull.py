@@ -23,10 +23,11 @@ from typing import Any
 
 import trio
 
+from delaymq.clock import Clock
+from delaymq.net.limits import Limits
+from delaymq.net.requests import Request
 from delaymq.protocol.histogram import LatencyHistogram
-from delaymq.protocol.limits import Limits
 from delaymq.protocol.records import RECORD_TIMES, tags_mask
-from delaymq.protocol.transport import Request
 from delaymq.realtime.consumelog import ConsumeLog
 from delaymq.realtime.consumers import Consumers
 from delaymq.realtime.delivery import EntriesNotHeld, Picked, pick, read_intact, read_recent_records, read_window
@@ -38,7 +39,6 @@ from delaymq.realtime.requests import parse_pull
 from delaymq.replication.roles import NotMaster
 from delaymq.storage.log import SegmentedLog
 from delaymq.storage.threads import RunBlocking
-from delaymq.wheel.clock import Clock
 
 log = logging.getLogger(__name__)
 

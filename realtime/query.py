@@ -34,12 +34,12 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
+from delaymq.net.limits import Limits
+from delaymq.net.requests import Request
 from delaymq.protocol.cancel import parse_selector
 from delaymq.protocol.envelope import iter_spans
 from delaymq.protocol.errors import RemoteProtocolError
-from delaymq.protocol.limits import Limits
 from delaymq.protocol.records import scan_batch
-from delaymq.protocol.transport import Request
 from delaymq.realtime.consumelog import ConsumeLog
 from delaymq.realtime.dedup import locate
 from delaymq.realtime.groups import ConsumerState, Groups, Share

@@ -15,9 +15,9 @@ import math
 
 import trio
 
+from delaymq.clock import Clock
 from delaymq.realtime.groups import Groups
 from delaymq.realtime.parked import ParkedPulls
-from delaymq.wheel.clock import Clock
 
 
 class RedeliverySweeper:

@@ -10,17 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from delaymq.net.limits import Limits
 from delaymq.protocol.errors import RemoteProtocolError
 from delaymq.protocol.fields import PULL_STARTS, check_int, check_name
-from delaymq.protocol.limits import (
-    DEFAULT_POLL_MS,
-    FRAME_RESERVE,
-    MAX_NAME,
-    MAX_POLL_MS,
-    MAX_PULL,
-    MAX_PULL_AHEAD_MS,
-    Limits,
-)
+from delaymq.protocol.limits import DEFAULT_POLL_MS, FRAME_RESERVE, MAX_NAME, MAX_POLL_MS, MAX_PULL, MAX_PULL_AHEAD_MS
 from delaymq.protocol.subjects import group_problem, retry_subject_problem
 
 #: Most subjects one CONSUMER_HEARTBEAT may name.

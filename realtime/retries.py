@@ -19,12 +19,13 @@ from functools import partial
 import trio
 
 from delaymq.client.routes import RouteClient, RouteError
+from delaymq.clock import Clock
+from delaymq.net.connection import TransportError
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import ProtocolError
 from delaymq.protocol.records import MAX_ATTEMPTS, decode_batch, encode_message, scan_batch
 from delaymq.protocol.routes import RouteKind
 from delaymq.protocol.subjects import dead_subject, retry_subject
-from delaymq.protocol.transport import TransportError
 from delaymq.realtime.delivery import claimed_entries, read_records
 from delaymq.realtime.groups import Claim, Groups, Share
 from delaymq.realtime.index import REPLAY_LIMITS, Indexer
@@ -32,7 +33,6 @@ from delaymq.realtime.requests import AckRequest
 from delaymq.realtime.send import SendHandler
 from delaymq.storage.log import SegmentedLog
 from delaymq.storage.threads import RunBlocking
-from delaymq.wheel.clock import Clock
 
 log = logging.getLogger(__name__)
 

@@ -28,11 +28,12 @@ import trio
 
 from delaymq.client.registration import Registration
 from delaymq.client.routes import RouteClient
+from delaymq.clock import Alarm, Clock
+from delaymq.net.limits import Limits
+from delaymq.net.peers import AsyncCaller
 from delaymq.protocol.backoff import Backoff, BackoffRun
 from delaymq.protocol.errors import RemoteProtocolError
-from delaymq.protocol.limits import Limits
 from delaymq.protocol.records import scan_batch
-from delaymq.protocol.transport import AsyncCaller
 from delaymq.realtime.checkpoint import CONSUMERS_DB, load_index_offset
 from delaymq.realtime.dedup import IDS_DB, dedup_keys
 from delaymq.realtime.index import REPLAY_LIMITS
@@ -47,8 +48,6 @@ from delaymq.replication.source import ReplicationSource
 from delaymq.storage.errors import StorageError, describe
 from delaymq.storage.threads import RunBlocking
 from delaymq.storage.writer import LogWriter
-from delaymq.wheel.alarm import Alarm
-from delaymq.wheel.clock import Clock
 
 log = logging.getLogger(__name__)
 

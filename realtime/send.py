@@ -35,12 +35,13 @@ from typing import Any
 
 import trio
 
+from delaymq.clock import Clock
+from delaymq.net.limits import Limits
+from delaymq.net.requests import Request
 from delaymq.protocol.errors import RemoteProtocolError
 from delaymq.protocol.fencing import FENCE_FIELD, Fence
 from delaymq.protocol.histogram import LatencyHistogram
-from delaymq.protocol.limits import Limits
 from delaymq.protocol.records import MessageBatch, scan_batch
-from delaymq.protocol.transport import Request
 from delaymq.realtime import dedup as dedup_store
 from delaymq.realtime.caps import SubjectCap
 from delaymq.realtime.dedup import DedupWindow, dedup_keys
@@ -51,7 +52,6 @@ from delaymq.storage.inflight import KeysInFlight
 from delaymq.storage.state import StateStore
 from delaymq.storage.threads import RunBlocking
 from delaymq.storage.writer import LogWriter
-from delaymq.wheel.clock import Clock
 
 _SEND_FIELDS = (FENCE_FIELD,)
 

@@ -34,13 +34,17 @@ import trio
 
 from delaymq.client.registration import MembershipView, Registration, start_registration
 from delaymq.client.routes import CLIENT_PEERS_OPTIONS, RouteClient, meta_addresses
-from delaymq.protocol.auth import require_server
+from delaymq.clock import Clock
+from delaymq.net.addresses import split_listen
+from delaymq.net.auth import require_server
+from delaymq.net.limits import DEFAULT_LIMITS, Limits
+from delaymq.net.peers import AsyncCaller, Peers, open_peers
+from delaymq.net.requests import Request
+from delaymq.net.server import FrameServer
+from delaymq.net.serving import serve_frames
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import RemoteProtocolError
-from delaymq.protocol.limits import DEFAULT_LIMITS, Limits
 from delaymq.protocol.routes import ServerKind
-from delaymq.protocol.serving import serve_frames
-from delaymq.protocol.transport import AsyncCaller, FrameServer, Peers, Request, open_peers, split_listen
 from delaymq.realtime.caps import DEFAULT_MAX_GROUPS, DEFAULT_MAX_SUBJECTS, check_cap
 from delaymq.realtime.clearfence import serve_clear_fence
 from delaymq.realtime.fences import load_fences
@@ -55,7 +59,6 @@ from delaymq.replication.wire import FetchRequest
 from delaymq.storage.log import DEFAULT_SEGMENT_SIZE, check_max_record
 from delaymq.storage.threads import RunBlocking, open_blocking, run_in_thread
 from delaymq.storage.writer import FlushPolicy, open_log_writer
-from delaymq.wheel.clock import Clock
 
 log = logging.getLogger(__name__)
 

@@ -23,17 +23,18 @@ from typing import Protocol
 
 import trio
 
+from delaymq.clock import Clock
+from delaymq.net.connection import TransportError
+from delaymq.net.peers import AsyncCaller
 from delaymq.protocol.backoff import Backoff, BackoffRun
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError, ProtocolError
-from delaymq.protocol.transport import AsyncCaller, TransportError
 from delaymq.replication.epochs import EpochHistory
 from delaymq.replication.wire import OFFSET_DELETED, FetchAnswer, FetchRequest
 from delaymq.storage.errors import StorageError
 from delaymq.storage.log import SegmentedLog
 from delaymq.storage.state import StateStore
 from delaymq.storage.threads import RunBlocking
-from delaymq.wheel.clock import Clock
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from typing import Generic, Protocol, TypeVar
 import trio
 
 from delaymq.client.registration import MembershipView, Registration
+from delaymq.clock import Clock
 from delaymq.protocol.errors import RemoteProtocolError
-from delaymq.wheel.clock import Clock
 
 log = logging.getLogger(__name__)
 

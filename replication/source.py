@@ -25,12 +25,12 @@ from functools import partial
 
 import trio
 
+from delaymq.clock import Clock
 from delaymq.protocol.errors import RemoteProtocolError
 from delaymq.replication.epochs import EpochHistory
 from delaymq.replication.wire import OFFSET_DELETED, STALE_EPOCH, FetchAnswer, FetchRequest
 from delaymq.storage.log import SegmentedLog
 from delaymq.storage.threads import RunBlocking
-from delaymq.wheel.clock import Clock
 
 log = logging.getLogger(__name__)
 

@@ -35,6 +35,7 @@ from itertools import islice, repeat
 from operator import is_
 from typing import ClassVar, NamedTuple, Protocol
 
+from delaymq.clock import Alarm
 from delaymq.scheduler.idindex import (
     DISPLACED_DB,
     SCHEDULED,
@@ -46,7 +47,6 @@ from delaymq.scheduler.idindex import (
 from delaymq.scheduler.schedulelog import ScheduleStore
 from delaymq.scheduler.wheelset import Due, WheelSet
 from delaymq.wheel import hour_of
-from delaymq.wheel.alarm import Alarm
 
 PENDING = 0  # the cancel is being made durable
 DURABLE = 1  # the cancel is in the message log (and replicated as the policy asks)

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from delaymq.net.limits import Limits
+from delaymq.net.requests import Request
 from delaymq.protocol.cancel import Selector, parse_selector
 from delaymq.protocol.envelope import HEADER_SIZE
-from delaymq.protocol.limits import Limits
 from delaymq.protocol.records import redeliver_at
-from delaymq.protocol.transport import Request
 from delaymq.replication.roles import NotMaster
 from delaymq.scheduler.cancels import Hold, RecentDispatches, ScheduledBatch, TailEntry, handed_out, look_up
 from delaymq.scheduler.hours import HOUR_MS
@@ -39,12 +39,12 @@ from delaymq.scheduler.idindex import (
 from delaymq.storage.errors import StorageError, storage_refusal
 
 if TYPE_CHECKING:
+    from delaymq.clock import Clock
     from delaymq.scheduler.roles import MasterSession, SlaveSession
     from delaymq.scheduler.schedulelog import ScheduleStore
     from delaymq.scheduler.wheelset import WheelSet
     from delaymq.storage.threads import RunBlocking
     from delaymq.storage.writer import LogWriter
-    from delaymq.wheel.clock import Clock
 
 
 #: Where each key's message is now: ``(state, its value or tail entry, in the dispatch log?)``.

@@ -50,6 +50,7 @@ from typing import Any
 
 import trio
 
+from delaymq.clock import AheadClock, Alarm, Clock
 from delaymq.protocol.backoff import Backoff, BackoffRun, RandomSource
 from delaymq.protocol.histogram import LatencyHistogram
 from delaymq.protocol.records import RECORD_TIMES, record_subject
@@ -58,8 +59,6 @@ from delaymq.scheduler.hourlog import HourLog
 from delaymq.scheduler.schedulelog import ScheduleStore
 from delaymq.scheduler.wheelset import Due, Load, WheelSet
 from delaymq.storage.threads import RunBlocking
-from delaymq.wheel.alarm import Alarm
-from delaymq.wheel.clock import AheadClock, Clock
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,8 @@ from functools import partial
 import trio
 
 from delaymq.client.registration import Registration
-from delaymq.protocol.transport import AsyncCaller
+from delaymq.clock import Alarm, Clock
+from delaymq.net.peers import AsyncCaller
 from delaymq.replication.epochs import EpochHistory
 from delaymq.replication.fetcher import ReplicaFetcher
 from delaymq.replication.roles import Handover, Mastership
@@ -49,8 +50,6 @@ from delaymq.storage.state import StateStore
 from delaymq.storage.threads import RunBlocking
 from delaymq.storage.writer import LogWriter
 from delaymq.wheel import Tick
-from delaymq.wheel.alarm import Alarm
-from delaymq.wheel.clock import Clock
 
 log = logging.getLogger(__name__)
 

@@ -45,16 +45,20 @@ import trio
 
 from delaymq.client.registration import Registration, start_registration
 from delaymq.client.routes import CLIENT_PEERS_OPTIONS, NoRouteError, RouteClient
-from delaymq.protocol.auth import require_server
+from delaymq.clock import Alarm, Clock
+from delaymq.net.addresses import split_listen
+from delaymq.net.auth import require_server
+from delaymq.net.limits import DEFAULT_LIMITS, Limits
+from delaymq.net.peers import AsyncCaller, open_peers
+from delaymq.net.requests import Request
+from delaymq.net.server import FrameServer
+from delaymq.net.serving import Task, serve_frames
 from delaymq.protocol.cancel import MAX_KEY
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError, RemoteProtocolError
 from delaymq.protocol.fencing import FENCED, Fence
-from delaymq.protocol.limits import DEFAULT_LIMITS, Limits
 from delaymq.protocol.records import rewrite_delivery, scan_batch
 from delaymq.protocol.routes import ServerKind
-from delaymq.protocol.serving import Task, serve_frames
-from delaymq.protocol.transport import AsyncCaller, FrameServer, Request, open_peers, split_listen
 from delaymq.replication.membership import member_identity
 from delaymq.replication.roles import Mastership, NotMaster, RoleLoop
 from delaymq.replication.wire import FetchRequest
@@ -102,8 +106,6 @@ from delaymq.storage.log import SegmentedLog, check_max_record
 from delaymq.storage.state import StateStore
 from delaymq.storage.threads import RunBlocking, open_blocking, run_in_thread
 from delaymq.storage.writer import FlushPolicy, LogWriter, open_log_writer
-from delaymq.wheel.alarm import Alarm
-from delaymq.wheel.clock import Clock
 
 if TYPE_CHECKING:
     from delaymq.client.registration import MembershipView

@@ -17,14 +17,14 @@ import pytest
 import trio
 import trustme
 
-from delaymq.protocol.limits import Limits
-from delaymq.protocol.tls import TlsSettings
+from delaymq.net.limits import Limits
+from delaymq.net.tls import TlsSettings
 
 #: ``python -c REALTIME_SERVER DATA_DIR OPTIONS``: a realtime server on the wall clock, its log on stderr.
 REALTIME_SERVER = """
 import json, logging, sys, trio
 from delaymq.realtime import open_realtime_server
-from delaymq.wheel.clock import SystemClock
+from delaymq.clock import SystemClock
 
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s %(message)s")
 
@@ -179,10 +179,10 @@ async def open_local_servers(root: Path, limits: Limits, *, wait: float = 20.0) 
     """A metaserver, a realtime server and a scheduler in-process on loopback with the real clock,
     every listener and connection with ``limits`` (TLS, tokens); yielded once both servers have
     registered with the metaserver."""
+    from delaymq.clock import SystemClock
     from delaymq.metaserver.server import open_metaserver
     from delaymq.realtime.server import open_realtime_server
     from delaymq.scheduler.server import open_scheduler
-    from delaymq.wheel.clock import SystemClock
 
     clock = SystemClock()
     async with AsyncExitStack() as stack:

@@ -2,10 +2,9 @@
 
 ``HourWheel`` (which hours hold undelivered messages), ``SecondWheel`` (one hour's
 seconds, fired at each message's own millisecond), ``Tick`` (the wheel position a master
-streams to its slaves), and the ``Clock`` everything time-dependent takes.
+streams to its slaves).
 """
 
-from delaymq.wheel.clock import Clock, SystemClock, TrioClock
 from delaymq.wheel.hours import (
     HOUR_MS,
     SECOND_MS,
@@ -25,12 +24,9 @@ __all__ = [
     "SECONDS_PER_HOUR",
     "SECOND_MS",
     "TICK_SIZE",
-    "Clock",
     "HourWheel",
     "SecondWheel",
-    "SystemClock",
     "Tick",
-    "TrioClock",
     "WheelCounts",
     "WheelError",
     "hour_of",

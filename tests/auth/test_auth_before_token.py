@@ -15,14 +15,17 @@ from pathlib import Path
 import pytest
 import trio
 
+from delaymq.clock import SystemClock
 from delaymq.metaserver.server import open_metaserver
-from delaymq.protocol.auth import TokenFile
+from delaymq.net.addresses import parse_address
+from delaymq.net.auth import TokenFile
+from delaymq.net.limits import Limits
+from delaymq.net.peers import open_peers
+from delaymq.net.requests import UNAUTHENTICATED_COMMANDS
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError, RemoteProtocolError
 from delaymq.protocol.frames import FRAME_HEADER, MAGIC, VERSION, FrameDecoder, FrameKind, encode_frame, request
-from delaymq.protocol.limits import MAX_UNAUTHENTICATED_FRAME, Limits
-from delaymq.protocol.transport import UNAUTHENTICATED_COMMANDS, open_peers, parse_address
-from delaymq.wheel.clock import SystemClock
+from delaymq.protocol.limits import MAX_UNAUTHENTICATED_FRAME
 
 from .conftest import PRODUCER, TOKENS
 from .test_auth_limits import SHOP, batch, served, tokens_text

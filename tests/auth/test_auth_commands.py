@@ -14,11 +14,11 @@ import pytest
 import trio
 
 from delaymq.cli.connection_options import server_auth
-from delaymq.protocol.auth import FORBIDDEN, UNAUTHORIZED
+from delaymq.net.auth import FORBIDDEN, UNAUTHORIZED
+from delaymq.net.limits import Limits
+from delaymq.net.peers import open_peers
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError
-from delaymq.protocol.limits import Limits
-from delaymq.protocol.transport import open_peers
 
 from .conftest import PRODUCER, TOKENS
 

@@ -19,16 +19,18 @@ import trio.testing
 from delaymq.cli.metrics import transport_families
 from delaymq.client import open_producer
 from delaymq.client.routes import RouteTable
+from delaymq.clock import SystemClock
 from delaymq.metaserver.server import open_metaserver
-from delaymq.protocol.auth import TokenFile, TokenFileError, parse_tokens
+from delaymq.net.auth import TokenFile, TokenFileError, parse_tokens
+from delaymq.net.connection import Connection
+from delaymq.net.limits import ConnectionLimits, Limits
+from delaymq.net.ratelimit import RATE_LIMITED, RateLimiter
+from delaymq.net.requests import Request, batch_messages
+from delaymq.net.server import FrameServer
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError, RemoteProtocolError
-from delaymq.protocol.limits import ConnectionLimits, Limits
-from delaymq.protocol.ratelimit import RATE_LIMITED, RateLimiter
 from delaymq.protocol.records import Message, encode_batch, new_message_id
-from delaymq.protocol.transport import Connection, FrameServer, Request, batch_messages
 from delaymq.realtime.server import open_realtime_server
-from delaymq.wheel.clock import SystemClock
 
 from .conftest import SERVER
 

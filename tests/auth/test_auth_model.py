@@ -14,7 +14,7 @@ from fnmatch import fnmatchcase
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from delaymq.protocol.auth import AuthRefusal, Identity, Scope, parse_tokens
+from delaymq.net.auth import AuthRefusal, Identity, Scope, parse_tokens
 from delaymq.protocol.commands import Command
 
 P, C, A, S = "producer", "consumer", "admin", "server"

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import trio
 
+from delaymq.net.peers import open_peers
 from delaymq.protocol.commands import Command
-from delaymq.protocol.transport import open_peers
 
 from .test_auth_commands import Output
 

@@ -14,13 +14,13 @@ import pytest
 import trio
 
 from delaymq.client import open_consumer, open_producer
-from delaymq.protocol.auth import FORBIDDEN, UNAUTHORIZED, TokenFile
+from delaymq.net.auth import FORBIDDEN, UNAUTHORIZED, TokenFile
+from delaymq.net.limits import Limits
+from delaymq.net.peers import open_peers
+from delaymq.net.tls import TlsSettings
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError
-from delaymq.protocol.limits import Limits
 from delaymq.protocol.records import Message, encode_batch, new_message_id
-from delaymq.protocol.tls import TlsSettings
-from delaymq.protocol.transport import open_peers
 
 from ..conftest import LocalServers, Pki, open_local_servers
 from .conftest import CONSUMER, ORDERS, PRODUCER, SERVER

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from delaymq.protocol.auth import (
+from delaymq.net.auth import (
     FORBIDDEN,
     UNAUTHORIZED,
     AuthRefusal,

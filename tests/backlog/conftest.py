@@ -34,7 +34,7 @@ from delaymq.backlog.job import run
 from delaymq.backlog.plan import REALTIME, SCHEDULER, Source
 from delaymq.backlog.reports import read_table
 from delaymq.backlog.view import ReportView
-from delaymq.cli.bench_cluster import local_cluster
+from delaymq.bench.cluster import local_cluster
 from delaymq.cli.main import main as delaymq_main
 from delaymq.client import open_producer
 from delaymq.client.blocking import BlockingPeers

@@ -14,7 +14,7 @@ import trio
 
 from delaymq.backlog.html import CHARTS
 from delaymq.backlog.plan import REALTIME, SCHEDULER, Source
-from delaymq.cli.bench_cluster import local_cluster
+from delaymq.bench.cluster import local_cluster
 from delaymq.cli.main import main as delaymq_main
 from delaymq.client import open_producer
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from delaymq.cli.bench_cluster import STAGES, bench_delay
+from delaymq.bench.cluster import STAGES, bench_delay
+from delaymq.bench.redis_queue import bench_redis_delay, redis_client_missing
 from delaymq.cli.bench_command import print_rows
-from delaymq.cli.bench_redis import bench_redis_delay, redis_client_missing
 
 COUNT = 300
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from delaymq.cli.bench_restart import build_backlog
+from delaymq.bench.restart import build_backlog
 from delaymq.scheduler.hours import HOUR_MS
 from delaymq.scheduler.schedulelog import ScheduleStore
 from delaymq.storage.log import SegmentedLog

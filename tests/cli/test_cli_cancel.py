@@ -19,10 +19,10 @@ import pytest
 import trio
 
 from delaymq.cli.main import main
+from delaymq.clock import SystemClock
 from delaymq.metaserver.server import open_metaserver
 from delaymq.realtime.server import open_realtime_server
 from delaymq.scheduler.server import open_scheduler
-from delaymq.wheel.clock import SystemClock
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 DEFAULT_META = "127.0.0.1:20880"
@@ -144,7 +144,7 @@ async def test_the_readme_cancel_move_query_examples_run_as_written(tmp_path: Pa
 @pytest.mark.slow
 def test_the_cancel_bench_prints_rates_and_the_index_size(tmp_path: Path) -> None:
     """``delaymq bench cancel``, tiny: real server processes, every figure present and sane."""
-    from delaymq.cli.bench_cancel import bench_cancel
+    from delaymq.bench.cancel import bench_cancel
 
     rows = bench_cancel(tmp_path, counts=[4_000], operations=400)
     figures = {name: (value, unit) for name, value, unit in rows}

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from delaymq.cli.bench_cluster import process_tree, server_processes
+from delaymq.bench.cluster import process_tree, server_processes
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import pytest
 
 from delaymq.cli.connection_options import connection_limits, server_auth
 from delaymq.cli.main import parse_args
-from delaymq.protocol.limits import DEFAULT_CONNECTION_LIMITS, ConnectionLimits
+from delaymq.net.limits import DEFAULT_CONNECTION_LIMITS, ConnectionLimits
 
 
 @pytest.mark.parametrize("command", ["metaserver", "realtime", "scheduler"])

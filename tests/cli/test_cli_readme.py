@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from delaymq.cli.bench_cluster import local_cluster
+from delaymq.bench.cluster import local_cluster
 
 pytestmark = pytest.mark.slow
 

@@ -19,9 +19,9 @@ from delaymq.cli.consume_command import as_text
 from delaymq.cli.main import main
 from delaymq.cli.send_command import when
 from delaymq.client.delivery import ReceivedMessage
+from delaymq.clock import SystemClock
 from delaymq.metaserver.server import open_metaserver
 from delaymq.realtime.server import open_realtime_server
-from delaymq.wheel.clock import SystemClock
 
 
 @asynccontextmanager

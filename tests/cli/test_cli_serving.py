@@ -7,7 +7,7 @@ import gc
 
 import pytest
 
-from delaymq.cli.serving import SERVER_GC_THRESHOLDS, tuned_collector
+from delaymq.net.serving import SERVER_GC_THRESHOLDS, tuned_collector
 
 
 def test_a_server_collects_less_often_never_scans_what_start_up_left_and_gives_the_collector_back() -> None:

@@ -33,12 +33,15 @@ from delaymq.client import (
     open_producer,
 )
 from delaymq.client.blocking import BlockingPeers
+from delaymq.clock import SystemClock
 from delaymq.metaserver.server import open_metaserver
+from delaymq.net.connection import RequestTimeout
+from delaymq.net.peers import Peers, open_peers
+from delaymq.net.requests import Request
+from delaymq.net.server import FrameServer
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import RemoteProtocolError
-from delaymq.protocol.transport import FrameServer, Peers, Request, RequestTimeout, open_peers
 from delaymq.realtime.server import RealtimeServer, open_realtime_server
-from delaymq.wheel.clock import SystemClock
 
 WAIT = 20.0  # seconds any one test may wait
 

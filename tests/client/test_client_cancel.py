@@ -20,13 +20,14 @@ from delaymq.client.messages import MAX_KEY, SentId, build_message, plan_frames
 from delaymq.client.producer import Producer, open_producer
 from delaymq.client.routes import CallTimedOut, NoRouteError
 from delaymq.client.scheduled import MAX_IDS, MessageState, select
+from delaymq.clock import TrioClock
+from delaymq.net.connection import PeerUnavailable
+from delaymq.net.limits import Limits
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import LocalProtocolError, PeerError
 from delaymq.protocol.frames import Frame, FrameKind
-from delaymq.protocol.limits import TWO_YEARS_MS, Limits
+from delaymq.protocol.limits import TWO_YEARS_MS
 from delaymq.protocol.records import Message, decode_batch
-from delaymq.protocol.transport import PeerUnavailable
-from delaymq.wheel.clock import TrioClock
 
 T0 = 1_767_225_600_000  # 2026-01-01T00:00:00Z
 META = "meta.test:1"

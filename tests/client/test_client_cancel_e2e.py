@@ -22,16 +22,16 @@ import trio
 import trio.testing
 
 from delaymq.client.producer import Producer, open_producer
+from delaymq.clock import TrioClock
 from delaymq.metaserver.server import open_metaserver
+from delaymq.net.connection import TransportError
+from delaymq.net.testing import MemoryNetwork
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError
 from delaymq.protocol.records import scan_batch
-from delaymq.protocol.testing import MemoryNetwork
-from delaymq.protocol.transport import TransportError
 from delaymq.realtime.server import open_realtime_server
 from delaymq.scheduler.server import Scheduler, open_scheduler
 from delaymq.storage.threads import run_inline
-from delaymq.wheel.clock import TrioClock
 
 #: 2026-01-01T22:00:00Z: two hours before a UTC day ends, so moves cross hours and days.
 EPOCH = 1_767_304_800_000

@@ -11,8 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from delaymq.client.delivery import PULL_BACKOFF, AckTracker, ConsumerCore, FlowControl, ReceivedMessage, TagFilter
+from delaymq.net.limits import Limits
 from delaymq.protocol.errors import LocalProtocolError, RemoteProtocolError
-from delaymq.protocol.limits import Limits
 from delaymq.protocol.ranges import RangeSet
 from delaymq.protocol.records import Message, encode_batch, tag_bit, tags_mask
 

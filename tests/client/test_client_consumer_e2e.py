@@ -29,13 +29,15 @@ from delaymq.client import (
     open_producer,
 )
 from delaymq.client.registration import run_registration
+from delaymq.clock import SystemClock
 from delaymq.metaserver.server import open_metaserver
+from delaymq.net.peers import open_peers
+from delaymq.net.requests import Request
+from delaymq.net.server import FrameServer
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import RemoteProtocolError
 from delaymq.protocol.records import tag_bit
-from delaymq.protocol.transport import FrameServer, Request, open_peers
 from delaymq.realtime.server import RealtimeServer, open_realtime_server
-from delaymq.wheel.clock import SystemClock
 
 WAIT = 20.0  # seconds any one test may wait for messages
 

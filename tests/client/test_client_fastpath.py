@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 
 from delaymq.client import messages
 from delaymq.client.messages import SentId, build_message, plan_frames
+from delaymq.net.limits import DEFAULT_LIMITS, Limits
 from delaymq.protocol import records
 from delaymq.protocol.errors import LocalProtocolError
-from delaymq.protocol.limits import DEFAULT_LIMITS, Limits
 from delaymq.protocol.records import Message, decode_batch, encode_message
 
 T0 = 1_767_225_600_000  # 2026-01-01T00:00:00Z

@@ -21,13 +21,14 @@ from delaymq.client.messages import (
 )
 from delaymq.client.producer import Producer, open_producer
 from delaymq.client.routes import meta_addresses
+from delaymq.clock import SystemClock, TrioClock
+from delaymq.net.limits import Limits
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import LocalProtocolError, PeerError, RemoteProtocolError
 from delaymq.protocol.frames import Frame, FrameKind
-from delaymq.protocol.limits import TWO_YEARS_MS, Limits
+from delaymq.protocol.limits import TWO_YEARS_MS
 from delaymq.protocol.records import Message, decode_batch
 from delaymq.protocol.routes import RouteKind
-from delaymq.wheel.clock import SystemClock, TrioClock
 
 T0 = 1_767_225_600_000  # 2026-01-01T00:00:00Z
 DAY = 86_400_000

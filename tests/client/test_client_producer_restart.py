@@ -22,17 +22,17 @@ import trio.testing
 
 from delaymq.client import BlockingProducer, CallFailed, PeerError, open_consumer, open_producer
 from delaymq.client.routes import CALL_BACKOFF, CallTimedOut
+from delaymq.clock import SystemClock, TrioClock
 from delaymq.metaserver.server import open_metaserver
+from delaymq.net.connection import PeerUnavailable
+from delaymq.net.limits import Limits
+from delaymq.net.testing import MemoryNetwork
 from delaymq.protocol.commands import Command
 from delaymq.protocol.frames import Frame
-from delaymq.protocol.limits import Limits
 from delaymq.protocol.records import decode_batch
-from delaymq.protocol.testing import MemoryNetwork
-from delaymq.protocol.transport import PeerUnavailable
 from delaymq.realtime.server import RealtimeServer, open_realtime_server
 from delaymq.scheduler.server import open_scheduler
 from delaymq.storage.threads import run_inline
-from delaymq.wheel.clock import SystemClock, TrioClock
 
 EPOCH = 1_767_225_600_000
 META = "meta.test:20880"

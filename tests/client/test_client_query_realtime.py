@@ -19,13 +19,13 @@ import trio.testing
 from delaymq.cli.scheduled_command import as_text
 from delaymq.client.producer import open_producer
 from delaymq.client.scheduled import Location, MessageState, with_locations
+from delaymq.clock import TrioClock
 from delaymq.metaserver.server import open_metaserver
+from delaymq.net.testing import MemoryNetwork
 from delaymq.protocol.commands import Command
-from delaymq.protocol.testing import MemoryNetwork
 from delaymq.realtime.server import open_realtime_server
 from delaymq.scheduler.server import open_scheduler
 from delaymq.storage.threads import run_inline
-from delaymq.wheel.clock import TrioClock
 
 EPOCH = 1_767_304_800_000
 META = "meta.test:20880"

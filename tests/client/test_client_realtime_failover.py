@@ -25,14 +25,16 @@ import trio.testing
 
 from delaymq.client import ReceivedMessage, open_consumer, open_producer
 from delaymq.client.delivery import PULL_BACKOFF, SETTLE_INTERVAL
+from delaymq.clock import TrioClock
 from delaymq.metaserver.server import open_metaserver
+from delaymq.net.connection import PeerUnavailable
+from delaymq.net.requests import Request
+from delaymq.net.server import FrameServer
+from delaymq.net.testing import MemoryNetwork
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import RemoteProtocolError
 from delaymq.protocol.records import Message, decode_batch, encode_batch
-from delaymq.protocol.testing import MemoryNetwork
-from delaymq.protocol.transport import FrameServer, PeerUnavailable, Request
 from delaymq.storage.threads import run_inline
-from delaymq.wheel.clock import TrioClock
 
 EPOCH = 1_767_225_600_000
 META = "meta.test:20880"

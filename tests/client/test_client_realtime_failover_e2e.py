@@ -22,11 +22,11 @@ import trio
 import trio.testing
 
 from delaymq.client import ReceivedMessage, open_consumer, open_producer
+from delaymq.clock import TrioClock
 from delaymq.metaserver.server import open_metaserver
-from delaymq.protocol.testing import MemoryNetwork
+from delaymq.net.testing import MemoryNetwork
 from delaymq.realtime.server import RealtimeServer, open_realtime_server
 from delaymq.storage.threads import run_inline
-from delaymq.wheel.clock import TrioClock
 
 META = "meta.test:20880"
 A, B = "rt-a.test:20881", "rt-b.test:20881"

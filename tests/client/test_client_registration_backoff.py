@@ -15,10 +15,10 @@ import trio
 import trio.testing
 
 from delaymq.client.registration import run_registration
+from delaymq.clock import TrioClock
+from delaymq.net.connection import PeerUnavailable
 from delaymq.protocol.backoff import RandomSource
 from delaymq.protocol.frames import Frame
-from delaymq.protocol.transport import PeerUnavailable
-from delaymq.wheel.clock import TrioClock
 
 T0 = 1_767_225_600_000
 META = "meta:20880"

@@ -25,11 +25,11 @@ import trio.testing
 from delaymq.client import open_consumer, open_producer
 from delaymq.client.delivery import PULL_BACKOFF
 from delaymq.client.routes import CALL_BACKOFF
+from delaymq.clock import TrioClock
 from delaymq.metaserver.server import open_metaserver
-from delaymq.protocol.testing import MemoryNetwork
+from delaymq.net.testing import MemoryNetwork
 from delaymq.realtime.server import open_realtime_server
 from delaymq.storage.threads import run_inline
-from delaymq.wheel.clock import TrioClock
 
 EPOCH = 1_767_225_600_000
 META = "meta.test:20880"

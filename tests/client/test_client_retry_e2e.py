@@ -22,12 +22,12 @@ import trio
 import trio.testing
 
 from delaymq.client import BlockingConsumer, BlockingProducer, ReceivedMessage, open_consumer, open_producer
+from delaymq.clock import SystemClock, TrioClock
 from delaymq.metaserver.server import open_metaserver
-from delaymq.protocol.testing import MemoryNetwork
+from delaymq.net.testing import MemoryNetwork
 from delaymq.realtime.server import RealtimeServer, open_realtime_server
 from delaymq.scheduler.server import Scheduler, open_scheduler
 from delaymq.storage.threads import run_inline
-from delaymq.wheel.clock import SystemClock, TrioClock
 
 EPOCH = 1_767_225_600_000
 META = "meta.test:20880"

@@ -26,14 +26,16 @@ from delaymq.client.routes import (
     RouteClient,
     RouteTable,
 )
+from delaymq.clock import TrioClock
 from delaymq.metaserver.server import open_metaserver
+from delaymq.net.connection import PeerUnavailable, RequestTimeout
+from delaymq.net.requests import Request
+from delaymq.net.server import FrameServer
+from delaymq.net.testing import MemoryNetwork, ServeStream
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError, RemoteProtocolError
 from delaymq.protocol.frames import request, response_to
-from delaymq.protocol.testing import MemoryNetwork, ServeStream
-from delaymq.protocol.transport import FrameServer, PeerUnavailable, Request, RequestTimeout
 from delaymq.storage.threads import run_inline
-from delaymq.wheel.clock import TrioClock
 
 T0 = 1_700_000_000_000
 META = "meta:20880"

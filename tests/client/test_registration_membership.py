@@ -14,10 +14,10 @@ import trio
 import trio.testing
 
 from delaymq.client.registration import MembershipView, Registration, run_registration, start_registration
+from delaymq.clock import TrioClock
 from delaymq.protocol.commands import Command
 from delaymq.protocol.frames import Frame, FrameKind
 from delaymq.protocol.routes import ServerKind
-from delaymq.wheel.clock import TrioClock
 
 T0 = 1_767_225_600_000
 META = "meta:20880"

@@ -21,7 +21,7 @@ import yaml
 from delaymq.cli.main import build_parser, parse_args
 from delaymq.cli.metrics_endpoint import RequestLine, refusal
 from delaymq.cli.options import duration
-from delaymq.protocol.auth import TokenFile, load_tokens
+from delaymq.net.auth import TokenFile, load_tokens
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 SYSTEMD = DEPLOY / "systemd"

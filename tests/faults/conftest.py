@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from delaymq.cli.bench_failover import ServerChild
+    from delaymq.bench.failover import ServerChild
 
 
 @dataclass

@@ -22,12 +22,13 @@ import pytest
 import trio
 
 from delaymq.client import open_consumer, open_producer
+from delaymq.net.addresses import parse_address
+from delaymq.net.limits import Limits
+from delaymq.net.peers import open_peers
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError
 from delaymq.protocol.frames import FRAME_HEADER, MAGIC, VERSION, FrameDecoder, FrameKind
-from delaymq.protocol.limits import Limits
 from delaymq.protocol.records import Message, encode_batch, new_message_id
-from delaymq.protocol.transport import open_peers, parse_address
 
 pytestmark = pytest.mark.faults
 

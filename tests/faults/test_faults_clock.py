@@ -22,11 +22,11 @@ from typing import Any
 import pytest
 import trio
 
-from delaymq.cli.bench_cluster import local_cluster
+from delaymq.bench.cluster import local_cluster
 from delaymq.client import open_consumer, open_producer
+from delaymq.clock import SystemClock
+from delaymq.net.peers import open_peers
 from delaymq.protocol.commands import Command
-from delaymq.protocol.transport import open_peers
-from delaymq.wheel.clock import SystemClock
 
 pytestmark = pytest.mark.faults
 

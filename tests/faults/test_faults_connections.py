@@ -26,12 +26,13 @@ from typing import Any
 import pytest
 import trio
 
+from delaymq.clock import SystemClock
 from delaymq.metaserver.server import open_metaserver
+from delaymq.net.connection import PeerUnavailable
+from delaymq.net.peers import Peers, open_peers
 from delaymq.protocol.commands import Command
 from delaymq.protocol.frames import FRAME_HEADER_SIZE, Frame, FrameDecoder, encode_frame, request
 from delaymq.protocol.records import Message, decode_batch, encode_batch
-from delaymq.protocol.transport import Peers, PeerUnavailable, open_peers
-from delaymq.wheel.clock import SystemClock
 
 pytestmark = pytest.mark.faults
 

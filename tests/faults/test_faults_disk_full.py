@@ -30,10 +30,10 @@ from typing import Any
 import pytest
 import trio
 
+from delaymq.net.peers import Peers, open_peers
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError
 from delaymq.protocol.records import Message, decode_batch, encode_batch
-from delaymq.protocol.transport import Peers, open_peers
 from delaymq.storage.testing import TmpfsUnavailable, fill_up, free_space, small_tmpfs
 
 pytestmark = pytest.mark.faults

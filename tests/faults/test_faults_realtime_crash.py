@@ -25,11 +25,11 @@ import pytest
 import trio
 
 from delaymq.client import open_consumer, open_producer
+from delaymq.clock import SystemClock
 from delaymq.metaserver.server import open_metaserver
+from delaymq.net.peers import open_peers
 from delaymq.protocol.commands import Command
 from delaymq.protocol.records import Message, decode_batch, encode_batch
-from delaymq.protocol.transport import open_peers
-from delaymq.wheel.clock import SystemClock
 
 pytestmark = pytest.mark.faults
 

@@ -2,7 +2,7 @@
 
 A metaserver and a realtime group of three members (a master and two slaves, each its
 own data folder, ``--min-insync 1``) each run as a ``delaymq`` process
-(``delaymq.cli.bench_failover.open_replicated_group``). Two producers send immediate
+(``delaymq.bench.failover.open_replicated_group``). Two producers send immediate
 messages with ids the test keeps, sending a failed batch again with the same ids until
 the group takes it; two consumer groups receive every message and ack it, and the test
 notes when each ack was answered (``Consumer.flush`` returned True).
@@ -37,8 +37,8 @@ from typing import Any
 import pytest
 import trio
 
-from delaymq.cli.bench_cluster import BODY
-from delaymq.cli.bench_failover import (
+from delaymq.bench.cluster import BODY
+from delaymq.bench.failover import (
     REALTIME_GROUP,
     SUBJECT,
     ReplicatedGroup,
@@ -53,11 +53,12 @@ from delaymq.cli.bench_failover import (
 from delaymq.client import open_consumer, open_producer
 from delaymq.client.consumer import Consumer
 from delaymq.client.delivery import ReceivedMessage
+from delaymq.net.connection import TransportError
+from delaymq.net.peers import open_peers
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError
 from delaymq.protocol.frames import Frame
 from delaymq.protocol.records import decode_batch, encode_message
-from delaymq.protocol.transport import TransportError, open_peers
 
 pytestmark = pytest.mark.faults
 

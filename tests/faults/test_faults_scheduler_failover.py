@@ -1,7 +1,7 @@
 """A replicated scheduler group of real processes: its master SIGKILLed, frozen, its metaserver restarted.
 
 A metaserver, a realtime server, a scheduler master and its slave each run as a
-``delaymq`` process (``delaymq.cli.bench_failover.open_replicated_group``). A producer
+``delaymq`` process (``delaymq.bench.failover.open_replicated_group``). A producer
 schedules a few hundred messages a second due 1-20 s ahead, sending a failed batch
 again with the same ids until the group takes it; a consumer acks everything. The
 master is then SIGKILLed (or SIGSTOPped past ``--failover-after``) at a random moment.
@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 import trio
 
-from delaymq.cli.bench_cluster import BODY
-from delaymq.cli.bench_failover import (
+from delaymq.bench.cluster import BODY
+from delaymq.bench.failover import (
     GROUP,
     SUBJECT,
     ReplicatedGroup,

@@ -13,10 +13,10 @@ import pytest
 import trio
 
 from delaymq.client.registration import Registration, run_registration
+from delaymq.clock import TrioClock
 from delaymq.metaserver.server import Metaserver, open_metaserver
-from delaymq.protocol.testing import MemoryNetwork
+from delaymq.net.testing import MemoryNetwork
 from delaymq.storage.threads import run_inline
-from delaymq.wheel.clock import TrioClock
 
 T0 = 1_700_000_000_000
 META = "meta:20880"

@@ -17,9 +17,9 @@ import trio
 import trio.testing
 
 from delaymq.client.registration import Registration
+from delaymq.net.testing import MemoryNetwork
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError
-from delaymq.protocol.testing import MemoryNetwork
 
 META = "meta:20880"
 MINUTE_MS = 60_000

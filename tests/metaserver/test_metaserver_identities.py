@@ -20,11 +20,11 @@ import trio
 
 from delaymq.metaserver.registry import MemberTaken, Registry, Role
 from delaymq.metaserver.server import Metaserver, open_metaserver
-from delaymq.protocol.auth import FORBIDDEN, TokenFile
+from delaymq.net.auth import FORBIDDEN, TokenFile
+from delaymq.net.limits import Limits
+from delaymq.net.peers import open_peers
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError
-from delaymq.protocol.limits import Limits
-from delaymq.protocol.transport import open_peers
 from delaymq.storage.threads import run_inline
 
 T0 = 1_700_000_000_000

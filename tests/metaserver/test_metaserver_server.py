@@ -25,15 +25,15 @@ from delaymq.client.registration import (
     software_version,
     start_registration,
 )
+from delaymq.clock import SystemClock
 from delaymq.metaserver.server import open_metaserver
+from delaymq.net.limits import Limits
+from delaymq.net.peers import open_peers
+from delaymq.net.testing import MemoryNetwork
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError
 from delaymq.protocol.frames import Frame, FrameDecoder, encode_frame, request
-from delaymq.protocol.limits import Limits
 from delaymq.protocol.routes import ServerKind
-from delaymq.protocol.testing import MemoryNetwork
-from delaymq.protocol.transport import open_peers
-from delaymq.wheel.clock import SystemClock
 
 T0 = 1_700_000_000_000
 META = "meta:20880"

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from delaymq.cli.metrics import Exposition
 from delaymq.cli.metrics_endpoint import open_metrics_endpoint
-from delaymq.protocol.auth import TokenFile
+from delaymq.net.auth import TokenFile
 
 from .test_metrics_mapping import CountingSource
 

@@ -20,12 +20,12 @@ from delaymq.cli.metrics import Exposition, MetaserverSource, RealtimeSource, Sc
 from delaymq.cli.metrics_endpoint import open_metrics_endpoint
 from delaymq.client import open_consumer, open_producer
 from delaymq.client.delivery import ReceivedMessage
+from delaymq.clock import SystemClock
 from delaymq.metaserver.server import open_metaserver
 from delaymq.realtime.consumelog import ENTRY_SIZE
 from delaymq.realtime.pulllog import PULL_ENTRY_SIZE
 from delaymq.realtime.server import open_realtime_server
 from delaymq.scheduler.server import open_scheduler
-from delaymq.wheel.clock import SystemClock
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

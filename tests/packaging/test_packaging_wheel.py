@@ -21,6 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SPARK_EXTRA = {"pyspark", "plotly", "pyarrow"}
 CODE_FOLDERS = [
     "protocol",
+    "clock",
+    "net",
     "storage",
     "wheel",
     "replication",
@@ -30,6 +32,7 @@ CODE_FOLDERS = [
     "client",
     "cli",
     "backlog",
+    "bench",
 ]
 
 

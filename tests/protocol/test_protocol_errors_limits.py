@@ -7,14 +7,8 @@ import pickle
 import msgpack
 import pytest
 
-from delaymq.protocol import (
-    DEFAULT_LIMITS,
-    Limits,
-    LocalProtocolError,
-    PeerError,
-    ProtocolError,
-    RemoteProtocolError,
-)
+from delaymq.net.limits import DEFAULT_LIMITS, Limits
+from delaymq.protocol import LocalProtocolError, PeerError, ProtocolError, RemoteProtocolError
 
 
 def test_default_limits_are_the_documented_ones() -> None:

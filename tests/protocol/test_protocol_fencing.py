@@ -7,11 +7,11 @@ from typing import Any
 import pytest
 
 from delaymq.client.routes import RouteTable
+from delaymq.net.requests import Request
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import LocalProtocolError, PeerError, RemoteProtocolError
 from delaymq.protocol.fencing import EPOCH_MAX, FENCED, Fence, fenced_error
 from delaymq.protocol.frames import request
-from delaymq.protocol.transport import Request
 
 
 def test_a_fence_travels_as_send_metadata_and_back() -> None:

@@ -6,11 +6,12 @@ from typing import Any
 
 import pytest
 
+from delaymq.net.addresses import parse_address, split_listen
+from delaymq.net.requests import Request
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from delaymq.protocol.fields import check_int, check_name, encode_name
 from delaymq.protocol.frames import request
-from delaymq.protocol.transport import Request, parse_address, split_listen
 
 
 @pytest.mark.parametrize(

@@ -9,13 +9,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from delaymq.net.limits import Limits
 from delaymq.protocol import (
     FRAME_HEADER_SIZE,
     Command,
     Frame,
     FrameDecoder,
     FrameKind,
-    Limits,
     LocalProtocolError,
     Message,
     PeerError,

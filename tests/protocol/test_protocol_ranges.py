@@ -6,8 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from delaymq.net.connection import PeerUnavailable
+from delaymq.net.peers import ConnectBackoff
 from delaymq.protocol.ranges import AckRanges, RangeSet
-from delaymq.protocol.transport import ConnectBackoff, PeerUnavailable
 
 
 @given(

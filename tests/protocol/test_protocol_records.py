@@ -11,9 +11,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from delaymq.net.limits import DEFAULT_LIMITS, Limits
 from delaymq.protocol import (
-    DEFAULT_LIMITS,
-    Limits,
     LocalProtocolError,
     Message,
     MessageHeader,

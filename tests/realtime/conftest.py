@@ -14,14 +14,14 @@ import pytest
 import trio
 import trio.testing
 
+from delaymq.clock import TrioClock
+from delaymq.net.connection import Connection
+from delaymq.net.limits import Limits
 from delaymq.protocol.commands import Command
 from delaymq.protocol.frames import Frame
-from delaymq.protocol.limits import Limits
 from delaymq.protocol.records import Message, decode_batch, encode_batch
-from delaymq.protocol.transport import Connection
 from delaymq.realtime import RealtimeServer, open_realtime_server
 from delaymq.storage.threads import run_inline
-from delaymq.wheel.clock import TrioClock
 
 Call = Callable[[int, dict[str, Any], bytes], Awaitable[Frame]]
 EPOCH = 1_700_000_000_000

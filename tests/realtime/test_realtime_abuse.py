@@ -19,15 +19,16 @@ from typing import Any
 import pytest
 import trio
 
+from delaymq.clock import SystemClock, TrioClock
 from delaymq.metaserver.server import open_metaserver
-from delaymq.protocol.auth import FORBIDDEN, TokenFile
+from delaymq.net.auth import FORBIDDEN, TokenFile
+from delaymq.net.limits import Limits
+from delaymq.net.peers import open_peers
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError
 from delaymq.protocol.fencing import Fence
 from delaymq.protocol.frames import Frame
-from delaymq.protocol.limits import Limits
 from delaymq.protocol.records import Message, decode_batch, encode_batch
-from delaymq.protocol.transport import open_peers
 from delaymq.realtime import RealtimeServer, open_realtime_server
 from delaymq.realtime import dedup as dedup_store
 from delaymq.realtime.caps import OVER_LOG_INTERVAL_MS, SubjectCap
@@ -38,7 +39,6 @@ from delaymq.replication.wire import FetchRequest
 from delaymq.scheduler.server import Scheduler, open_scheduler
 from delaymq.storage.state import StateStore
 from delaymq.storage.threads import run_inline
-from delaymq.wheel.clock import SystemClock, TrioClock
 
 from ..conftest import open_local_servers
 

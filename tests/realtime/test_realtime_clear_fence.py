@@ -12,11 +12,11 @@ import pytest
 import trio
 
 from delaymq.cli.main import main
-from delaymq.protocol.auth import FORBIDDEN, UNAUTHORIZED, TokenFile
+from delaymq.net.auth import FORBIDDEN, UNAUTHORIZED, TokenFile
+from delaymq.net.limits import Limits
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError
 from delaymq.protocol.fencing import FENCED, Fence
-from delaymq.protocol.limits import Limits
 from delaymq.protocol.records import encode_batch
 
 from ..conftest import open_local_servers

@@ -12,16 +12,16 @@ import pytest
 import trio
 import trio.testing
 
+from delaymq.clock import TrioClock
+from delaymq.net.peers import open_peers
 from delaymq.protocol.errors import PeerError
 from delaymq.protocol.records import Message, tags_mask
-from delaymq.protocol.transport import open_peers
 from delaymq.realtime import open_realtime_server
 from delaymq.realtime.checkpoint import decode_share, encode_share
 from delaymq.realtime.consumelog import ENTRY_SIZE, subject_stem
 from delaymq.realtime.groups import ConsumerState, Share
 from delaymq.realtime.handouts import Member, reconcile
 from delaymq.storage.threads import run_inline
-from delaymq.wheel.clock import TrioClock
 
 pytestmark = pytest.mark.slow
 

@@ -20,11 +20,11 @@ import pytest
 import trio
 import trio.testing
 
+from delaymq.clock import TrioClock
 from delaymq.protocol.records import Message, decode_batch
 from delaymq.realtime import open_realtime_server
 from delaymq.storage.log import SegmentedLog, segment_name
 from delaymq.storage.threads import run_inline
-from delaymq.wheel.clock import TrioClock
 
 EPOCH = 1_700_000_000_000
 BATCHES, PER_BATCH = 6, 10

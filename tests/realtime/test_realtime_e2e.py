@@ -11,13 +11,13 @@ from types import SimpleNamespace
 import pytest
 import trio
 
+from delaymq.clock import SystemClock
 from delaymq.metaserver.server import open_metaserver
+from delaymq.net.peers import open_peers
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError
 from delaymq.protocol.records import Message, encode_message, tag_bit
-from delaymq.protocol.transport import open_peers
 from delaymq.realtime import open_realtime_server
-from delaymq.wheel.clock import SystemClock
 
 
 async def test_one_group_many_producers_and_consumers_get_each_message_once(

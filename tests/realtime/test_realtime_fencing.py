@@ -12,10 +12,10 @@ import pytest
 import trio
 import trio.testing
 
+from delaymq.net.peers import open_peers
 from delaymq.protocol.errors import PeerError
 from delaymq.protocol.fencing import FENCED, Fence
 from delaymq.protocol.records import encode_batch
-from delaymq.protocol.transport import open_peers
 from delaymq.realtime import RealtimeServer, open_realtime_server
 from delaymq.realtime.fences import write_fences
 from delaymq.storage.errors import StoreIOError

@@ -11,15 +11,15 @@ from typing import Any
 import pytest
 import trio
 
+from delaymq.clock import TrioClock
 from delaymq.metaserver.server import open_metaserver
+from delaymq.net.testing import MemoryNetwork
 from delaymq.protocol.cancel import MAX_IDS
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError
 from delaymq.protocol.records import encode_message
-from delaymq.protocol.testing import MemoryNetwork
 from delaymq.realtime.server import RealtimeServer, open_realtime_server
 from delaymq.storage.threads import run_inline
-from delaymq.wheel.clock import TrioClock
 
 EARLIEST = {"from": "earliest"}
 

@@ -16,18 +16,18 @@ from typing import Any
 import pytest
 import trio
 
+from delaymq.clock import TrioClock
 from delaymq.metaserver.server import open_metaserver
+from delaymq.net.connection import PeerUnavailable
+from delaymq.net.testing import MemoryNetwork
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError
 from delaymq.protocol.fencing import Fence
 from delaymq.protocol.frames import Frame
 from delaymq.protocol.records import decode_batch, encode_message
-from delaymq.protocol.testing import MemoryNetwork
-from delaymq.protocol.transport import PeerUnavailable
 from delaymq.realtime.checkpoint import CONSUMERS_DB, SHARES_DB
 from delaymq.realtime.server import RealtimeServer, open_realtime_server
 from delaymq.storage.threads import run_inline
-from delaymq.wheel.clock import TrioClock
 
 META = "meta.test:1"
 A, B, C = "rt-a.test:1", "rt-b.test:1", "rt-c.test:1"

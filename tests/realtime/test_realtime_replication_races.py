@@ -12,10 +12,10 @@ from typing import Any
 
 import trio
 
+from delaymq.net.connection import TransportError
 from delaymq.protocol.commands import Command
 from delaymq.protocol.fencing import Fence
 from delaymq.protocol.records import decode_batch
-from delaymq.protocol.transport import TransportError
 from delaymq.realtime.server import RealtimeServer
 
 from .test_realtime_replication import CONSUMER, GROUP, META, A, B, C, Cluster, open_cluster, wait_until

@@ -18,12 +18,14 @@ import trio
 import trio.testing
 
 from delaymq.client.routes import RouteClient
+from delaymq.clock import TrioClock
 from delaymq.metaserver.server import open_metaserver
+from delaymq.net.requests import Request
+from delaymq.net.server import FrameServer
+from delaymq.net.testing import MemoryNetwork
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError, RemoteProtocolError
 from delaymq.protocol.records import Message, decode_batch, encode_batch
-from delaymq.protocol.testing import MemoryNetwork
-from delaymq.protocol.transport import FrameServer, Request
 from delaymq.realtime import open_realtime_server
 from delaymq.realtime.dedup import dedup_key
 from delaymq.realtime.index import Indexer
@@ -31,7 +33,6 @@ from delaymq.realtime.retries import SCHEDULE_DEADLINE_S
 from delaymq.realtime.server import RealtimeServer
 from delaymq.storage.log import SegmentedLog
 from delaymq.storage.threads import run_inline
-from delaymq.wheel.clock import TrioClock
 
 EPOCH = 1_700_000_000_000
 META = "meta:20880"

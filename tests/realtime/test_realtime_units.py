@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from delaymq.net.limits import Limits
 from delaymq.protocol.errors import RemoteProtocolError
-from delaymq.protocol.limits import Limits
 from delaymq.protocol.ranges import AckRanges
 from delaymq.realtime import dedup as dedup_store
 from delaymq.realtime.consumelog import (

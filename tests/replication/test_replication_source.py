@@ -10,11 +10,13 @@ from typing import Any
 import pytest
 import trio
 
+from delaymq.clock import TrioClock
+from delaymq.net.requests import Request
+from delaymq.net.server import FrameServer
+from delaymq.net.testing import MemoryNetwork
 from delaymq.protocol.commands import Command
 from delaymq.protocol.envelope import RecordKind, encode
 from delaymq.protocol.errors import RemoteProtocolError
-from delaymq.protocol.testing import MemoryNetwork
-from delaymq.protocol.transport import FrameServer, Request
 from delaymq.replication.epochs import EpochHistory
 from delaymq.replication.fetcher import ReplicaFetcher
 from delaymq.replication.source import ReplicationSource
@@ -22,7 +24,6 @@ from delaymq.replication.wire import OFFSET_DELETED, FetchAnswer, FetchRequest
 from delaymq.storage.log import SegmentedLog
 from delaymq.storage.state import StateStore
 from delaymq.storage.threads import run_inline
-from delaymq.wheel.clock import TrioClock
 
 MASTER, SLAVE = "master.test:1", "slave.test:1"
 

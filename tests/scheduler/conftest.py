@@ -23,21 +23,21 @@ import trio.testing
 from delaymq.client.producer import Producer
 from delaymq.client.registration import run_registration
 from delaymq.client.routes import RouteClient
+from delaymq.clock import Clock, TrioClock
 from delaymq.metaserver.server import open_metaserver
-from delaymq.protocol import testing
+from delaymq.net import testing
+from delaymq.net.connection import TransportError
+from delaymq.net.limits import Limits
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError
 from delaymq.protocol.frames import Frame
-from delaymq.protocol.limits import Limits
 from delaymq.protocol.records import encode_message, scan_batch
-from delaymq.protocol.transport import TransportError
 from delaymq.realtime.server import RealtimeServer, open_realtime_server
 from delaymq.scheduler.schedulelog import ScheduleStore
 from delaymq.scheduler.server import Scheduler, open_scheduler
 from delaymq.storage.log import DEFAULT_SEGMENT_SIZE, SegmentedLog
 from delaymq.storage.state import StateStore
 from delaymq.storage.threads import run_inline
-from delaymq.wheel.clock import Clock, TrioClock
 
 META = "meta.test:1"
 SCHEDULER = "scheduler.test:1"

@@ -22,12 +22,12 @@ import pytest
 import trio
 import trio.testing
 
+from delaymq.clock import WALL_RECHECK_MS, Clock, SystemClock, TrioClock
 from delaymq.protocol.records import encode_message, scan_batch
 from delaymq.scheduler.dispatcher import Dispatcher
 from delaymq.scheduler.replay import replay_until_caught_up
 from delaymq.scheduler.wheelset import WheelSet
 from delaymq.storage.threads import run_inline
-from delaymq.wheel.clock import WALL_RECHECK_MS, Clock, SystemClock, TrioClock
 
 EPOCH_MS = 1_749_996_000_000  # 2025-06-15 14:00 UTC
 SECOND = 1_000

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import trio
 
+from delaymq.clock import TrioClock
 from delaymq.protocol.backoff import RandomSource
 from delaymq.protocol.records import encode_message, scan_batch
 from delaymq.scheduler.dispatcher import Deliver, Dispatcher, DispatcherStatistics
@@ -23,7 +24,6 @@ from delaymq.scheduler.replay import replay_until_caught_up
 from delaymq.scheduler.wheelset import WheelSet
 from delaymq.storage.threads import run_inline
 from delaymq.wheel import HOUR_MS
-from delaymq.wheel.clock import TrioClock
 
 from .conftest import schedule_folder
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import trio
 
+from delaymq.clock import TrioClock
 from delaymq.protocol.records import encode_message, scan_batch
 from delaymq.scheduler.dispatcher import Dispatcher
 from delaymq.scheduler.hourlog import HourLog
@@ -25,7 +26,6 @@ from delaymq.scheduler.schedulelog import ScheduleStore
 from delaymq.scheduler.wheelset import WheelSet
 from delaymq.storage.log import SegmentedLog
 from delaymq.storage.threads import run_inline
-from delaymq.wheel.clock import TrioClock
 
 from .conftest import schedule_folder
 

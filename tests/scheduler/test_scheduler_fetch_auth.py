@@ -9,16 +9,16 @@ from typing import Any
 import pytest
 import trio
 
-from delaymq.protocol.auth import FORBIDDEN, TokenFile
+from delaymq.clock import TrioClock
+from delaymq.net.auth import FORBIDDEN, TokenFile
+from delaymq.net.limits import Limits
+from delaymq.net.testing import MemoryNetwork
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError
-from delaymq.protocol.limits import Limits
 from delaymq.protocol.records import encode_message
-from delaymq.protocol.testing import MemoryNetwork
 from delaymq.replication.wire import FetchRequest
 from delaymq.scheduler.server import open_scheduler
 from delaymq.storage.threads import run_inline
-from delaymq.wheel.clock import TrioClock
 
 EPOCH_MS = 1_749_996_000_000
 ADDRESS = "sched.test:1"

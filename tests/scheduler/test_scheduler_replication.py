@@ -16,13 +16,13 @@ import pytest
 import trio
 
 from delaymq.cli.status_command import format_scheduler
+from delaymq.clock import TrioClock
+from delaymq.net.connection import PeerUnavailable, TransportError
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError
 from delaymq.protocol.frames import Frame
 from delaymq.protocol.records import encode_message
-from delaymq.protocol.transport import PeerUnavailable, TransportError
 from delaymq.scheduler.server import Scheduler
-from delaymq.wheel.clock import TrioClock
 
 A, B, C = "sched-a.test:1", "sched-b.test:1", "sched-c.test:1"
 SECOND = 1_000

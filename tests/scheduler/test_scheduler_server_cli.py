@@ -16,10 +16,10 @@ import trio
 
 from delaymq.cli.main import main
 from delaymq.client import open_consumer, open_producer
+from delaymq.clock import SystemClock
 from delaymq.metaserver.server import open_metaserver
 from delaymq.realtime.server import open_realtime_server
 from delaymq.scheduler.server import open_scheduler
-from delaymq.wheel.clock import SystemClock
 
 
 async def test_status_shows_each_scheduler_tick_and_pending_hours(

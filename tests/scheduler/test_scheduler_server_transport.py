@@ -12,8 +12,10 @@ import struct
 
 import trio
 
+from delaymq.net.peers import open_peers
+from delaymq.net.requests import Request
+from delaymq.net.server import FrameServer
 from delaymq.protocol.commands import Command
-from delaymq.protocol.transport import FrameServer, Request, open_peers
 
 
 async def test_a_connection_reset_by_a_killed_peer_leaves_the_server_serving() -> None:

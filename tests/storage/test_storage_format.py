@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from delaymq.storage.bench import bench_log_append
+from delaymq.bench.log import bench_log_append
 from delaymq.storage.errors import FormatMismatch, FormatUnreadable
 from delaymq.storage.format import ensure_format, read_format
 

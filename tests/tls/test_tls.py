@@ -15,13 +15,13 @@ import trio
 
 from delaymq.client import open_consumer, open_producer
 from delaymq.client.routes import CallFailed
+from delaymq.clock import SystemClock
 from delaymq.metaserver.server import open_metaserver
+from delaymq.net.limits import Limits
+from delaymq.net.peers import open_peers
+from delaymq.net.tls import TLS_REQUIRED, TlsConfigError, TlsSettings
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError
-from delaymq.protocol.limits import Limits
-from delaymq.protocol.tls import TLS_REQUIRED, TlsConfigError, TlsSettings
-from delaymq.protocol.transport import open_peers
-from delaymq.wheel.clock import SystemClock
 
 from ..conftest import LocalServers, Pki, open_local_servers
 
@@ -71,7 +71,7 @@ async def test_a_client_that_does_not_trust_the_servers_ca_refuses_them_and_noth
 async def test_a_server_requiring_client_certificates_refuses_a_client_without_one(
     tmp_path: Path, pki: Pki, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="delaymq.protocol.transport")
+    caplog.set_level(logging.WARNING, logger="delaymq.net.server")
     async with open_cluster(tmp_path, pki.server(require_client_cert=True)) as cluster:
         meta = cluster.meta.address
         assert meta is not None
@@ -89,7 +89,7 @@ async def test_a_server_requiring_client_certificates_refuses_a_client_without_o
 async def test_a_plaintext_client_is_told_the_listener_takes_tls_only_and_the_server_keeps_serving(
     tmp_path: Path, pki: Pki, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="delaymq.protocol.transport")
+    caplog.set_level(logging.INFO, logger="delaymq.net.server")
     clock = SystemClock()
     async with open_metaserver(data_dir=tmp_path / "meta", clock=clock, limits=Limits(tls=pki.server())) as meta:
         assert meta.address is not None

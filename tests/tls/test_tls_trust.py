@@ -12,12 +12,13 @@ import pytest
 import trio
 import trustme
 
+from delaymq.clock import SystemClock
 from delaymq.metaserver.server import open_metaserver
+from delaymq.net.connection import PeerUnavailable
+from delaymq.net.limits import Limits
+from delaymq.net.peers import open_peers
+from delaymq.net.tls import TlsSettings
 from delaymq.protocol.commands import Command
-from delaymq.protocol.limits import Limits
-from delaymq.protocol.tls import TlsSettings
-from delaymq.protocol.transport import PeerUnavailable, open_peers
-from delaymq.wheel.clock import SystemClock
 
 WAIT = 20.0
 
@@ -70,7 +71,7 @@ async def test_a_client_given_a_ca_refuses_a_server_certified_by_a_ca_of_the_sys
 async def test_a_server_given_a_ca_refuses_a_client_certificate_from_a_ca_of_the_systems_store(
     tmp_path: Path, two_cas: TwoCas, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="delaymq.protocol.transport")
+    caplog.set_level(logging.WARNING, logger="delaymq.net.server")
     server = TlsSettings(cert=two_cas.ours_cert, key=two_cas.ours_key, ca=two_cas.ours, require_client_cert=True)
     async with open_metaserver(data_dir=tmp_path / "meta", clock=SystemClock(), limits=Limits(tls=server)) as meta:
         assert meta.address is not None

@@ -1,4 +1,4 @@
-"""The trio transport shared by every server and client.
+"""The server side of the trio transport shared by every server: ``FrameServer``.
 
 The frame codec (``frames.py``) is sans-IO; this module does the I/O around it:
 
@@ -12,9 +12,7 @@ The frame codec (``frames.py``) is sans-IO; this module does the I/O around it:
   file descriptors, idle time, slow frames, bytes of unfinished frames; past a
   cap a client is told ``unavailable`` and the connection closed, so a flood
   neither locks other clients out nor takes the server's memory.
-- ``open_peers`` keeps one reused connection per peer address, matches
-  responses to requests by request id, times out each request, and after a
-  failed connect waits out a growing backoff before it dials that peer again.
+- ``peers.open_peers`` is the calling side.
 - ``Limits.tls`` (``tls.TlsSettings``) secures both: a listener with a
   certificate does a TLS handshake (``trio.SSLStream``) with each connection it
   admits, within ``frame_timeout``, and tells a client that speaks plaintext so
@@ -45,152 +43,61 @@ import os
 import socket
 import ssl
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
 
 import trio
 
-from delaymq.protocol.auth import (
-    GROUP_COMMANDS,
-    SUBJECT_COMMANDS,
-    UNAUTHORIZED,
-    AuthRefusal,
-    Identity,
-    Scope,
-    TokenFile,
-    TokenTable,
-)
-from delaymq.protocol.backoff import Backoff, BackoffRun, RandomSource
-from delaymq.protocol.commands import Command, command_name
-from delaymq.protocol.connections import (
+from delaymq.net.addresses import format_address
+from delaymq.net.admission import (
     Admitted,
     ConnectionAdmission,
     Refusal,
     RefusalLog,
     open_file_limit,
 )
-from delaymq.protocol.envelope import EnvelopeError, RecordKind, iter_spans
+from delaymq.net.auth import (
+    UNAUTHORIZED,
+    AuthRefusal,
+    Identity,
+    TokenFile,
+    TokenTable,
+)
+from delaymq.net.connection import RECEIVE_SIZE, describe_broken
+from delaymq.net.limits import DEFAULT_LIMITS, Limits
+from delaymq.net.ratelimit import RateLimiter
+from delaymq.net.requests import (
+    CONNECTION_REQUEST_ID,
+    RATED_COMMANDS,
+    UNAUTHENTICATED_COMMANDS,
+    Handler,
+    Request,
+    batch_messages,
+    request_scope,
+)
+from delaymq.net.tls import TLS_HANDSHAKE_RECORD, TLS_REQUIRED
+from delaymq.protocol.commands import Command, command_name
 from delaymq.protocol.errors import (
     LocalProtocolError,
-    PeerError,
     ProtocolError,
     RemoteProtocolError,
-    sole,
 )
-from delaymq.protocol.fencing import FENCE_FIELD
 from delaymq.protocol.frames import (
     Frame,
     FrameDecoder,
     FrameKind,
     encode_frame,
     error_response,
-    request,
-    response_error,
     response_to,
 )
-from delaymq.protocol.limits import DEFAULT_LIMITS, MAX_UNAUTHENTICATED_FRAME, Limits
-from delaymq.protocol.ratelimit import RateLimiter
-from delaymq.protocol.records import RECORD_HEADER_SIZE, record_subject
-from delaymq.protocol.tls import TLS_HANDSHAKE_RECORD, TLS_REQUIRED
+from delaymq.protocol.limits import MAX_UNAUTHENTICATED_FRAME
 
 log = logging.getLogger(__name__)
 
-#: What a handler returns: response metadata, or (metadata, body).
-Reply = dict[str, Any] | tuple[dict[str, Any], bytes] | None
-Handler = Callable[["Request"], Awaitable[Reply]]
-
-RECEIVE_SIZE = 256 * 1024
-#: Commands whose batches count against a token's message and byte rates (every request counts
-#: against ``requests_per_s``).
-RATED_COMMANDS = frozenset({Command.SEND, Command.SCHEDULE})
-#: What a connection may send before its AUTH is accepted, on a server with a tokens file.
-UNAUTHENTICATED_COMMANDS = frozenset({Command.AUTH, Command.PING})
-#: The request id of an error frame about the connection itself (a refusal), not a request.
-CONNECTION_REQUEST_ID = 0
 #: Each served connection's number, unique in the process (``Request.connection``).
 _connection_numbers = itertools.count(1)
 
 
-class TransportError(Exception):
-    """A request could not be completed: the peer is unreachable or too slow."""
-
-    def __init__(self, message: str, *, address: str) -> None:
-        super().__init__(message)
-        self.address = address
-
-
-class PeerUnavailable(TransportError):
-    """Connecting failed, the connection broke, or the peer is in its backoff."""
-
-
-class RequestTimeout(TransportError):
-    """No response within the request's timeout."""
-
-
-@dataclass(frozen=True, slots=True)
-class Request:
-    """One request as a handler sees it; ``identity`` is who its token is (None: no tokens file)."""
-
-    frame: Frame
-    peer: str
-    identity: Identity | None = None
-    #: The connection it came on: a handler may bind state to it (a registration).
-    connection: int = 0
-
-    @property
-    def metadata(self) -> dict[str, Any]:
-        return self.frame.metadata
-
-    @property
-    def body(self) -> bytes:
-        return self.frame.body
-
-    def batch_body(self, *, fields: tuple[str, ...] = ()) -> bytes:
-        """The records of a batch command (SEND, SCHEDULE): no metadata but ``fields``, and some bytes.
-
-        ``RemoteProtocolError`` (``bad_request``) names the field that is wrong.
-        """
-        command = command_name(self.frame.command)
-        key = next((key for key in self.metadata if key not in fields), None) if self.metadata else None
-        if key is not None:
-            takes = f"no metadata but {', '.join(fields)}" if fields else "no metadata"
-            raise RemoteProtocolError(
-                f"{command}: unknown field {key!r} ({command} takes {takes}; the batch is the body)",
-                code="bad_request",
-                field=key,
-            )
-        if not self.body:
-            raise RemoteProtocolError(f"{command}: the body holds no records", code="bad_request", field="body")
-        return self.body
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """``"host:port"`` (IPv6 in brackets) as (host, port), with a clear error."""
-    return _host_port(address, "address", lowest_port=1)
-
-
-def split_listen(listen: str) -> tuple[str, int]:
-    """A listen address ``"host:port"`` as (host, port); port 0 asks for any free port."""
-    return _host_port(listen, "listen address", lowest_port=0)
-
-
-def _host_port(text: str, what: str, *, lowest_port: int) -> tuple[str, int]:
-    host, sep, port_text = text.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port_text.isdigit() or not lowest_port <= int(port_text) <= 65535:
-        raise ValueError(f"{what} {text!r} is not HOST:PORT with a port from {lowest_port} to 65535")
-    return host, int(port_text)
-
-
-def format_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-# ------------------------------------------------------------------- serving
-
-#: accept(2) errors that mean "out of descriptors or memory", not "this listener is broken".
 ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 #: Descriptors a serving ``FrameServer`` holds open on /dev/null, let go when accept finds none free.
 RESERVED_FDS = 2
@@ -767,69 +674,6 @@ class _ServedConnection:
             raise trio.ClosedResourceError("the peer does not read its answers")
 
 
-def batch_messages(frame: Frame) -> int:
-    """The message records in a SEND's or SCHEDULE's body (its subjects were read without error before)."""
-    try:
-        return sum(1 for span in iter_spans(frame.body) if span.kind == RecordKind.MESSAGE)
-    except EnvelopeError as error:
-        raise RemoteProtocolError(f"{command_name(frame.command)}: {error}", code="bad_record", field="body") from None
-
-
-def request_scope(frame: Frame) -> Scope:
-    """What a request acts on, for the token's patterns (``auth.Scope``).
-
-    SEND and SCHEDULE: the subject of each message record of the body, and a
-    SEND's fence (the scheduler group it speaks for); REGISTER: the kind and
-    group it registers; consumer commands: their ``group``; the others: their
-    metadata's ``subject`` (``subjects`` for CONSUMER_HEARTBEAT). A field of the
-    wrong type is left out here for the handler to refuse; a body whose records
-    do not check is refused here as the handler would refuse it (``bad_record``).
-    """
-    command = frame.command
-    metadata = frame.metadata if isinstance(frame.metadata, dict) else {}
-    group = metadata.get("group") if command in GROUP_COMMANDS else None
-    group = group if isinstance(group, str) else None
-    server = _server_scope(command, metadata)
-    subjects = _request_subjects(frame, metadata) if command in SUBJECT_COMMANDS else ()
-    return Scope(None if subjects is None else tuple(subjects), group, server)
-
-
-def _server_scope(command: int, metadata: dict[str, Any]) -> tuple[str, str] | None:
-    """The (kind, group) a REGISTER or a fenced SEND speaks as."""
-    if command == Command.REGISTER:
-        kind, group = metadata.get("kind"), metadata.get("group")
-        return (kind, group) if isinstance(kind, str) and isinstance(group, str) else None
-    fence = metadata.get(FENCE_FIELD) if command == Command.SEND else None
-    if isinstance(fence, dict) and isinstance(fence.get("group"), str):
-        return ("scheduler", fence["group"])
-    if fence is not None:  # malformed: only a server may carry a fence at all
-        return ("scheduler", "?")
-    return None
-
-
-def _request_subjects(frame: Frame, metadata: dict[str, Any]) -> list[str] | None:
-    command = frame.command
-    if command in (Command.SEND, Command.SCHEDULE):
-        subjects: dict[str, None] = {}
-        try:
-            for span in iter_spans(frame.body):
-                if span.kind == RecordKind.MESSAGE and span.end - span.start >= RECORD_HEADER_SIZE:
-                    with memoryview(frame.body)[span.start : span.end] as record:
-                        subjects[record_subject(record).decode(errors="replace")] = None
-        except EnvelopeError as error:
-            raise RemoteProtocolError(f"{command_name(command)}: {error}", code="bad_record", field="body") from None
-        return list(subjects)
-    if command == Command.CONSUMER_HEARTBEAT:
-        listed = metadata.get("subjects")
-        return [subject for subject in listed if isinstance(subject, str)] if isinstance(listed, list) else []
-    subject = metadata.get("subject")
-    if isinstance(subject, str):
-        return [subject]
-    if command in (Command.CANCEL, Command.MOVE, Command.QUERY):
-        return None  # by ids (or malformed: the handler says so to a token that may name any subject)
-    return []
-
-
 def _peer_name(stream: trio.abc.Stream) -> str:
     try:
         host, port = stream.socket.getpeername()[:2]  # type: ignore[attr-defined]
@@ -848,17 +692,6 @@ async def _first_byte(stream: trio.abc.Stream) -> int | None:
     except OSError:
         return None
     return data[0] if data else None
-
-
-def describe_broken(error: BaseException) -> str:
-    """What broke a stream: trio's ``BrokenResourceError`` around an ``ssl.SSLError`` says nothing itself."""
-    cause = error.__cause__ or error.__context__
-    if isinstance(cause, ssl.SSLCertVerificationError):
-        return f"TLS: certificate verify failed: {cause.verify_message}"
-    if isinstance(cause, ssl.SSLError):  # "[SSL: CODE] what happened (_ssl.c:2580)": the code and the words
-        text = str(cause.args[1]) if len(cause.args) > 1 else str(cause)
-        return f"TLS: {text.split(' (_ssl.c:')[0]}"
-    return str(error) or str(cause or "") or type(error).__name__
 
 
 def _peer_host_and_fd(stream: trio.abc.Stream) -> tuple[str | None, int | None]:
@@ -898,373 +731,3 @@ class _ReservedFds:
 
 
 # ------------------------------------------------------------------- calling
-
-
-class Connection:
-    """One connection to a peer; requests on it run concurrently."""
-
-    def __init__(self, address: str, stream: trio.abc.Stream, *, limits: Limits) -> None:
-        self.address = address
-        self._stream = stream
-        self._limits = limits
-        self._ids = itertools.count(1)
-        self._waiting: dict[int, trio.MemorySendChannel[Frame | BaseException]] = {}
-        self._send_lock = trio.Lock()
-        self.closed = False
-        #: Set when the server said why it closes this connection: ``PeerUnavailable`` at a cap, a
-        #: ``PeerError`` (``tls_required``) when this client speaks plaintext to a TLS listener.
-        self.refusal: PeerUnavailable | PeerError | None = None
-        self._answered = False  # a frame came back: the server took this connection
-
-    def _lost(self, error: BaseException) -> PeerUnavailable:
-        """Why requests failed when the connection broke; a TLS one closed at once may be for want of a certificate.
-
-        Under TLS 1.3 a client's handshake is done before the server checks its
-        certificate, and trio closes without the server's alert: all the client
-        sees is the connection closing before any answer.
-        """
-        text = f"connection to {self.address} lost: {describe_broken(error)}"
-        tls = self._limits.tls
-        if not self._answered and isinstance(self._stream, trio.SSLStream) and tls is not None and tls.cert is None:
-            text += (
-                " before any answer (a server that requires client certificates closes so: "
-                "give the client one with --tls-cert and --tls-key)"
-            )
-        return PeerUnavailable(text, address=self.address)
-
-    async def call(
-        self, command: int, metadata: dict[str, Any] | None = None, body: bytes = b"", *, timeout: float
-    ) -> Frame:
-        """Send a request and return its response; an error response raises ``PeerError``."""
-        request_id = next(self._ids) % 0xFFFF_FFFF + 1  # never 0: that one speaks of the connection
-        send_channel, receive_channel = trio.open_memory_channel[Frame | BaseException](1)
-        self._waiting[request_id] = send_channel
-        try:
-            data = encode_frame(request(command, request_id, metadata, body), self._limits)
-            with trio.move_on_after(timeout) as scope:
-                await self._send(data)
-                answer = await receive_channel.receive()
-            if scope.cancelled_caught:
-                raise RequestTimeout(
-                    f"{command_name(command)} to {self.address} got no answer within {timeout:g} s",
-                    address=self.address,
-                )
-        finally:
-            self._waiting.pop(request_id, None)
-        if answer is self.refusal and self.refusal is not None:
-            raise self._refusal_error()
-        if isinstance(answer, BaseException):
-            raise self._lost(answer) from answer
-        error = response_error(answer)
-        if error is not None:
-            raise error
-        return answer
-
-    async def _send(self, data: bytes) -> None:
-        try:
-            async with self._send_lock:
-                try:
-                    await self._stream.send_all(data)
-                except trio.Cancelled:
-                    # A frame cut off part way would run into the next request's bytes:
-                    # this connection can no longer be trusted (its callers retry).
-                    self.closed = True
-                    await trio.aclose_forcefully(self._stream)
-                    raise
-        except (trio.BrokenResourceError, trio.ClosedResourceError) as error:
-            self.closed = True
-            if self.refusal is not None:
-                raise self._refusal_error() from error
-            raise self._lost(error) from error
-
-    async def read_responses(self) -> None:
-        """Route each response to its caller until the stream ends."""
-        decoder = FrameDecoder(self._limits)
-        reason: BaseException = PeerUnavailable(f"{self.address} closed the connection", address=self.address)
-        try:
-            while True:
-                data = await self._stream.receive_some(RECEIVE_SIZE)
-                if not data:
-                    break
-                decoder.feed(data)
-                for frame in decoder:
-                    self._answered = True
-                    if frame.request_id == CONNECTION_REQUEST_ID:
-                        self._refused(frame)
-                        continue
-                    waiter = self._waiting.get(frame.request_id)
-                    if waiter is not None:
-                        waiter.send_nowait(frame)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, ProtocolError) as error:
-            reason = error
-        finally:
-            self.closed = True
-            reason = self.refusal or reason
-            for waiter in list(self._waiting.values()):
-                try:
-                    waiter.send_nowait(reason)
-                except trio.WouldBlock:
-                    pass
-            await trio.aclose_forcefully(self._stream)
-
-    def _refused(self, frame: Frame) -> None:
-        """An error frame about the connection (a server at a cap; a TLS listener to a plaintext client): why it closes."""
-        error = response_error(frame)
-        if error is None:
-            return
-        message = f"{self.address} refused the connection: {error}"
-        if error.code == TLS_REQUIRED:  # about this client's configuration: no retry changes it
-            self.refusal = PeerError(message, code=TLS_REQUIRED, field=error.field)
-        else:
-            self.refusal = PeerUnavailable(message, address=self.address)
-
-    def _refusal_error(self) -> PeerUnavailable | PeerError:
-        """A fresh exception for each request the refusal fails (one raised in many tasks would share a traceback)."""
-        refusal = self.refusal
-        assert refusal is not None
-        if isinstance(refusal, PeerError):
-            return PeerError(str(refusal), code=refusal.code, field=refusal.field)
-        return PeerUnavailable(str(refusal), address=self.address)
-
-
-class AsyncCaller(Protocol):
-    """What a client of one peer at a time needs of ``Peers``: a request to an address."""
-
-    async def call(
-        self,
-        address: str,
-        command: int,
-        metadata: dict[str, Any] | None = ...,
-        body: bytes = ...,
-        *,
-        timeout: float | None = ...,
-    ) -> Frame: ...
-
-
-class ConnectBackoff:
-    """After a failed connect, how long a peer is left alone, per address.
-
-    The wait grows from ``initial`` up to ``maximum`` seconds under the one
-    ``Backoff`` policy and is forgotten on a connect. Sans-IO (fed the time in
-    seconds on trio's clock); ``random`` is the jitter's source (tests fix it).
-    """
-
-    __slots__ = ("policy", "_random", "_waits")
-
-    def __init__(self, initial: float, maximum: float, *, random: RandomSource | None = None) -> None:
-        if not 0 <= initial <= maximum:
-            raise ValueError(
-                f"connect backoff: initial ({initial} s) must be 0 or more and at most maximum ({maximum} s)"
-            )
-        # "equal" jitter: each wait is at least half its ceiling, so the callers of a
-        # dead peer never redial it in a tight loop, while the clients of a server
-        # that went down still come back to it spread out, not all at once.
-        self.policy = Backoff(initial_ms=round(initial * 1000), maximum_ms=round(maximum * 1000), jitter="equal")
-        self._random = random
-        self._waits: dict[str, tuple[float, BackoffRun]] = {}  # address -> (retry at, its run of failures)
-
-    def retry_at(self, address: str) -> float | None:
-        """When ``address`` may be dialled again after its last failed connect; None: it has not failed."""
-        wait = self._waits.get(address)
-        return None if wait is None else wait[0]
-
-    def check(self, address: str, now: float) -> None:
-        """``PeerUnavailable`` while ``address`` is in its backoff."""
-        at = self.retry_at(address)
-        if at is not None and now < at:
-            raise PeerUnavailable(f"{address} is unreachable; next attempt in {at - now:.2f} s", address=address)
-
-    def failed(self, address: str, now: float) -> None:
-        wait = self._waits.get(address)
-        run = wait[1] if wait is not None else BackoffRun(self.policy, random=self._random)
-        self._waits[address] = (now + run.next_delay_ms() / 1000, run)
-
-    def connected(self, address: str) -> None:
-        self._waits.pop(address, None)
-
-
-@dataclass(frozen=True, slots=True)
-class PeersStatistics:
-    connections: int
-    connects: int
-    connect_failures: int
-    requests: int
-
-
-class Peers:
-    """One reused connection per peer address, redialled with backoff."""
-
-    def __init__(
-        self,
-        nursery: trio.Nursery,
-        *,
-        limits: Limits = DEFAULT_LIMITS,
-        connect_timeout: float = 5.0,
-        request_timeout: float = 10.0,
-        backoff_initial: float = 0.1,
-        backoff_max: float = 5.0,
-    ) -> None:
-        self._nursery = nursery
-        self._limits = limits
-        self._connect_timeout = connect_timeout
-        self.request_timeout = request_timeout
-        self._backoff = ConnectBackoff(backoff_initial, backoff_max)
-        self._tls = limits.tls.client_context() if limits.tls is not None else None
-        self._connections: dict[str, Connection] = {}
-        self._dialing: dict[str, trio.Event] = {}
-        self._connects = 0
-        self._failures = 0
-        self._requests = 0
-
-    def statistics(self) -> PeersStatistics:
-        return PeersStatistics(len(self._connections), self._connects, self._failures, self._requests)
-
-    async def call(
-        self,
-        address: str,
-        command: int,
-        metadata: dict[str, Any] | None = None,
-        body: bytes = b"",
-        *,
-        timeout: float | None = None,
-    ) -> Frame:
-        """One request to ``address``; raises ``TransportError`` or ``PeerError``."""
-        self._requests += 1
-        timeout = self.request_timeout if timeout is None else timeout
-        # The timeout covers connecting too (a dial of a silent address, or waiting for
-        # another task's dial), so a caller's deadline holds whatever the network does.
-        deadline = trio.current_time() + timeout
-        with trio.move_on_at(deadline) as scope:
-            connection = await self._connection(address, connect_timeout=min(self._connect_timeout, timeout))
-        if scope.cancelled_caught:
-            raise RequestTimeout(
-                f"{command_name(command)} to {address}: no connection within {timeout:g} s", address=address
-            )
-        left = deadline - trio.current_time()
-        return await connection.call(command, metadata, body, timeout=max(0.001, round(left, 3)))
-
-    async def _connection(self, address: str, *, connect_timeout: float) -> Connection:
-        while True:
-            connection = self._connections.get(address)
-            if connection is not None and not connection.closed:
-                return connection
-            dialing = self._dialing.get(address)
-            if dialing is None:
-                break
-            await dialing.wait()
-        self._backoff.check(address, trio.current_time())
-        done = self._dialing[address] = trio.Event()
-        dialed: Connection | None = None
-        try:
-            host, port = parse_address(address)
-            stream: trio.abc.Stream
-            with trio.fail_after(connect_timeout):
-                stream = await trio.open_tcp_stream(host, port)
-                if self._tls is not None:
-                    stream = await _tls_handshake(stream, self._tls, host, address)
-                dialed = Connection(address, stream, limits=self._limits)
-                self._nursery.start_soon(dialed.read_responses)
-                if self._limits.token is not None:
-                    await _authenticate(dialed, self._limits.token, timeout=connect_timeout)
-        except PeerError:  # the token refused (or a TLS listener to this plaintext client): no retry changes it
-            self._failures += 1
-            await _close(dialed)
-            raise
-        except PeerUnavailable:  # the TLS handshake failed: the server is not the one trusted, or refused us
-            self._failures += 1
-            self._backoff.failed(address, trio.current_time())
-            await _close(dialed)
-            raise
-        except (OSError, trio.TooSlowError, ValueError, TransportError) as error:
-            self._failures += 1
-            self._backoff.failed(address, trio.current_time())
-            await _close(dialed)
-            raise PeerUnavailable(
-                f"cannot connect to {address}: {error or type(error).__name__}", address=address
-            ) from error
-        finally:
-            del self._dialing[address]
-            done.set()
-        self._connects += 1
-        self._backoff.connected(address)
-        assert dialed is not None
-        self._connections[address] = dialed
-        return dialed
-
-    async def aclose(self) -> None:
-        for connection in self._connections.values():
-            await trio.aclose_forcefully(connection._stream)
-        self._connections.clear()
-
-
-async def _authenticate(connection: Connection, token: str, *, timeout: float) -> None:
-    """Present ``token`` on a new connection (AUTH); a refusal is a ``PeerError`` naming the server."""
-    try:
-        await connection.call(Command.AUTH, {"token": token}, timeout=timeout)
-    except PeerError as error:
-        raise PeerError(
-            f"{connection.address} refused this client's token: {error}", code=error.code, field=error.field
-        ) from None
-
-
-async def _close(connection: Connection | None) -> None:
-    if connection is not None:
-        connection.closed = True
-        await trio.aclose_forcefully(connection._stream)
-
-
-async def _tls_handshake(stream: trio.abc.Stream, context: ssl.SSLContext, host: str, address: str) -> trio.SSLStream:
-    """``stream`` wrapped in TLS, the server verified against the CA and ``host``; ``PeerUnavailable`` if not."""
-    secured = trio.SSLStream(stream, context, server_hostname=host)
-    try:
-        await secured.do_handshake()
-    except BaseException as error:
-        await trio.aclose_forcefully(stream)
-        if isinstance(error, trio.BrokenResourceError | trio.ClosedResourceError):
-            raise PeerUnavailable(
-                f"TLS handshake with {address} failed: {describe_broken(error)}", address=address
-            ) from error
-        raise
-    return secured
-
-
-@asynccontextmanager
-async def open_peers(**options: Any) -> AsyncIterator[Peers]:
-    """A ``Peers`` whose connections close when the block ends.
-
-    An exception from the block comes out as itself, not wrapped in the
-    exception group of the nursery the connections' readers run in.
-    """
-    try:
-        async with trio.open_nursery() as nursery:
-            peers = Peers(nursery, **options)
-            try:
-                yield peers
-            finally:
-                await peers.aclose()
-                nursery.cancel_scope.cancel()
-    except BaseExceptionGroup as group:
-        error = sole(group)
-        if error is group:
-            raise
-        raise error from None
-
-
-__all__ = [
-    "AsyncCaller",
-    "ConnectBackoff",
-    "Connection",
-    "FrameServer",
-    "Handler",
-    "PeerError",
-    "PeerUnavailable",
-    "Peers",
-    "Reply",
-    "Request",
-    "RequestTimeout",
-    "TransportError",
-    "format_address",
-    "open_peers",
-    "parse_address",
-    "split_listen",
-]

@@ -8,10 +8,12 @@ import pytest
 import trio
 import trio.testing
 
+from delaymq.net.connection import Connection
+from delaymq.net.limits import Limits
+from delaymq.net.requests import Request
+from delaymq.net.server import FrameServer
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError, RemoteProtocolError
-from delaymq.protocol.limits import Limits
-from delaymq.protocol.transport import Connection, FrameServer, Request
 
 
 async def disk_full(_request: Request) -> tuple[dict, bytes]:

@@ -5,11 +5,14 @@ from __future__ import annotations
 import trio
 import trio.testing
 
+from delaymq.net.connection import Connection, PeerUnavailable
+from delaymq.net.limits import ConnectionLimits, Limits
+from delaymq.net.peers import open_peers
+from delaymq.net.requests import Request
+from delaymq.net.server import FrameServer
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError
 from delaymq.protocol.frames import Frame, FrameDecoder, FrameKind, encode_frame, request
-from delaymq.protocol.limits import ConnectionLimits, Limits
-from delaymq.protocol.transport import Connection, FrameServer, PeerUnavailable, Request, open_peers
 
 
 async def ping(req: Request) -> dict | tuple[dict, bytes]:

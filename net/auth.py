@@ -54,9 +54,9 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
+from delaymq.net.ratelimit import RATE_FIELDS
 from delaymq.protocol.commands import Command, command_name
 from delaymq.protocol.errors import RemoteProtocolError
-from delaymq.protocol.ratelimit import RATE_FIELDS
 from delaymq.protocol.subjects import carrier
 
 log = logging.getLogger(__name__)

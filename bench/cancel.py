@@ -28,7 +28,7 @@ from pathlib import Path
 
 import trio
 
-from delaymq.cli.bench_restart import Servers, build_backlog, running_servers, wait_delivering, wait_serving
+from delaymq.bench.restart import Servers, build_backlog, running_servers, wait_delivering, wait_serving
 from delaymq.client import open_producer
 from delaymq.client.producer import Producer
 from delaymq.client.routes import NoRouteError

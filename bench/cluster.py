@@ -11,7 +11,7 @@ accepted by realtime -> handed to the consumer -> received), from the servers'
 STATUS histograms and the consumer's clock; each server process's CPU seconds per
 100,000 messages (``/proc/PID/stat`` before and after); dispatch batches and fire
 rounds; fsyncs per second. Then the same workload against a Redis sorted-set
-queue (``delaymq.cli.bench_redis``), and delaymq's figures as ratios to its.
+queue (``delaymq.bench.redis_queue``), and delaymq's figures as ratios to its.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import IO, Any
 
 import trio
 
-from delaymq.cli.bench_redis import (
+from delaymq.bench.redis_queue import (
     RedisProcess,
     RedisRun,
     accept_burst,
@@ -43,11 +43,11 @@ from delaymq.cli.bench_redis import (
     redis_client_missing,
     redis_server,
 )
-from delaymq.cli.serving import tuned_collector
 from delaymq.client import Consumer, Message, Producer, open_consumer, open_producer
+from delaymq.net.peers import open_peers
+from delaymq.net.serving import tuned_collector
 from delaymq.protocol.commands import Command
 from delaymq.protocol.histogram import LatencyHistogram
-from delaymq.protocol.transport import open_peers
 
 Row = tuple[str, float, str]
 BODY = b"x" * 100

@@ -7,9 +7,11 @@ from typing import Any
 import pytest
 import trio
 
+from delaymq.net.peers import open_peers
+from delaymq.net.requests import Request
+from delaymq.net.server import FrameServer
+from delaymq.net.serving import Task, serve_frames
 from delaymq.protocol.commands import Command
-from delaymq.protocol.serving import Task, serve_frames
-from delaymq.protocol.transport import FrameServer, Request, open_peers
 
 
 async def ping(request: Request) -> dict[str, Any]:

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import trio
 
-from delaymq.cli import bench_cluster
-from delaymq.cli.bench_cluster import Row, percentiles
-from delaymq.cli.bench_failover import Tally, open_replicated_group, send_all
+from delaymq.bench import cluster as bench_cluster
+from delaymq.bench.cluster import Row, percentiles
+from delaymq.bench.failover import Tally, open_replicated_group, send_all
 
 
 async def send_rate(root: Path, count: int, *, slaves: int) -> tuple[float, list[float]]:

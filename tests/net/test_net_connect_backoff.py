@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from delaymq.protocol.transport import ConnectBackoff
+from delaymq.net.peers import ConnectBackoff
 
 #: ``Peers``' defaults: 0.1 s doubling to 5 s.
 CEILINGS_S = [0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 5.0, 5.0]

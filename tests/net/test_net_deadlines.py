@@ -8,9 +8,10 @@ import pytest
 import trio
 import trio.testing
 
+from delaymq.net.connection import Connection, RequestTimeout
+from delaymq.net.limits import Limits
+from delaymq.net.peers import open_peers
 from delaymq.protocol.commands import Command
-from delaymq.protocol.limits import Limits
-from delaymq.protocol.transport import Connection, RequestTimeout, open_peers
 
 
 async def test_a_dial_that_hangs_is_bounded_by_the_request_timeout(

@@ -14,15 +14,7 @@ from freezegun import freeze_time
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from delaymq.wheel.clock import (
-    STEP_WARN_MS,
-    WALL_RECHECK_MS,
-    AheadClock,
-    Clock,
-    StepWatch,
-    SystemClock,
-    TrioClock,
-)
+from delaymq.clock import STEP_WARN_MS, WALL_RECHECK_MS, AheadClock, Clock, StepWatch, SystemClock, TrioClock
 
 EPOCH = 1_795_000_000_000  # 2026-11-18T...Z
 TWO_YEARS_MS = 2 * 366 * 86_400_000

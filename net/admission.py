@@ -16,8 +16,8 @@ import resource
 from collections import Counter
 from dataclasses import dataclass
 
+from delaymq.net.limits import ConnectionLimits
 from delaymq.protocol.errors import ProtocolError
-from delaymq.protocol.limits import ConnectionLimits
 
 #: The caps, as named in a ``Refusal`` and in the statistics.
 CAPS = ("connections", "connections_per_address", "file_descriptors", "buffered_bytes")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from delaymq.protocol.bench import bench_codec
+from delaymq.bench.codec import bench_codec
 
 
 def test_bench_codec_reports_named_positive_figures() -> None:

@@ -14,7 +14,7 @@ from functools import partial
 
 import trio
 
-from delaymq.wheel.clock import Clock
+from delaymq.clock.clocks import Clock
 
 
 class Alarm:

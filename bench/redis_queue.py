@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from delaymq.cli.serving import tuned_collector
+from delaymq.net.serving import tuned_collector
 
 #: How often the consumer asks for due members when the last poll found fewer than a batch.
 POLL_INTERVAL_S = 0.005

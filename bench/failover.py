@@ -42,12 +42,12 @@ from typing import Any
 
 import trio
 
-from delaymq.cli.bench_cluster import IN_FLIGHT, Row, bench_batches, percentiles
+from delaymq.bench.cluster import IN_FLIGHT, Row, bench_batches, percentiles
 from delaymq.client import open_consumer, open_producer
 from delaymq.client.producer import Producer
+from delaymq.net.peers import AsyncCaller, open_peers
 from delaymq.protocol.commands import Command
 from delaymq.protocol.records import Message
-from delaymq.protocol.transport import AsyncCaller, open_peers
 
 SUBJECT = "failover"
 GROUP = "scheduler-1"

@@ -1,6 +1,6 @@
 """An in-memory network for tests, in the spirit of ``trio.testing``.
 
-``MemoryNetwork`` stands in for ``delaymq.protocol.transport.Peers``: it is an
+``MemoryNetwork`` stands in for ``delaymq.net.peers.Peers``: it is an
 ``AsyncCaller``, so code that talks to its peers through ``AsyncCaller`` (route
 clients, registration agents, servers calling other servers) can be tested
 against real, in-process servers with no sockets. Servers are put on the network
@@ -25,9 +25,9 @@ from typing import Any
 import trio
 import trio.testing
 
+from delaymq.net.connection import Connection, PeerUnavailable
+from delaymq.net.limits import Limits
 from delaymq.protocol.frames import Frame
-from delaymq.protocol.limits import Limits
-from delaymq.protocol.transport import Connection, PeerUnavailable
 
 __all__ = ["MemoryNetwork", "ServeStream"]
 

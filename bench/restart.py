@@ -29,11 +29,12 @@ from pathlib import Path
 
 import trio
 
-from delaymq.cli.bench_cluster import percentiles
+from delaymq.bench.cluster import percentiles
 from delaymq.client import open_consumer, open_producer
+from delaymq.net.connection import TransportError
+from delaymq.net.peers import open_peers
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError
-from delaymq.protocol.transport import TransportError, open_peers
 
 Row = tuple[str, float, str]
 BODY = b"x" * 100

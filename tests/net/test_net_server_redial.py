@@ -15,12 +15,14 @@ from pathlib import Path
 import pytest
 import trio
 
+from delaymq.clock import SystemClock
 from delaymq.metaserver.server import open_metaserver
+from delaymq.net.addresses import format_address
+from delaymq.net.connection import PeerUnavailable
+from delaymq.net.peers import Peers
 from delaymq.protocol.commands import Command
-from delaymq.protocol.transport import Peers, PeerUnavailable, format_address
 from delaymq.realtime.server import open_realtime_server
 from delaymq.scheduler.server import open_scheduler
-from delaymq.wheel.clock import SystemClock
 
 
 @pytest.fixture

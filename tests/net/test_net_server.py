@@ -9,18 +9,14 @@ import pytest
 import trio
 import trio.testing
 
+from delaymq.net.connection import Connection, PeerUnavailable, RequestTimeout
+from delaymq.net.limits import Limits
+from delaymq.net.peers import open_peers
+from delaymq.net.requests import Request
+from delaymq.net.server import FrameServer
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError
 from delaymq.protocol.frames import FrameDecoder, FrameKind, encode_frame, request
-from delaymq.protocol.limits import Limits
-from delaymq.protocol.transport import (
-    Connection,
-    FrameServer,
-    PeerUnavailable,
-    Request,
-    RequestTimeout,
-    open_peers,
-)
 
 
 async def echo(req: Request) -> tuple[dict, bytes]:

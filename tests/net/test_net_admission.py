@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from delaymq.protocol.connections import Admitted, ConnectionAdmission, Refusal, RefusalLog, spare_fds_for
-from delaymq.protocol.limits import ConnectionLimits, Limits
+from delaymq.net.admission import Admitted, ConnectionAdmission, Refusal, RefusalLog, spare_fds_for
+from delaymq.net.limits import ConnectionLimits, Limits
 
 
 def admission(**options: object) -> ConnectionAdmission:

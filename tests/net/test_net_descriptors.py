@@ -12,16 +12,17 @@ from types import SimpleNamespace
 
 import trio
 
+from delaymq.net.connection import PeerUnavailable
+from delaymq.net.peers import open_peers
 from delaymq.protocol.commands import Command
-from delaymq.protocol.transport import PeerUnavailable, open_peers
 
 HOG, FREE = 900, 901
 
 SERVER = """
 import logging, os, resource, sys, trio
 from delaymq.protocol.commands import Command
-from delaymq.protocol.limits import ConnectionLimits, Limits
-from delaymq.protocol.transport import FrameServer
+from delaymq.net.limits import ConnectionLimits, Limits
+from delaymq.net.server import FrameServer
 
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -13,12 +13,13 @@ nursery's exception group. A failure while starting is raised as trio raises it
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager
+import gc
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 
 import trio
 
-from delaymq.protocol.transport import FrameServer
+from delaymq.net.server import FrameServer
 
 #: A background task for ``nursery.start``: takes ``task_status`` and reports when ready.
 Task = Callable[..., Awaitable[object]]
@@ -62,4 +63,31 @@ async def serve_frames(
         raise body_error
 
 
-__all__ = ["Register", "Task", "serve_frames"]
+#: The cyclic collector's thresholds in a server process (CPython's default: 700, 10, 10).
+#: A server allocates a few container objects per message it handles, most of them freed
+#: at once or kept long (the unfiled tail, the dedup window); at 700 the scheduler spent
+#: about 11 % of its CPU in collections while a producer sent flat out. ``delaymq bench
+#: delay``'s runs (producer and consumer, delaymq's and Redis's alike) collect the same way:
+#: at 700 a producer sending flat out, its batches' messages and ids alive until answered,
+#: spent about 0.26 µs a message there (docs/performance.md, "The benchmark's collector").
+SERVER_GC_THRESHOLDS = (10_000, 10, 10)
+
+
+@contextmanager
+def tuned_collector() -> Iterator[None]:
+    """For the block, collect cycles less often and never scan what was there before it (modules,
+    classes, a benchmark's earlier results: ``gc.freeze``); the collector as it was afterwards,
+    however the block ends (a server run in-process, one benchmark run). Not nested: the inner
+    block's end would unfreeze the outer one's heap."""
+    thresholds = gc.get_threshold()
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*SERVER_GC_THRESHOLDS)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.unfreeze()
+
+
+__all__ = ["SERVER_GC_THRESHOLDS", "Register", "Task", "serve_frames", "tuned_collector"]
