@@ -35,19 +35,16 @@ The frame codec (``frames.py``) is sans-IO; this module does the I/O around it:
 
 from __future__ import annotations
 
-import errno
 import itertools
 import logging
 import math
-import os
-import socket
 import ssl
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import trio
 
+from delaymq.net.accepting import RESERVED_FDS, Acceptor, ReservedFds, first_byte, peer_host_and_fd, peer_name
 from delaymq.net.addresses import format_address
 from delaymq.net.admission import (
     Admitted,
@@ -56,31 +53,19 @@ from delaymq.net.admission import (
     RefusalLog,
     open_file_limit,
 )
-from delaymq.net.auth import (
-    UNAUTHORIZED,
-    AuthRefusal,
-    Identity,
-    TokenFile,
-    TokenTable,
-)
+from delaymq.net.answering import RequestAnswerer
 from delaymq.net.connection import RECEIVE_SIZE, describe_broken
 from delaymq.net.limits import DEFAULT_LIMITS, Limits
-from delaymq.net.ratelimit import RateLimiter
 from delaymq.net.requests import (
     CONNECTION_REQUEST_ID,
-    RATED_COMMANDS,
     UNAUTHENTICATED_COMMANDS,
     Handler,
-    Request,
-    batch_messages,
-    request_scope,
 )
 from delaymq.net.tls import TLS_HANDSHAKE_RECORD, TLS_REQUIRED
 from delaymq.protocol.commands import Command, command_name
 from delaymq.protocol.errors import (
     LocalProtocolError,
     ProtocolError,
-    RemoteProtocolError,
 )
 from delaymq.protocol.frames import (
     Frame,
@@ -88,7 +73,6 @@ from delaymq.protocol.frames import (
     FrameKind,
     encode_frame,
     error_response,
-    response_to,
 )
 from delaymq.protocol.limits import MAX_UNAUTHENTICATED_FRAME
 
@@ -98,13 +82,8 @@ log = logging.getLogger(__name__)
 _connection_numbers = itertools.count(1)
 
 
-ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
-#: Descriptors a serving ``FrameServer`` holds open on /dev/null, let go when accept finds none free.
-RESERVED_FDS = 2
 #: How long a refusal may take to write before the connection is closed without it.
 REFUSAL_WRITE_TIMEOUT = 1.0
-#: How long the accept loop waits when accept fails and no reserved descriptor helps.
-ACCEPT_RETRY_DELAY = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,20 +123,16 @@ class FrameServer:
     """
 
     def __init__(self, handlers: Mapping[int, Handler], *, limits: Limits = DEFAULT_LIMITS) -> None:
-        self.handlers = dict(handlers)
         self.limits = limits
         self.admission = ConnectionAdmission(limits.connections, max_frame=limits.max_frame, fd_limit=open_file_limit())
         self._tls = limits.tls.server_context() if limits.tls is not None else None
         self._refusal_log = RefusalLog()
         self._requests = 0
-        self._errors = 0
         self._dropped = 0
         self._closed_idle = 0
         self._closed_slow = 0
-        self._refused: Counter[str] = Counter()
         self._in_flight_full = 0
-        self._rates = RateLimiter()
-        self._rated_table: TokenTable | None = None  # the token table the rate limiter last saw
+        self.answerer = RequestAnswerer(handlers, tokens=limits.tokens, refusal_log=self._refusal_log)
 
     def statistics(self) -> ServerStatistics:
         admission = self.admission
@@ -166,7 +141,7 @@ class FrameServer:
             connections_open=admission.open,
             connections_total=admission.admitted,
             requests=self._requests,
-            errors_answered=self._errors,
+            errors_answered=self.answerer.errors_answered,
             connections_dropped=self._dropped,
             refused_at_connection_cap=refused["connections"],
             refused_at_address_cap=refused["connections_per_address"],
@@ -176,13 +151,12 @@ class FrameServer:
             closed_slow=self._closed_slow,
             buffered_bytes=admission.buffered,
             buffered_bytes_peak=admission.buffered_peak,
-            refused_by_reason=dict(self._refused),
+            refused_by_reason=dict(self.answerer.refused),
             in_flight_full=self._in_flight_full,
         )
 
-    def _error_answered(self, code: str) -> None:
-        self._errors += 1
-        self._refused[code] += 1
+    def error_answered(self, code: str) -> None:
+        self.answerer.error_answered(code)
 
     async def serve(
         self, host: str = "127.0.0.1", port: int = 0, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
@@ -193,86 +167,23 @@ class FrameServer:
         address = format_address(sockname[0], sockname[1])
         if self.limits.tls is not None and self._tls is not None:
             log.info("%s takes %s connections only", address, self.limits.tls.describe())
-        reserve = _ReservedFds(RESERVED_FDS)
+        reserve = ReservedFds(RESERVED_FDS)
         try:
             async with trio.open_nursery() as nursery:
                 for listener in listeners:
-                    nursery.start_soon(self._accept, listener, nursery, reserve)
+                    nursery.start_soon(Acceptor(self, reserve).accept, listener, nursery)
                 task_status.started(address)
         finally:
             reserve.close()
 
-    async def _accept(self, listener: trio.SocketListener, nursery: trio.Nursery, reserve: _ReservedFds) -> None:
-        """Accept until cancelled; each connection is served (or refused) in its own task."""
-        async with listener:
-            while True:
-                try:
-                    stream = await listener.accept()
-                except OSError as error:
-                    if error.errno not in ACCEPT_CAPACITY_ERRNOS:
-                        raise
-                    await self._accept_without_descriptors(listener, nursery, reserve, error)
-                    continue
-                nursery.start_soon(self.serve_stream, stream)
-
-    async def _accept_without_descriptors(
-        self, listener: trio.SocketListener, nursery: trio.Nursery, reserve: _ReservedFds, error: OSError
-    ) -> None:
-        """Accept failed for want of a descriptor (or memory): answer who waits, instead of spinning.
-
-        Linux fails accept with EMFILE before it looks for a waiting client, so
-        this waits for one; then a reserved descriptor is let go so that the
-        client can be accepted, told ``unavailable`` and closed, and the reserve
-        is taken again. Without this the clients queued on the listener would
-        wait unanswered until descriptors came free, while accept failed again
-        every time it was tried (trio's ``serve_listeners`` logs a traceback
-        each 100 ms of that).
-        """
-        name = errno.errorcode.get(error.errno or 0, str(error.errno))
-        if error.errno not in (errno.EMFILE, errno.ENFILE):  # out of memory: nothing of ours to let go
-            self._log_refusal(Refusal("memory", 0, f"accept failed with {name}; retrying"))
-            await trio.sleep(ACCEPT_RETRY_DELAY)
-            return
-        await trio.lowlevel.wait_readable(listener.socket)
-        try:
-            stream = await listener.accept()  # descriptors may have come free meanwhile
-        except OSError as again:
-            if again.errno not in ACCEPT_CAPACITY_ERRNOS:
-                raise
-        else:
-            nursery.start_soon(self.serve_stream, stream)
-            return
-        refusal = Refusal(
-            "file_descriptors",
-            self.admission.fd_limit or 0,
-            f"the server process is out of file descriptors (accept: {name}); try again later",
-        )
-        if not reserve.release():
-            self._log_refusal(refusal)
-            await trio.sleep(ACCEPT_RETRY_DELAY)
-            reserve.refill()
-            return
-        try:
-            stream = await listener.accept()
-        except OSError as again:
-            reserve.refill()
-            if again.errno not in ACCEPT_CAPACITY_ERRNOS:
-                raise
-            await trio.sleep(ACCEPT_RETRY_DELAY)
-            return
-        self.admission.refused["file_descriptors"] += 1
-        self._log_refusal(refusal)
-        await self._refuse(stream, refusal, write_timeout=0.05)  # closes it: the reserve can be taken again
-        reserve.refill()
-
     async def serve_stream(self, stream: trio.abc.Stream) -> None:
         """Serve one connection until the peer leaves, idles, or its bytes stop making sense."""
-        peer = _peer_name(stream)
-        host, fd = _peer_host_and_fd(stream)
+        peer = peer_name(stream)
+        host, fd = peer_host_and_fd(stream)
         admitted = self.admission.admit(host, fd)
         if isinstance(admitted, Refusal):
-            self._log_refusal(admitted)
-            await self._refuse(stream, admitted, write_timeout=REFUSAL_WRITE_TIMEOUT)
+            self.log_refusal(admitted)
+            await self.refuse(stream, admitted, write_timeout=REFUSAL_WRITE_TIMEOUT)
             return
         try:
             served: trio.abc.Stream = stream
@@ -305,7 +216,7 @@ class FrameServer:
         """
         timeout = self.limits.connections.frame_timeout
         with trio.move_on_after(timeout):
-            first = await _first_byte(stream)
+            first = await first_byte(stream)
             if first is None:
                 return None  # gone before a byte: a port probe
             if first >= 0 and first != TLS_HANDSHAKE_RECORD:
@@ -316,7 +227,7 @@ class FrameServer:
                     code=TLS_REQUIRED,
                     field="tls",
                 )
-                await self._refuse(stream, error, write_timeout=REFUSAL_WRITE_TIMEOUT)
+                await self.refuse(stream, error, write_timeout=REFUSAL_WRITE_TIMEOUT)
                 return None
             secured = trio.SSLStream(stream, context, server_side=True)
             try:
@@ -328,7 +239,7 @@ class FrameServer:
         log.warning("refused a connection from %s: no TLS handshake within %g s", peer, timeout)
         return None
 
-    async def _refuse(self, stream: trio.abc.Stream, refusal: Refusal | ProtocolError, *, write_timeout: float) -> None:
+    async def refuse(self, stream: trio.abc.Stream, refusal: Refusal | ProtocolError, *, write_timeout: float) -> None:
         """Tell the client why (an error frame for request 0: the connection), then close."""
         try:
             error = refusal.error() if isinstance(refusal, Refusal) else refusal
@@ -340,7 +251,7 @@ class FrameServer:
         finally:
             await trio.aclose_forcefully(stream)
 
-    def _log_refusal(self, refusal: Refusal) -> None:
+    def log_refusal(self, refusal: Refusal) -> None:
         count = self._refusal_log.note(refusal.cap, trio.current_time())
         if count is not None:
             log.warning("refusing connections: %s (%d refused since the last such line)", refusal.message, count)
@@ -349,114 +260,6 @@ class FrameServer:
         count = self._refusal_log.note("slow", trio.current_time())
         if count is not None:
             log.warning("closing slow connections: %s (%d closed since the last such line)", message, count)
-
-    def authenticate(self, frame: Frame, peer: str) -> tuple[Frame, str | None]:
-        """Answer an AUTH request: the answer, and the token the connection is to remember (None: refused)."""
-        token = frame.metadata.get("token") if isinstance(frame.metadata, dict) else None
-        if not isinstance(token, str) or not token:
-            error = RemoteProtocolError(
-                "AUTH: field 'token' must be a non-empty string", code="bad_request", field="token"
-            )
-            self._error_answered("bad_request")
-            return error_response(frame, error), None
-        tokens = self.limits.tokens
-        if tokens is None:
-            return response_to(frame, {"name": None}), token  # no tokens file: every request is served
-        identity = tokens.table.identify(token)
-        if identity is None:
-            self._error_answered(UNAUTHORIZED)
-            count = self._refusal_log.note("AUTH:unauthorized", trio.current_time())
-            if count is not None:
-                log.warning(
-                    "refused a token from %s: unknown (%d such refusal(s) since the last such line)", peer, count
-                )
-            refusal = AuthRefusal(
-                UNAUTHORIZED, "AUTH: unknown token: this server's tokens file does not hold it", "token"
-            )
-            return error_response(frame, refusal.error()), None
-        return response_to(frame, {"name": identity.name}), token
-
-    def _authorize(self, tokens: TokenFile, frame: Frame, token: str | None) -> tuple[Identity, dict[str, int] | None]:
-        """The identity the request acts as, and what it took from its rates (None: nothing);
-        ``RemoteProtocolError`` when the token may not send it, ``ProtocolError`` (``rate_limited``, or
-        ``limit`` for a batch over a second's worth) past its rates.
-
-        A known token's request is taken from ``requests_per_s`` first, before its scope is read (a
-        SEND's records) or decided: a refused request is work too, and floods of them are rated."""
-        table = tokens.table
-        identity = table.identify(token)
-        if identity is not None and "requests_per_s" in identity.rates:
-            self._take_rates(table, identity, frame, {"requests_per_s": 1})
-        checked = table.check(token, frame.command, request_scope(frame))
-        if isinstance(checked, AuthRefusal):
-            raise checked.error()
-        if not checked.rates.keys() - {"requests_per_s"} or frame.command not in RATED_COMMANDS:
-            return checked, None
-        amounts = {"messages_per_s": batch_messages(frame), "bytes_per_s": len(frame.body)}
-        self._take_rates(table, checked, frame, amounts)
-        return checked, amounts
-
-    def _take_rates(self, table: TokenTable, identity: Identity, frame: Frame, amounts: dict[str, int]) -> None:
-        """Take ``amounts`` from the token's buckets of those rates, or refuse the request (nothing taken)."""
-        if table is not self._rated_table:  # reloaded: a token removed takes its buckets with it
-            self._rates.forget(table.names())
-            self._rated_table = table
-        rates = {name: rate for name, rate in identity.rates.items() if name in amounts}
-        now_ms = math.floor(trio.current_time() * 1000)
-        refusal = self._rates.check(identity.name, rates, amounts, now_ms, command=command_name(frame.command))
-        if refusal is not None:
-            raise refusal.error()
-
-    async def _answer(self, frame: Frame, peer: str, token: str | None = None, connection: int = 0) -> Frame | None:
-        expects_answer = frame.kind == FrameKind.REQUEST
-        if frame.kind == FrameKind.RESPONSE:
-            error = RemoteProtocolError(
-                f"a response frame ({command_name(frame.command)}) sent to a server",
-                code="bad_frame",
-                field="kind",
-            )
-            self._error_answered("bad_frame")
-            return error_response(frame, error)
-        handler = self.handlers.get(frame.command)
-        tokens = self.limits.tokens
-        identity: Identity | None = None
-        taken: dict[str, int] | None = None
-        try:
-            if tokens is not None:  # before anything else: a refused request changes nothing
-                identity, taken = self._authorize(tokens, frame, token)
-            if handler is None:
-                known = ", ".join(command_name(code) for code in sorted(self.handlers))
-                raise RemoteProtocolError(
-                    f"unknown command {command_name(frame.command)} (this server serves {known})",
-                    code="bad_request",
-                    field="command",
-                )
-            reply = await handler(Request(frame, peer, identity, connection))
-        except ProtocolError as error:
-            if taken is not None and identity is not None:  # a refused batch stores nothing: its messages
-                # are not charged (the request itself counts against requests_per_s all the same)
-                self._rates.give_back(identity.name, taken, math.floor(trio.current_time() * 1000))
-            self._error_answered(error.code)
-            # A flood of one refusal (a full disk refuses every SEND) is a line a minute with a count.
-            count = self._refusal_log.note(f"{frame.command}:{error.code}", trio.current_time())
-            if count is not None:
-                log.info(
-                    "refused %s from %s: %s (%d such refusal(s) since the last such line)",
-                    command_name(frame.command), peer, error, count,
-                )  # fmt: skip
-            return error_response(frame, error) if expects_answer else None
-        except Exception as error:  # a bug in a handler must not kill the server
-            self._error_answered("internal")
-            log.exception("%s from %s failed", command_name(frame.command), peer)
-            internal = RemoteProtocolError(f"internal error: {type(error).__name__}: {error}", code="internal")
-            return error_response(frame, internal) if expects_answer else None
-        if not expects_answer:
-            return None
-        if reply is None:
-            return response_to(frame)
-        if isinstance(reply, tuple):
-            return response_to(frame, reply[0], reply[1])
-        return response_to(frame, reply)
 
 
 class _ServedConnection:
@@ -516,7 +319,7 @@ class _ServedConnection:
             self._decoder.end_of_stream()
         except ProtocolError as error:
             # The stream can no longer be trusted: say why, then close.
-            self._server._error_answered(error.code)
+            self._server.error_answered(error.code)
             self._server._dropped += 1
             log.warning("closing connection from %s: %s", self._peer, error)
             with trio.move_on_after(1):
@@ -534,7 +337,7 @@ class _ServedConnection:
         refusal = self._server.admission.buffer(self._admitted, pending)
         if refusal is None:
             return False
-        self._server._log_refusal(refusal)
+        self._server.log_refusal(refusal)
         await self._give_up_frame(refusal.error())
         return True
 
@@ -583,7 +386,7 @@ class _ServedConnection:
                 if error.fatal:
                     raise
                 completed += 1
-                self._server._error_answered(error.code)
+                self._server.error_answered(error.code)
                 log.info("bad frame from %s: %s", self._peer, error)
                 await self._send(error_response(error, error))
                 continue
@@ -600,7 +403,7 @@ class _ServedConnection:
             if frame.command == Command.AUTH and frame.kind == FrameKind.REQUEST:
                 # Taken here, before the next frame is decoded: what follows it is read under
                 # it. A refused AUTH leaves the connection with no token, gated again.
-                answer, token = self._server.authenticate(frame, self._peer)
+                answer, token = self._server.answerer.authenticate(frame, self._peer)
                 self._token = token
                 if token is None:
                     self._shut_gate()
@@ -631,7 +434,7 @@ class _ServedConnection:
     async def _handle(self, frame: Frame, token: str | None, answer: Frame | None = None) -> None:
         try:
             if answer is None:
-                answer = await self._server._answer(frame, self._peer, token, self._number)
+                answer = await self._server.answerer.answer(frame, self._peer, token, self._number)
             if answer is not None:
                 await self._send(answer)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -649,7 +452,7 @@ class _ServedConnection:
         try:
             data = encode_frame(frame, self._server.limits)
         except LocalProtocolError as error:  # a handler's answer too big: a bug, not the end of the server
-            self._server._error_answered("internal")
+            self._server.error_answered("internal")
             log.error("the answer to %s from %s cannot be sent: %s", command_name(frame.command), self._peer, error)
             internal = ProtocolError(f"internal error: the answer cannot be sent: {error}", code="internal")
             data = encode_frame(error_response(frame, internal), self._server.limits)
@@ -672,62 +475,3 @@ class _ServedConnection:
             )
             self._nursery.cancel_scope.cancel()
             raise trio.ClosedResourceError("the peer does not read its answers")
-
-
-def _peer_name(stream: trio.abc.Stream) -> str:
-    try:
-        host, port = stream.socket.getpeername()[:2]  # type: ignore[attr-defined]
-        return format_address(host, port)
-    except (AttributeError, OSError):
-        return "?"
-
-
-async def _first_byte(stream: trio.abc.Stream) -> int | None:
-    """The first byte the client sent, left unread; None: it closed first; -1: cannot peek (not a socket)."""
-    sock = getattr(stream, "socket", None)
-    if sock is None:
-        return -1
-    try:
-        data = await sock.recv(1, socket.MSG_PEEK)
-    except OSError:
-        return None
-    return data[0] if data else None
-
-
-def _peer_host_and_fd(stream: trio.abc.Stream) -> tuple[str | None, int | None]:
-    """The client's host and the connection's descriptor number; None for an in-memory stream."""
-    try:
-        sock = stream.socket  # type: ignore[attr-defined]
-        return str(sock.getpeername()[0]), sock.fileno()
-    except (AttributeError, OSError):
-        return None, None
-
-
-class _ReservedFds:
-    """A few descriptors held open on /dev/null, to be let go when accept finds none free."""
-
-    def __init__(self, count: int) -> None:
-        self._count = count
-        self._fds: list[int] = []
-        self.refill()
-
-    def refill(self) -> None:
-        while len(self._fds) < self._count:
-            try:
-                self._fds.append(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
-            except OSError:
-                return
-
-    def release(self) -> bool:
-        """Close one reserved descriptor; False when none is held."""
-        if not self._fds:
-            return False
-        os.close(self._fds.pop())
-        return True
-
-    def close(self) -> None:
-        while self.release():
-            pass
-
-
-# ------------------------------------------------------------------- calling
