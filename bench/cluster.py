@@ -619,7 +619,7 @@ def bench_delay(
     install_redis: bool = True,
     bursts: int = 5,
 ) -> list[Row]:
-    """DESIGN.md section 7: messages due at now + uniform(2 s, 20 s) under each flush policy
+    """The delay workload (docs/performance.md, "The delay workload"): messages due at now + uniform(2 s, 20 s) under each flush policy
     (the cluster's defaults: sent 100 ms ahead, SENDs 60 ms apart), where their lateness and the
     servers' CPU go; with ``at_the_moment`` the first policy once more with each message fired
     at its moment (``--send-ahead 0ms --send-interval 0ms``: the shape before sending ahead,

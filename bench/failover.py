@@ -14,7 +14,7 @@ is killed at a chosen moment and the slave takes over. Printed, never asserted:
 - lost / early / duplicated at the consumer;
 - the accept rate of one producer (batches of 100, four in flight) into a fresh group
   with sync replication to one slave beside the same into a group of one member
-  (``--min-insync 0``, no slave), as a ratio (DESIGN.md section 7 asks >= 0.8).
+  (``--min-insync 0``, no slave), as a ratio (the goal is >= 0.9: docs/performance.md, "Goals").
 
 ``--realtime``: a metaserver and a realtime group of a master and two sync slaves
 (``--min-insync 1``, so the group still takes messages with one slave gone). One

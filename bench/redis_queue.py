@@ -1,7 +1,7 @@
 """The yardstick of ``delaymq bench delay``: the same workload on a Redis sorted-set delay queue.
 
-DESIGN.md section 7 compares delaymq with a Redis sorted-set delay queue run on the
-same machine in the same invocation (these machines are noisy: ratios, not absolute
+delaymq's goals (docs/performance.md, "Goals") are set against a Redis sorted-set delay
+queue run on the same machine in the same invocation (these machines are noisy: ratios, not absolute
 figures). The benchmark starts its own ``redis-server`` on loopback on a free port
 with no persistence (``--save '' --appendonly no``: Redis accepts in memory, at
 most once) and runs the delay workload against it as a real Redis delay queue

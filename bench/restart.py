@@ -1,7 +1,7 @@
 """``delaymq bench restart``: how long a scheduler holding a big backlog takes to serve again.
 
-DESIGN.md section 7 asks for a restart to serving in at most 2 s with 10 million
-messages scheduled. The benchmark builds a scheduler data folder holding ``count``
+The goal is a restart to serving in at most 2 s with 10 million messages scheduled
+(docs/performance.md, "Goals"). The benchmark builds a scheduler data folder holding ``count``
 messages of 100 bytes spread over the next 30 days (written and filed with the
 scheduler's own storage code, as a scheduler would have left it, which is much
 faster than sending them), then runs a metaserver, a realtime server and that

@@ -1,4 +1,4 @@
-"""The one clock (DESIGN.md section 5).
+"""The one clock (docs/architecture.md, "Code rules").
 
 Everything that reads the time takes a ``Clock``. It has two readings, kept apart
 on purpose:

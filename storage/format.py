@@ -1,4 +1,4 @@
-"""On-disk format parameters kept beside the data (DESIGN.md section 4).
+"""On-disk format parameters kept beside the data (docs/architecture.md, "Storage").
 
 Each data folder holds a ``FORMAT`` file, a small JSON object such as
 ``{"format": "segmented-log", "version": 1, "segment_size": 1073741824}``. The first

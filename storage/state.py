@@ -1,4 +1,4 @@
-"""Small mutable state in lmdb: checkpoints, positions, indexes (DESIGN.md section 4).
+"""Small mutable state in lmdb: checkpoints, positions, indexes (docs/architecture.md, "Storage").
 
 One ``StateStore`` is one lmdb environment in one data folder, with named
 sub-databases. Writes are batched: a ``WriteBatch`` records puts and deletes and

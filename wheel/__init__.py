@@ -1,4 +1,4 @@
-"""delaymq.wheel: the pure timing structures of the delay path (DESIGN.md section 2).
+"""delaymq.wheel: the pure timing structures of the delay path (docs/architecture.md, "The delay path").
 
 ``HourWheel`` (which hours hold undelivered messages), ``SecondWheel`` (one hour's
 seconds, fired at each message's own millisecond), ``Tick`` (the wheel position a master

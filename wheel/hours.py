@@ -1,4 +1,4 @@
-"""Hour wheel: the hours that still hold undelivered messages (DESIGN.md section 2, item 3).
+"""Hour wheel: the hours that still hold undelivered messages (docs/architecture.md, "The delay path").
 
 Messages are filed per UTC hour, ``hour = deliver_at // 3_600_000``. A two-year horizon
 is at most 17,568 hours, and most of them are usually idle, so the wheel is not an array

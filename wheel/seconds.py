@@ -1,4 +1,4 @@
-"""Second wheel: one hour's 3,600 one-second slots (DESIGN.md section 2, items 3 and 6).
+"""Second wheel: one hour's 3,600 one-second slots (docs/architecture.md, "The delay path").
 
 How the scheduler feeds it (all disk work stays outside; this is pure and deterministic,
 and every method that needs "now" takes it as an argument):

@@ -1,4 +1,4 @@
-"""Tick: the wheel's position in one small value (DESIGN.md section 2, item 6).
+"""Tick: the wheel's position in one small value (docs/architecture.md, "Replication and fencing").
 
 A master streams its tick to its slaves every 50 ms; a slave that becomes master starts
 its wheel from the last tick it got (``SecondWheel.skip_to``). So the tick must be a

@@ -2,9 +2,9 @@
 
 The cluster's wall clock (``time.time``, ``time.time_ns``) is real time plus an offset
 the test writes to a file, its monotonic clock is left alone: the way an admin or NTP
-steps a machine's clock (a ``sitecustomize`` in the child does it: libfaketime's
-``FAKETIME_DONT_FAKE_MONOTONIC`` mode was tried and delays the child's thread
-wake-ups by up to seconds, which would measure libfaketime, not delaymq). The producer
+steps a machine's clock (a ``sitecustomize`` in the child does it, not libfaketime, whose
+``FAKETIME_DONT_FAKE_MONOTONIC`` mode delays the child's thread wake-ups by up to
+seconds, which would measure libfaketime, not delaymq). The producer
 and the consumer use a clock stepped the same way (the same machine). Heartbeats must
 go on (nobody evicted, routes answered throughout), a message must be due when the
 (stepped) wall clock reads its moment, never earlier, and within about a second after;

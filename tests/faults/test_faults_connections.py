@@ -167,7 +167,7 @@ class RealClient:
 
 
 async def test_idle_flood_from_one_address_leaves_new_clients_served(tmp_path: Path, fault_report: Any) -> None:
-    """The issue's flood (1,224 idle connections, limit 1,024) with every default."""
+    """A flood of 1,224 idle connections against the limit of 1,024, with every default."""
     async with realtime_process(tmp_path / "realtime") as (server, client):
         baseline_mb = server.status_mb("VmRSS")
         flood: list[trio.SocketStream] = []

@@ -10,8 +10,8 @@ disk fills. Where it fills decides what they see:
   ``consume/``). SENDs are stored (the message log has room) and the index step
   stalls: nothing is delivered until space comes back, then all of it is.
 
-The disk stays full for ``DELAYMQ_DISK_FULL_HOLD_S`` seconds (default 5; the
-issue's case is 60), then the filler is deleted. The same server process, never
+The disk stays full for ``DELAYMQ_DISK_FULL_HOLD_S`` seconds (default 5; a
+minute, 60, is the case an operator meets), then the filler is deleted. The same server process, never
 restarted, must then deliver every acknowledged message: none lost, none twice.
 """
 

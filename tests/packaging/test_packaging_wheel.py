@@ -1,4 +1,4 @@
-"""The packaging check (DESIGN.md section 6).
+"""The packaging check (docs/architecture.md, "Layers").
 
 Build the wheel, install it into a fresh virtual environment, and from a folder
 outside the repository import every module the source tree holds and run

@@ -7,7 +7,7 @@ subject is another message). Whatever the order of appends, failed appends,
 checkpoints written or failed (before lmdb, or after it with pruning failing), a memory cap
 of 1 to 100 ids, and crashes followed by a restart that loads lmdb and replays the log past
 the last checkpoint, ``admit`` (with ``lookup_stored`` where ``to_look_up`` asks) must answer
-as the model does. (From a reviewer's check of the batch-wise window, 2026-11-23.)
+as the model does.
 """
 
 from __future__ import annotations

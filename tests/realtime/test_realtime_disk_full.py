@@ -212,7 +212,7 @@ async def test_a_full_state_store_delays_checkpoints_only(
 async def test_a_minute_of_full_disk_then_every_acknowledged_message_is_delivered(
     rt: SimpleNamespace, outage: Outage, autojump_clock: trio.testing.MockClock
 ) -> None:
-    """The issue's case: producers keep sending through a minute of full disk; nothing stuck after it."""
+    """Producers keep sending through a minute of full disk; nothing stuck after it."""
     acknowledged: list[str] = []
     refusals = 0
     async with outage.server() as server:

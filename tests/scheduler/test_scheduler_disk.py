@@ -89,7 +89,7 @@ async def test_a_folder_written_with_1_gib_segments_opens_takes_the_new_size_and
         clock = cluster.clock
         now = clock.now_ms()
         receiver = cluster.receiver()
-        async with cluster.scheduler(segment_size=1 << 30):  # the size before this change
+        async with cluster.scheduler(segment_size=1 << 30):  # a folder written with another segment size
             await cluster.schedule_raw([sched.message(f"old-{i}", now + 90_000 + i) for i in range(10)])
         assert read_format(messages)["segment_size"] == 1 << 30
         (old_segment,) = segment_files(messages)
