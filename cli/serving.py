@@ -6,8 +6,9 @@ server that cannot start (port in use, data folder locked or of another format)
 ends the command with one error line and exit status 1, not a traceback.
 
 SIGHUP reloads the tokens file of a server that has one, and is logged and
-ignored by one that has none (``systemctl reload`` never stops a server); it is
-ignored from the start of ``run_server``, before the server listens.
+ignored by one that has none (``systemctl reload`` never stops a server). From the start
+of ``run_server`` until trio runs it is ignored; from then on it is kept until the server
+reads it, so one sent the moment the server says it listens is not lost.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -45,20 +47,40 @@ STARTUP_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
+#: SIGHUPs received since ``run_server`` started trio: kept until ``wait_for_stop_signal`` reads them,
+#: so a reload sent the moment a server says it listens is not lost.
+_hangups: ContextVar[AsyncIterator[int] | None] = ContextVar("hangups", default=None)
+
+
 async def wait_for_stop_signal(*, tokens: TokenFile | None = None) -> None:
     """Return on SIGTERM; Ctrl-C arrives as KeyboardInterrupt from trio.run.
 
     SIGHUP reloads ``tokens`` (a bad file is logged and the old table kept); without
     ``tokens`` it is logged and ignored."""
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGHUP) as signals:
-        async for signum in signals:
-            if signum != signal.SIGHUP:
+    hangups = _hangups.get()
+    if hangups is None:
+        with trio.open_signal_receiver(signal.SIGHUP) as received:
+            await _serve_signals(received, tokens)
+    else:
+        await _serve_signals(hangups, tokens)
+
+
+async def _serve_signals(hangups: AsyncIterator[int], tokens: TokenFile | None) -> None:
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_reload_on_hangup, hangups, tokens)
+        with trio.open_signal_receiver(signal.SIGTERM) as stops:
+            async for signum in stops:
                 log.info("stopping on %s", signal.Signals(signum).name)
-                return
-            if tokens is not None:
-                tokens.reload()
-            else:
-                log.warning("SIGHUP: no --tokens-file to reload; ignored")
+                break
+        nursery.cancel_scope.cancel()
+
+
+async def _reload_on_hangup(hangups: AsyncIterator[int], tokens: TokenFile | None) -> None:
+    async for _ in hangups:
+        if tokens is not None:
+            tokens.reload()
+        else:
+            log.warning("SIGHUP: no --tokens-file to reload; ignored")
 
 
 async def serve_until_stopped(
@@ -103,7 +125,7 @@ def run_server(serve: Callable[..., Awaitable[Any]], *args: Any, what: str) -> i
     ignored until ``wait_for_stop_signal`` handles it; a start-up failure becomes one logged line and exit 1."""
     try:
         with tuned_collector(), sighup_ignored():
-            trio.run(serve, *args)
+            trio.run(_serve_keeping_hangups, serve, *args)
     except BaseException as raised:  # noqa: B036 - sorted below: start-up errors are one line, the rest re-raised
         if not isinstance(raised, (*STARTUP_ERRORS, BaseExceptionGroup)):
             raise
@@ -114,6 +136,15 @@ def run_server(serve: Callable[..., Awaitable[Any]], *args: Any, what: str) -> i
             raise
         return fail(f"cannot run {what}: {error}", code=1)
     return 0
+
+
+async def _serve_keeping_hangups(serve: Callable[..., Awaitable[Any]], *args: Any) -> None:
+    if threading.current_thread() is not threading.main_thread():  # signals belong to the main thread
+        await serve(*args)
+        return
+    with trio.open_signal_receiver(signal.SIGHUP) as hangups:
+        _hangups.set(hangups)
+        await serve(*args)
 
 
 def fail(message: str, *, code: int = 2) -> int:

@@ -12,6 +12,10 @@ and the view's version changes exactly when the view does.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+from delaymq.metaserver.groups import Intervals, ServerGroup
+from delaymq.metaserver.requests import Role
 from delaymq.protocol.routes import GroupState, RouteAnswer, RoutedGroup, RouteKind, ServerKind
 
 # (kind of group, states in which it takes part) per route.
@@ -39,4 +43,47 @@ def select(route: RouteKind, view: tuple[RoutedGroup, ...], version: int) -> Rou
     )
 
 
-__all__ = ["routable", "select"]
+def build_view(
+    groups: Mapping[str, ServerGroup], now: int, intervals: Intervals
+) -> tuple[tuple[RoutedGroup, ...], int | None]:
+    """The view at ``now``, and the time before which no eviction or failover can change it
+    (None: none is pending)."""
+    view = []
+    next_expiry: int | None = None
+    for name in sorted(groups):
+        group = groups[name]
+        expiry = _next_expiry(group, now, intervals)
+        if expiry is not None:
+            next_expiry = expiry if next_expiry is None else min(next_expiry, expiry)
+        master = group.master()
+        if master is None or not intervals.alive(group.servers[master], now):
+            continue
+        if not routable(group.kind, group.state):
+            continue  # e.g. NRW: no answer shows it, so its changes bump nothing
+        slaves = tuple(
+            sorted(
+                address
+                for address, server in group.servers.items()
+                if server.role is Role.SLAVE and intervals.alive(server, now)
+            )
+        )
+        view.append(RoutedGroup(name, group.kind, group.state, master, slaves))
+    return tuple(view), next_expiry
+
+
+def _next_expiry(group: ServerGroup, now: int, intervals: Intervals) -> int | None:
+    """The earliest eviction of a live server of ``group``, or failover of its master, still to come."""
+    next_expiry: int | None = None
+    for server in group.servers.values():
+        if intervals.alive(server, now):
+            expiry = server.last_heartbeat_ms + intervals.evict_after_ms
+            next_expiry = expiry if next_expiry is None else min(next_expiry, expiry)
+    master = group.master()
+    if group.managed and master is not None and not group.waiting:
+        failover = group.servers[master].last_heartbeat_ms + intervals.failover_after_ms
+        if failover > now:
+            next_expiry = failover if next_expiry is None else min(next_expiry, failover)
+    return next_expiry
+
+
+__all__ = ["build_view", "routable", "select"]

@@ -564,6 +564,18 @@ def _load(
     return registry, len(data)
 
 
+def _log_restored(registry: Registry, data_dir: str | Path, size: int, evict_after_ms: int) -> None:
+    stats = registry.statistics()
+    log.info(
+        "restored %d servers in %d groups from %s (%d bytes); each has %.1f s to heartbeat",
+        stats.servers,
+        stats.groups,
+        data_dir,
+        size,
+        evict_after_ms / 1000,
+    )
+
+
 @asynccontextmanager
 async def open_metaserver(
     *,
@@ -618,15 +630,7 @@ async def open_metaserver(
             check_interval_ms=check_interval_ms,
         )
         if size:
-            stats = registry.statistics()
-            log.info(
-                "restored %d servers in %d groups from %s (%d bytes); each has %.1f s to heartbeat",
-                stats.servers,
-                stats.groups,
-                data_dir,
-                size,
-                evict_after_ms / 1000,
-            )
+            _log_restored(registry, data_dir, size, evict_after_ms)
         async with serve_frames(metaserver.server, bind=bind, tasks=[metaserver.run_expiry]) as address:
             metaserver.address = address or None  # None: no listener
             yield metaserver
