@@ -175,10 +175,12 @@ class LocalServers:
 
 
 @asynccontextmanager
-async def open_local_servers(root: Path, limits: Limits, *, wait: float = 20.0) -> AsyncIterator[LocalServers]:
-    """A metaserver, a realtime server and a scheduler in-process on loopback with the real clock,
-    every listener and connection with ``limits`` (TLS, tokens); yielded once both servers have
-    registered with the metaserver."""
+async def open_local_servers(
+    root: Path, limits: Limits, *, wait: float = 20.0, **realtime_options: Any
+) -> AsyncIterator[LocalServers]:
+    """A metaserver, a realtime server (with ``realtime_options``) and a scheduler in-process on loopback
+    with the real clock, every listener and connection with ``limits`` (TLS, tokens); yielded once both
+    servers have registered with the metaserver."""
     from delaymq.clock import SystemClock
     from delaymq.metaserver.server import open_metaserver
     from delaymq.realtime.server import open_realtime_server
@@ -189,7 +191,9 @@ async def open_local_servers(root: Path, limits: Limits, *, wait: float = 20.0) 
         meta = await stack.enter_async_context(open_metaserver(data_dir=root / "meta", clock=clock, limits=limits))
         assert meta.address is not None
         realtime = await stack.enter_async_context(
-            open_realtime_server(data_dir=root / "rt", clock=clock, meta_address=meta.address, limits=limits)
+            open_realtime_server(
+                data_dir=root / "rt", clock=clock, meta_address=meta.address, limits=limits, **realtime_options
+            )
         )
         scheduler = await stack.enter_async_context(
             open_scheduler(data_dir=root / "sched", clock=clock, meta_address=meta.address, limits=limits)

@@ -6,37 +6,18 @@ from pathlib import Path
 
 import pytest
 
-SERVER = "server-secret-0123456789"
-PRODUCER = "producer-secret-0123456789"
-CONSUMER = "consumer-secret-0123456789"
+from ..support.tokens import CONSUMER, SERVERS_TOKEN, SHOP_TOKEN, token, tokens_toml
+from ..support.tokens import PRODUCER as PRODUCER  # the tests' own imports of the secrets
+from ..support.tokens import SERVER as SERVER
+
 ORDERS = "orders-secret-0123456789"
-ADMIN = "admin-secret-0123456789"
 
-TOKENS = f"""
-[[token]]
-name = "servers"
-token = "{SERVER}"
-roles = ["server"]
-servers = ["scheduler:*", "realtime:*"]
-
-[[token]]
-name = "shop"
-token = "{PRODUCER}"
-roles = ["producer"]
-
-[[token]]
-name = "billing"
-token = "{CONSUMER}"
-roles = ["consumer"]
-groups = ["*"]
-
-[[token]]
-name = "orders-service"
-token = "{ORDERS}"
-roles = ["producer", "consumer"]
-subjects = ["orders.*"]
-groups = ["billing*"]
-"""
+TOKENS = tokens_toml(
+    SERVERS_TOKEN,
+    SHOP_TOKEN,
+    token("billing", CONSUMER, ["consumer"], groups=["*"]),
+    token("orders-service", ORDERS, ["producer", "consumer"], subjects=["orders.*"], groups=["billing*"]),
+)
 
 
 @pytest.fixture

@@ -32,21 +32,14 @@ from delaymq.protocol.errors import PeerError, RemoteProtocolError
 from delaymq.protocol.records import Message, encode_batch, new_message_id
 from delaymq.realtime.server import open_realtime_server
 
+from ..support.tokens import SERVERS_TOKEN, token, tokens_toml
 from .conftest import SERVER
 
 SHOP = "shop-secret-0123456789"
-SERVERS_TOKEN = f"""
-[[token]]
-name = "servers"
-token = "{SERVER}"
-roles = ["server"]
-servers = ["scheduler:*", "realtime:*"]
-"""
 
 
 def tokens_text(**rates: int) -> str:
-    lines = "".join(f"{name} = {value}\n" for name, value in rates.items())
-    return SERVERS_TOKEN + f'\n[[token]]\nname = "shop"\ntoken = "{SHOP}"\nroles = ["producer"]\n{lines}'
+    return tokens_toml(SERVERS_TOKEN, token("shop", SHOP, ["producer"], **rates))
 
 
 def batch(count: int = 1, *, body: bytes = b"paid") -> bytes:

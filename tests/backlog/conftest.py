@@ -40,6 +40,8 @@ from delaymq.client import open_producer
 from delaymq.client.blocking import BlockingPeers
 from delaymq.protocol.commands import Command
 
+from ..support.polling import poll_until
+
 HOUR_MS = 3_600_000
 SUBJECTS = ("orders", "reminders", "billing")
 
@@ -114,18 +116,6 @@ async def _schedule(meta: str, far_hour: int) -> tuple[list[Scheduled], Counter[
     return far, near
 
 
-def _wait(condition: Any, what: str, timeout: float = 60.0) -> Any:
-    """Poll a cluster until ``condition()`` holds (servers in another process: no event to wait on)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-
-
 def _status(meta: str) -> dict[str, Any]:
     out = io.StringIO()
     with redirect_stdout(out):
@@ -146,7 +136,7 @@ def cluster_data(tmp_path_factory: pytest.TempPathFactory) -> ClusterData:
             scheduler = next(iter(answer["schedulers"].values()))
             return answer if scheduler["statistics"]["dispatched"] >= sum(near.values()) else None
 
-        answer = _wait(delivered, "the near messages to reach realtime")
+        answer = poll_until(delivered, timeout=60, interval=0.1, what="the near messages to reach realtime")
         realtime = next(row["address"] for row in answer["rows"] if row["kind"] == "realtime")
         with BlockingPeers(request_timeout=30) as peers:
             base = {"group": "g1", "consumer": "c1", "subject": "orders"}
@@ -175,7 +165,7 @@ def cluster_data(tmp_path_factory: pytest.TempPathFactory) -> ClusterData:
             scheduler = next(iter(answer["schedulers"].values()))
             return answer if scheduler["statistics"]["filed"] >= filed else None
 
-        answer = _wait(settled, "the retry to be filed")
+        answer = poll_until(settled, timeout=60, interval=0.1, what="the retry to be filed")
         scheduler = next(iter(answer["schedulers"].values()))
         status_hours = {hour["name"]: hour["pending"] for hour in scheduler["hours"]}
     at_ms = (far_hour + 4) * HOUR_MS + 30 * 60_000

@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from ..support.cli import delaymq, wait_for_status
+
 pytestmark = pytest.mark.slow
-
-
-def delaymq(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-P", "-m", "delaymq.cli", *args], capture_output=True, text=True, timeout=60, check=False
-    )
 
 
 def test_a_cluster_with_one_replica_shows_a_master_and_an_in_sync_slave(tmp_path: Path) -> None:
@@ -40,16 +34,16 @@ def test_a_cluster_with_one_replica_shows_a_master_and_an_in_sync_slave(tmp_path
             if line.startswith("Ctrl-C"):
                 break
         assert meta and len(schedulers) == 2
-        deadline = time.monotonic() + 30
-        while True:  # the slave catches up and the master reports it in sync (about a second)
-            answer: dict[str, Any] = json.loads(delaymq("status", "--json", "--meta", meta).stdout)
+
+        def in_sync(answer: dict[str, Any]) -> bool:
             members = {row["address"]: row for row in answer["rows"] if row["kind"] == "scheduler"}
             master = answer["schedulers"].get(f"scheduler-1 {schedulers[0]}", {})
             replicas = master.get("statistics", {}).get("replication", {}).get("replicas", [])
-            if replicas and replicas[0]["in_sync"] and members[schedulers[1]].get("in_sync"):
-                break
-            assert time.monotonic() < deadline, answer
-            time.sleep(0.2)
+            return bool(replicas and replicas[0]["in_sync"] and members[schedulers[1]].get("in_sync"))
+
+        # the slave catches up and the master reports it in sync (about a second)
+        answer = wait_for_status(meta, in_sync)
+        members = {row["address"]: row for row in answer["rows"] if row["kind"] == "scheduler"}
         assert members[schedulers[0]]["role"] == "master" and members[schedulers[1]]["role"] == "slave"
         assert members[schedulers[0]]["epoch"] == members[schedulers[1]]["epoch"] > 0
         table = delaymq("status", "--meta", meta).stdout

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from delaymq.bench.failover import Tally
 from delaymq.bench import failover as bench_failover
+from delaymq.bench.failover import Tally
 from delaymq.cli.main import main, parse_args
 from delaymq.cli.status_command import format_member, format_realtime, format_scheduler
 

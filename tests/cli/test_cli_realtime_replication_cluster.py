@@ -2,37 +2,20 @@
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from ..support.cli import delaymq, wait_for_status
+
 pytestmark = pytest.mark.slow
 
 GROUP = "realtime-1"
-
-
-def delaymq(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-P", "-m", "delaymq.cli", *args], capture_output=True, text=True, timeout=60, check=False
-    )
-
-
-def wait_for_status(meta: str, ready: Any, *, timeout: float = 30.0) -> dict[str, Any]:
-    """``delaymq status --json`` until ``ready(answer)`` holds (a bounded poll of what a user would run)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        answer: dict[str, Any] = json.loads(delaymq("status", "--json", "--meta", meta).stdout)
-        if ready(answer):
-            return answer
-        assert time.monotonic() < deadline, answer
-        time.sleep(0.2)  # the poll interval of a bounded wait
 
 
 def test_a_cluster_with_one_replica_shows_a_realtime_master_and_its_in_sync_slave(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,8 @@ from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import RemoteProtocolError
 from delaymq.realtime.server import RealtimeServer, open_realtime_server
 
+from ..support.polling import wait_until
+
 WAIT = 20.0  # seconds any one test may wait
 
 
@@ -67,12 +70,6 @@ async def register(meta: str, group: str, address: str, *, kind: str = "realtime
     async with open_peers() as peers:
         info = {"group": group, "kind": kind, "role": "master", "address": address, "version": "0"}
         await peers.call(meta, Command.REGISTER, info)
-
-
-async def until(condition: Callable[[], bool]) -> None:
-    """Wait (polling, bounded by the caller's ``fail_after``) until ``condition()`` holds."""
-    while not condition():
-        await trio.sleep(0.01)
 
 
 def parameters(function: Callable[..., Any], *, without: tuple[str, ...] = ()) -> list[tuple[str, Any, Any]]:
@@ -139,8 +136,8 @@ async def test_close_ends_a_receive_waiting_in_another_thread_at_once(tmp_path: 
     async with open_cluster(tmp_path) as cluster:
         consumer = BlockingConsumer(cluster.meta, "orders", group="g")
         await trio.to_thread.run_sync(consumer.start)
-        with trio.fail_after(WAIT):
-            await until(lambda: cluster.realtime.statistics().pulls_waiting == 2)  # the subject and its retries
+        # the subject and its retries
+        await wait_until(lambda: cluster.realtime.statistics().pulls_waiting == 2, timeout=WAIT)
         waiting = threading.Event()
         result: dict[str, Any] = {}
 
@@ -169,8 +166,7 @@ async def test_close_ends_a_receive_waiting_in_another_thread_at_once(tmp_path: 
         assert result["returned_at"] - close_started < 0.5  # not the 10 s timeout, nor a poll round
         assert closed_at - close_started < 0.5  # close does not wait out the long polls either
         assert not [t for t in threading.enumerate() if t.name == "delaymq-consumer"]  # the loop thread ended
-        with trio.fail_after(WAIT):
-            await until(lambda: cluster.realtime.statistics().pulls_waiting == 0)
+        await wait_until(lambda: cluster.realtime.statistics().pulls_waiting == 0, timeout=WAIT)
 
 
 async def test_acks_go_out_without_flush_and_what_was_acked_before_close_is_not_given_back(tmp_path: Path) -> None:
@@ -183,7 +179,7 @@ async def test_acks_go_out_without_flush_and_what_was_acked_before_close_is_not_
                 first = consumer.receive(timeout=WAIT)
                 assert first is not None
                 first.ack()  # sent in the background, no flush
-                trio.from_thread.run(until, lambda: cluster.realtime.statistics().acks >= 1)
+                trio.from_thread.run(partial(wait_until, timeout=None), lambda: cluster.realtime.statistics().acks >= 1)
                 rest = [consumer.receive(timeout=WAIT) for _ in range(3)]
                 for message in rest:
                     assert message is not None

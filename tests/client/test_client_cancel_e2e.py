@@ -33,6 +33,9 @@ from delaymq.realtime.server import open_realtime_server
 from delaymq.scheduler.server import Scheduler, open_scheduler
 from delaymq.storage.threads import run_inline
 
+from ..support.polling import wait_until
+from ..support.tasks import start_in_nursery
+
 #: 2026-01-01T22:00:00Z: two hours before a UTC day ends, so moves cross hours and days.
 EPOCH = 1_767_304_800_000
 META = "meta.test:20880"
@@ -140,13 +143,7 @@ class Cluster:
 
     async def start_member(self, address: str, **options: Any) -> Scheduler:
         """A member in the cluster's nursery: its ``crash()`` ends only its own task."""
-
-        async def run(*, task_status: Any) -> None:
-            async with self.scheduler(address, **options) as scheduler:
-                task_status.started(scheduler)
-                await trio.sleep_forever()
-
-        member: Scheduler = await self.nursery.start(run)
+        member: Scheduler = await start_in_nursery(self.nursery, self.scheduler(address, **options))
         return member
 
     def producer(self) -> Any:
@@ -177,13 +174,6 @@ async def open_cluster(
         consumer = Consumer(net, clock, realtime.address)
         nursery.start_soon(consumer.run)
         yield Cluster(clock, net, nursery, tmp, consumer)
-
-
-async def wait_until(predicate: Any, *, timeout: float = 600) -> None:
-    """Poll a condition the servers reach by themselves (virtual seconds; the clock autojumps)."""
-    with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(0.05)
 
 
 def states(answer: list[Any]) -> dict[str, str]:
@@ -325,8 +315,8 @@ async def test_a_cancel_on_the_master_is_honoured_by_the_slave_promoted_after_it
     ):
         master = await cluster.start_member(A, min_insync=1)
         slave = await cluster.start_member(B, min_insync=1)
-        await wait_until(lambda: master.role == "master" and slave.role == "slave")
-        await wait_until(lambda: master.replica_info().get("in_sync") == [B])
+        await wait_until(lambda: master.role == "master" and slave.role == "slave", timeout=600, interval=0.05)
+        await wait_until(lambda: master.replica_info().get("in_sync") == [B], timeout=600, interval=0.05)
         now = cluster.clock.now_ms()
         names = [f"p{i}" for i in range(30)]
         for i, name in enumerate(names):
@@ -336,7 +326,7 @@ async def test_a_cancel_on_the_master_is_honoured_by_the_slave_promoted_after_it
         assert states(answer) == dict.fromkeys(gone, "cancelled")
         master.crash()
         cluster.net.remove(A)
-        await wait_until(lambda: slave.role == "master")
+        await wait_until(lambda: slave.role == "master", timeout=600, interval=0.05)
         assert states(await producer.query(names)) == {n: "cancelled" if n in gone else "scheduled" for n in names}
         await cluster.consumer.wait_for(len(names) - len(gone))
         await cluster.clock.sleep_until_ms(now + 20 * MINUTE)

@@ -16,6 +16,7 @@ from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,8 @@ from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import RemoteProtocolError
 from delaymq.protocol.records import Message, decode_batch, encode_batch
 from delaymq.storage.threads import run_inline
+
+from ..support import polling
 
 EPOCH = 1_767_225_600_000
 META = "meta.test:20880"
@@ -245,11 +248,8 @@ async def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterato
         nursery.cancel_scope.cancel()
 
 
-async def wait_until(condition: Callable[[], bool], *, within: float = 120.0) -> None:
-    """Wait (virtual time) until ``condition`` holds; fails the test after ``within`` seconds."""
-    with trio.fail_after(within):
-        while not condition():
-            await trio.sleep(0.05)
+#: Wait (virtual time) until a condition holds, looking every 50 ms; fails the test after ``timeout`` (120) seconds.
+wait_until = partial(polling.wait_until, interval=0.05)
 
 
 async def receive(consumer: Any, count: int, *, within: float = 120.0) -> list[ReceivedMessage]:
@@ -293,7 +293,7 @@ async def test_acks_not_delivered_before_a_failover_reach_the_new_master_and_not
             assert w.shared.acked == {0, 1}
             await w.fail_over()
             # The acks of hand-outs the old master made reach the new one (same pull log).
-            await wait_until(lambda: w.shared.acked == {0, 1, 2, 3}, within=ACK_TIMEOUT / 2)
+            await wait_until(lambda: w.shared.acked == {0, 1, 2, 3}, timeout=ACK_TIMEOUT / 2)
             assert w.new.acks == [(2, 4)]
             await trio.sleep(ACK_TIMEOUT / 2)
             assert w.new.requests["CONSUMER_HEARTBEAT"] >= ACK_TIMEOUT / 2 - 2  # every second, there too
@@ -339,7 +339,7 @@ async def test_acks_refused_as_not_master_are_retried_with_growing_waits_and_rou
             assert w.shared.acked == set()
             # The route moves at last: the acks queued all this time are delivered.
             await w.fail_over()
-            await wait_until(lambda: w.shared.acked == {0, 1}, within=10)
+            await wait_until(lambda: w.shared.acked == {0, 1}, timeout=10)
             assert consumer.statistics().held_messages == 0
 
 
@@ -414,7 +414,7 @@ async def test_the_ranges_of_one_round_are_on_the_way_together(
             held = await receive(consumer, 10)
             for message in held[::2]:  # five ranges: [0, 1), [2, 3), ...
                 await message.ack()
-            await wait_until(lambda: w.shared.acked == {0, 2, 4, 6, 8}, within=0.9)  # sent in turn: 2.5 s
+            await wait_until(lambda: w.shared.acked == {0, 2, 4, 6, 8}, timeout=0.9)  # sent in turn: 2.5 s
             assert w.old.most_acks_on_the_way == 5
             for message in held[1::2]:
                 await message.ack()

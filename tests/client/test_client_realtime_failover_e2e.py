@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -23,23 +23,18 @@ import trio.testing
 
 from delaymq.client import ReceivedMessage, open_consumer, open_producer
 from delaymq.clock import TrioClock
-from delaymq.metaserver.server import open_metaserver
 from delaymq.net.testing import MemoryNetwork
 from delaymq.realtime.server import RealtimeServer, open_realtime_server
 from delaymq.storage.threads import run_inline
+
+from ..support.network import open_memory_metaserver
+from ..support.polling import wait_until
 
 META = "meta.test:20880"
 A, B = "rt-a.test:20881", "rt-b.test:20881"
 EPOCH_MS = 1_749_996_000_000
 FAILOVER_AFTER_MS = 5_000
 ACK_TIMEOUT_MS = 30_000
-
-
-async def wait_until(predicate: Any, *, timeout: float = 120) -> None:
-    """Poll a condition the servers reach by themselves (bounded; the clock autojumps)."""
-    with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(0.01)
 
 
 @dataclass
@@ -95,21 +90,9 @@ class Cluster:
 @asynccontextmanager
 async def open_cluster(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Cluster]:
     clock = TrioClock(EPOCH_MS)
-    async with AsyncExitStack() as stack:
-        meta = await stack.enter_async_context(
-            open_metaserver(
-                listen=None, data_dir=tmp / "meta", clock=clock, run_blocking=run_inline,
-                failover_after_ms=FAILOVER_AFTER_MS,
-            )
-        )  # fmt: skip
-        nursery = await stack.enter_async_context(trio.open_nursery())
-        net = MemoryNetwork(nursery, timeout=30)
+    async with open_memory_metaserver(tmp, clock, META, failover_after_ms=FAILOVER_AFTER_MS) as (net, nursery):
         monkeypatch.setattr(trio, "open_tcp_stream", net.open_tcp_stream)
-        net.serve(META, meta.serve_stream)
-        try:
-            yield Cluster(tmp, clock, net, nursery)
-        finally:
-            nursery.cancel_scope.cancel()
+        yield Cluster(tmp, clock, net, nursery)
 
 
 async def test_after_a_realtime_failover_acks_reach_the_new_master_and_only_unacked_hand_outs_come_back_marked(

@@ -30,6 +30,8 @@ from delaymq.protocol.errors import PeerError
 from delaymq.protocol.frames import FRAME_HEADER, MAGIC, VERSION, FrameDecoder, FrameKind
 from delaymq.protocol.records import Message, encode_batch, new_message_id
 
+from ..support.tokens import token, tokens_toml
+
 pytestmark = pytest.mark.faults
 
 CLUSTER = "cluster-secret-0123456789"
@@ -38,43 +40,14 @@ SHOP = "shop-secret-0123456789"
 PAYMENTS = "payments-secret-0123456789"
 ORDERS_READER = "orders-reader-secret-0123456789"
 OPS = "ops-secret-0123456789"
-TOKENS = f"""
-[[token]]
-name = "cluster"
-token = "{CLUSTER}"
-roles = ["server"]
-servers = ["realtime:realtime-1", "scheduler:scheduler-1"]
-
-[[token]]
-name = "rogue-server"
-token = "{ROGUE}"
-roles = ["server"]
-servers = ["realtime:realtime-2"]
-
-[[token]]
-name = "shop"
-token = "{SHOP}"
-roles = ["producer"]
-subjects = ["orders.*"]
-
-[[token]]
-name = "payments"
-token = "{PAYMENTS}"
-roles = ["producer"]
-subjects = ["payments.*"]
-
-[[token]]
-name = "orders-reader"
-token = "{ORDERS_READER}"
-roles = ["consumer"]
-subjects = ["orders.*", "payments.*"]
-groups = ["orders-*"]
-
-[[token]]
-name = "ops"
-token = "{OPS}"
-roles = ["admin"]
-"""
+TOKENS = tokens_toml(
+    token("cluster", CLUSTER, ["server"], servers=["realtime:realtime-1", "scheduler:scheduler-1"]),
+    token("rogue-server", ROGUE, ["server"], servers=["realtime:realtime-2"]),
+    token("shop", SHOP, ["producer"], subjects=["orders.*"]),
+    token("payments", PAYMENTS, ["producer"], subjects=["payments.*"]),
+    token("orders-reader", ORDERS_READER, ["consumer"], subjects=["orders.*", "payments.*"], groups=["orders-*"]),
+    token("ops", OPS, ["admin"]),
+)
 WAIT = 60.0
 MiB = 1024 * 1024
 

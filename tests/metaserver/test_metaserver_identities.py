@@ -27,6 +27,8 @@ from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError
 from delaymq.storage.threads import run_inline
 
+from ..support.tokens import PRODUCER, SHOP_TOKEN, token, tokens_toml
+
 T0 = 1_700_000_000_000
 EVICT_MS = 30_000
 WAIT = 10.0
@@ -35,44 +37,16 @@ RT1 = "rt1-secret-0123456789"
 RT2 = "rt2-secret-0123456789"
 SCHED = "sched-secret-0123456789"
 SCHED_OTHER = "sched-other-secret-0123456789"
-PRODUCER = "producer-secret-0123456789"
 OPS = "ops-secret-0123456789"
 
-TOKENS = f"""
-[[token]]
-name = "rt-1"
-token = "{RT1}"
-roles = ["server"]
-servers = ["realtime:rt-1"]
-
-[[token]]
-name = "rt-2"
-token = "{RT2}"
-roles = ["server"]
-servers = ["realtime:rt-2"]
-
-[[token]]
-name = "sched"
-token = "{SCHED}"
-roles = ["server"]
-servers = ["scheduler:sched-1"]
-
-[[token]]
-name = "sched-other"
-token = "{SCHED_OTHER}"
-roles = ["server"]
-servers = ["scheduler:sched-*"]
-
-[[token]]
-name = "shop"
-token = "{PRODUCER}"
-roles = ["producer"]
-
-[[token]]
-name = "ops"
-token = "{OPS}"
-roles = ["admin"]
-"""
+TOKENS = tokens_toml(
+    token("rt-1", RT1, ["server"], servers=["realtime:rt-1"]),
+    token("rt-2", RT2, ["server"], servers=["realtime:rt-2"]),
+    token("sched", SCHED, ["server"], servers=["scheduler:sched-1"]),
+    token("sched-other", SCHED_OTHER, ["server"], servers=["scheduler:sched-*"]),
+    SHOP_TOKEN,
+    token("ops", OPS, ["admin"]),
+)
 
 REAL, SLAVE, ROGUE = "127.0.0.1:7001", "127.0.0.1:7002", "127.0.0.1:6666"
 

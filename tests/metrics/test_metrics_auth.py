@@ -21,36 +21,18 @@ from delaymq.cli.metrics import Exposition
 from delaymq.cli.metrics_endpoint import open_metrics_endpoint
 from delaymq.net.auth import TokenFile
 
+from ..support.tokens import ADMIN, OPS_TOKEN, PRODUCER, SERVER, SHOP_TOKEN, token, tokens_toml
 from .test_metrics_mapping import CountingSource
 
 DELAYMQ = [sys.executable, "-P", "-m", "delaymq.cli"]
 WAIT = 30.0
-ADMIN = "admin-secret-0123456789"
-SERVER = "server-secret-0123456789"
-PRODUCER = "producer-secret-0123456789"
 SCRAPER = "scraper-secret-0123456789"
-TOKENS = f"""
-[[token]]
-name = "ops"
-token = "{ADMIN}"
-roles = ["admin"]
-
-[[token]]
-name = "scheduler-1"
-token = "{SERVER}"
-roles = ["server"]
-servers = ["scheduler:scheduler-1"]
-
-[[token]]
-name = "shop"
-token = "{PRODUCER}"
-roles = ["producer"]
-
-[[token]]
-name = "prometheus"
-token = "{SCRAPER}"
-roles = ["metrics"]
-"""
+TOKENS = tokens_toml(
+    OPS_TOKEN,
+    token("scheduler-1", SERVER, ["server"], servers=["scheduler:scheduler-1"]),
+    SHOP_TOKEN,
+    token("prometheus", SCRAPER, ["metrics"]),
+)
 _METRICS_LINE = re.compile(rb"metrics on http://(?P<address>\S+)/metrics")
 
 Answer = tuple[str, dict[str, str], bytes]
