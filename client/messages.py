@@ -25,13 +25,12 @@ from datetime import UTC, datetime, timedelta
 from itertools import repeat
 from typing import Any
 
-from delaymq.net.limits import DEFAULT_LIMITS, Limits
 from delaymq.protocol.cancel import KEY_PROPERTY, MAX_KEY
 from delaymq.protocol.cancel import check_key as check_key_field
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import LocalProtocolError, RemoteProtocolError
 from delaymq.protocol.fields import encode_name
-from delaymq.protocol.limits import FRAME_RESERVE, MiB
+from delaymq.protocol.limits import DEFAULT_CODEC_LIMITS, FRAME_RESERVE, CodecLimits, MiB
 from delaymq.protocol.records import Message, make_message, make_plain_message, new_message_id
 from delaymq.protocol.routes import RouteKind
 
@@ -134,7 +133,7 @@ def check_key_property(properties: Any) -> None:
         check_key(properties[KEY_PROPERTY])
 
 
-def check_horizon(deliver_at: int, now_ms: int, limits: Limits) -> None:
+def check_horizon(deliver_at: int, now_ms: int, limits: CodecLimits) -> None:
     """Refuse a ``deliver_at`` further ahead than ``limits.horizon_ms`` (never clamp it)."""
     ahead = deliver_at - now_ms
     if ahead > limits.horizon_ms:
@@ -158,7 +157,7 @@ def build_message(
     at: At | None = None,
     key: str | None = None,
     now_ms: int,
-    limits: Limits = DEFAULT_LIMITS,
+    limits: CodecLimits = DEFAULT_CODEC_LIMITS,
     check: bool = True,
 ) -> Message:
     """A checked message: id made here unless given (None), ``created_at`` now, ``deliver_at`` resolved.
@@ -229,7 +228,7 @@ def build_message(
     return message
 
 
-def _plain_message(subject: str, body: bytes, delay: Delay | None, now_ms: int, limits: Limits) -> Message | None:
+def _plain_message(subject: str, body: bytes, delay: Delay | None, now_ms: int, limits: CodecLimits) -> Message | None:
     """``build_message`` of a subject, a bytes body and a ``delay`` alone: a producer's common case,
     checked and encoded in one pass, with no copy of the properties and no second look at the record.
 
@@ -323,7 +322,7 @@ def plan_frames(
     messages: Sequence[Message],
     *,
     now_ms: int,
-    limits: Limits = DEFAULT_LIMITS,
+    limits: CodecLimits = DEFAULT_CODEC_LIMITS,
     max_bytes: int = DEFAULT_BATCH_BYTES,
     max_messages: int = DEFAULT_BATCH_MESSAGES,
 ) -> BatchPlan:

@@ -47,6 +47,8 @@ _U16 = 0xFFFF
 _U32 = 0xFFFF_FFFF
 # Compact the decoder's buffer once this many consumed bytes sit at its front.
 _COMPACT_AT = 64 * 1024
+#: Why a frame is skipped undecoded: (code, field, reason, limit).
+_Refusal = tuple[str, str, str, int | None]
 
 
 class FrameKind(enum.IntEnum):
@@ -212,47 +214,16 @@ class FrameDecoder:
         if available < FRAME_HEADER_SIZE:
             return None
         (_magic, version, kind, command, request_id, meta_len, body_len) = FRAME_HEADER.unpack_from(buf, pos)
-        if version != VERSION:
-            self._fail(
-                f"unknown frame version {version}, this side speaks {VERSION}",
-                "unknown_version",
-                "version",
-            )
         size = FRAME_HEADER_SIZE + meta_len + body_len
         limit = self._limits.max_frame if self._gate is None else min(self._limits.max_frame, self._gate[0])
-        if size > limit:
-            if self._gate is not None:
-                self._fail(
-                    f"frame of {size} bytes before AUTH: at most {limit} until {self._gate[2]}",
-                    "unauthorized",
-                    "frame",
-                    limit,
-                    request_id=request_id,
-                    command=command,
-                )
-            self._fail(
-                f"frame of {size} bytes (metadata {meta_len}, body {body_len}) exceeds the frame limit of {limit}",
-                "oversize",
-                "frame",
-                limit,
-                request_id=request_id,
-                command=command,
-            )
+        if version != VERSION or size > limit:
+            self._fail_header(version, size, limit, meta_len, body_len, request_id, command)
         if available < size:
             return None
-        meta_start = pos + FRAME_HEADER_SIZE
-        body_start = meta_start + meta_len
-        end = pos + size
         refusal = self._refusal(kind, command, meta_len)
-        with memoryview(buf) as view:
-            raw_metadata = view[meta_start:body_start]
-            try:
-                if refusal is None and kind != FrameKind.RESPONSE:  # a response: from a server this side called
-                    refusal = _shape_refusal(raw_metadata)
-                metadata = _decode_metadata(raw_metadata) if meta_len and refusal is None else {}
-            finally:
-                raw_metadata.release()
-            body = bytes(view[body_start:end]) if body_len and refusal is None else b""
+        metadata, body, refusal = _frame_contents(buf, pos, kind, meta_len, body_len, refusal)
+        # Buffer upkeep stays inline: small frames (ACKs, PULLs) feel each call per frame.
+        end = pos + size
         self._pos = end
         if end == len(buf):
             buf.clear()
@@ -260,35 +231,39 @@ class FrameDecoder:
         elif end >= _COMPACT_AT and end * 2 >= len(buf):
             del buf[:end]  # at worst a copy of the unread rest, once per half buffer read
             self._pos = 0
-        if refusal is not None:
-            code, field, text, cap = refusal
-            raise RemoteProtocolError(
-                f"frame {request_id} ({command_name(command)}): {text}",
-                code=code,
-                field=field,
-                limit=cap,
-                request_id=request_id,
-                command=command,
-            )
-        if isinstance(metadata, str):
-            raise RemoteProtocolError(
-                f"frame {request_id} (command {command}): {metadata}",
-                code="bad_metadata",
-                field="metadata",
-                request_id=request_id,
-                command=command,
-            )
-        if kind not in _KINDS:
-            raise RemoteProtocolError(
-                f"frame {request_id} (command {command}): unknown frame kind {kind}",
-                code="bad_frame",
-                field="kind",
-                request_id=request_id,
-                command=command,
-            )
+        if refusal is not None or isinstance(metadata, str) or kind not in _KINDS:
+            raise _skipped_frame_error(kind, command, request_id, metadata, refusal)
         return Frame(FrameKind(kind), command, request_id, metadata, body)
 
-    def _refusal(self, kind: int, command: int, meta_len: int) -> tuple[str, str, str, int | None] | None:
+    def _fail_header(
+        self, version: int, size: int, limit: int, meta_len: int, body_len: int, request_id: int, command: int
+    ) -> None:
+        """Fail the stream on a header it cannot read past: an unknown version, or a frame over ``limit``."""
+        if version != VERSION:
+            self._fail(
+                f"unknown frame version {version}, this side speaks {VERSION}",
+                "unknown_version",
+                "version",
+            )
+        if self._gate is not None:
+            self._fail(
+                f"frame of {size} bytes before AUTH: at most {limit} until {self._gate[2]}",
+                "unauthorized",
+                "frame",
+                limit,
+                request_id=request_id,
+                command=command,
+            )
+        self._fail(
+            f"frame of {size} bytes (metadata {meta_len}, body {body_len}) exceeds the frame limit of {limit}",
+            "oversize",
+            "frame",
+            limit,
+            request_id=request_id,
+            command=command,
+        )
+
+    def _refusal(self, kind: int, command: int, meta_len: int) -> _Refusal | None:
         """(code, field, reason, limit) of a frame skipped undecoded: a response sent to a server, a
         command shut out by the gate, or metadata over ``max_metadata``."""
         if self._serving and kind == FrameKind.RESPONSE:
@@ -360,7 +335,56 @@ def _decode_metadata(raw: memoryview) -> dict[str, Any] | str:
     return metadata
 
 
-def _shape_refusal(raw: memoryview) -> tuple[str, str, str, int | None] | None:
+def _frame_contents(
+    buf: bytearray, pos: int, kind: int, meta_len: int, body_len: int, refusal: _Refusal | None
+) -> tuple[dict[str, Any] | str, bytes, _Refusal | None]:
+    """(metadata, body, refusal) of the whole frame at ``buf[pos:]``; a refused frame's are left undecoded."""
+    meta_start = pos + FRAME_HEADER_SIZE
+    body_start = meta_start + meta_len
+    with memoryview(buf) as view:
+        raw_metadata = view[meta_start:body_start]
+        try:
+            if refusal is None and kind != FrameKind.RESPONSE:  # a response: from a server this side called
+                refusal = _shape_refusal(raw_metadata)
+            metadata = _decode_metadata(raw_metadata) if meta_len and refusal is None else {}
+        finally:
+            raw_metadata.release()
+        body = bytes(view[body_start : body_start + body_len]) if body_len and refusal is None else b""
+    return metadata, body, refusal
+
+
+def _skipped_frame_error(
+    kind: int, command: int, request_id: int, metadata: dict[str, Any] | str, refusal: _Refusal | None
+) -> RemoteProtocolError:
+    """The non-fatal error of a frame skipped whole: refused from its header, bad metadata, or an unknown kind."""
+    if refusal is not None:
+        code, field, text, cap = refusal
+        return RemoteProtocolError(
+            f"frame {request_id} ({command_name(command)}): {text}",
+            code=code,
+            field=field,
+            limit=cap,
+            request_id=request_id,
+            command=command,
+        )
+    if isinstance(metadata, str):
+        return RemoteProtocolError(
+            f"frame {request_id} (command {command}): {metadata}",
+            code="bad_metadata",
+            field="metadata",
+            request_id=request_id,
+            command=command,
+        )
+    return RemoteProtocolError(
+        f"frame {request_id} (command {command}): unknown frame kind {kind}",
+        code="bad_frame",
+        field="kind",
+        request_id=request_id,
+        command=command,
+    )
+
+
+def _shape_refusal(raw: memoryview) -> _Refusal | None:
     problem = shape_problem(raw, max_items=MAX_METADATA_ITEMS, max_depth=MAX_METADATA_DEPTH)
     return None if problem is None else ("limit", "metadata", f"metadata {problem}", None)
 
