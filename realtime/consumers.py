@@ -163,8 +163,8 @@ class Consumers:
 
     def record_pull(self, consumer: ConsumerState, picked: list[Picked], now: int) -> int:
         """Hand ``picked`` to ``consumer``: the groups track it, its pull log gets it; returns the pull start."""
-        sequences = [item[0] for item in picked]
-        redeliveries = [item[1] for item in picked]
+        sequences = [item.sequence for item in picked]
+        redeliveries = [item.redeliveries for item in picked]
         pull_log = self._pull_logs[consumer.key]
         try:
             # The pull log first: a hand-out it cannot record (a full disk) is no hand-out.

@@ -40,8 +40,14 @@ log = logging.getLogger(__name__)
 READ_ENTRIES = 1024
 SCAN_ENTRIES = 64 * 1024
 
-#: One picked entry: (consume-log sequence, redeliveries, message-log offset, size).
-Picked = tuple[int, int, int, int]
+
+class Picked(NamedTuple):
+    """One picked entry: where its record is, and how often it was handed out before."""
+
+    sequence: int  # in the consume log
+    redeliveries: int
+    offset: int  # of its record in the message log
+    size: int  # of its record
 
 
 class EntriesNotHeld(Exception):
@@ -126,7 +132,7 @@ def pick(
             if picked and total + entry.size > max_bytes:
                 groups.put_back(share, taken[index:])
                 return Pick(picked, False)
-            picked.append((sequence, redeliveries, entry.offset, entry.size))
+            picked.append(Picked(sequence, redeliveries, entry.offset, entry.size))
             total += entry.size
     position = share.position
     count = consume_log.count
@@ -157,7 +163,7 @@ def pick(
             if picked and total + size > max_bytes:
                 full = True
                 break
-            picked.append((position, 0, offset, size))
+            picked.append(Picked(position, 0, offset, size))
             total += size
             position += 1
             if len(picked) >= limit:
@@ -207,7 +213,7 @@ async def claimed_entries(
             entry = decode_entry(window, index * ENTRY_SIZE)
             if entry is None:
                 raise CorruptLog(f"consume log {consume_log.path}: entry {sequence} does not check")
-        picked.append((sequence, redeliveries, entry.offset, entry.size))
+        picked.append(Picked(sequence, redeliveries, entry.offset, entry.size))
     return picked
 
 
@@ -247,8 +253,8 @@ def _spans(picked: list[Picked]) -> Iterator[tuple[int, int, int]]:
             continue
         end = offset + size
         stop = index + 1
-        while stop < count and picked[stop][1] == 0 and picked[stop][2] == end:
-            end += picked[stop][3]
+        while stop < count and picked[stop].redeliveries == 0 and picked[stop].offset == end:
+            end += picked[stop].size
             stop += 1
         yield offset, end - offset, 0
         index = stop

@@ -147,7 +147,7 @@ class PullHandler:
                 pull.group,
                 subject,
                 len(bad),
-                ", ".join(str(item[2]) for item in bad[:10]) + (" ..." if len(bad) > 10 else ""),
+                ", ".join(str(item.offset) for item in bad[:10]) + (" ..." if len(bad) > 10 else ""),
             )
             # That hand-out never reaches the consumer: settled, the intact ones handed anew.
             groups.settle(consumer, start, start + len(picked))
@@ -173,7 +173,7 @@ def _lateness(body: bytes, kept: list[Picked], now: int) -> list[int]:
     for item in kept:
         deliver_at, created_at = times(body, position)[5:]
         lateness.append(now - (deliver_at or created_at))
-        position += item[3]
+        position += item.size
     return lateness
 
 

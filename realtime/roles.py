@@ -1,8 +1,8 @@
 """A realtime member's two roles: master (serves producers and consumers, serves FETCH)
 and slave (fetches the master's message log, indexes it, applies its consumer progress).
 
-The metaserver names the role (``delaymq.replication.roles.RoleLoop`` runs one session
-at a time); both sessions share the member's data folder (``Member``).
+The metaserver names the role (the shell, ``delaymq.replication.shell.ReplicatedServer``,
+runs one session at a time); both sessions share the member's data folder (``Member``).
 
 - ``MasterSession.run``: a managed member first applies everything it received as a
   slave (``replica.ReplicaState.catch_up``) and records where its epoch begins, then
@@ -19,8 +19,6 @@ at a time); both sessions share the member's data folder (``Member``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
@@ -44,7 +42,9 @@ from delaymq.realtime.replica import ReplicaState
 from delaymq.replication.epochs import EpochHistory
 from delaymq.replication.fetcher import ReplicaFetcher
 from delaymq.replication.roles import Handover, Mastership, NotMaster
+from delaymq.replication.shell import InFlight, finish_handover
 from delaymq.replication.source import ReplicationSource
+from delaymq.replication.statistics import CutCounts
 from delaymq.storage.errors import StorageError, describe
 from delaymq.storage.threads import RunBlocking
 from delaymq.storage.writer import LogWriter
@@ -103,9 +103,7 @@ class MasterSession:
                 self.source.on_joined_in_sync = lambda address: registration.heartbeat_now()
                 self.source.on_stale_epoch = lambda epoch: registration.heartbeat_now()
         self.master: RealtimeMaster | None = None
-        self.in_flight = 0  # requests being served (``serving``)
-        self._idle = trio.Event()
-        self._idle.set()
+        self.requests = InFlight()  # what a handover lets end first
         self.handover = Handover(
             what=f"realtime {member.group}", epoch=epoch, hand_over=self._hand_over, resume=self._resume
         )
@@ -156,18 +154,6 @@ class MasterSession:
             master.committer.close(ended)  # requests still waiting for a checkpoint are refused, not stuck
             master.close()
 
-    @contextmanager
-    def serving(self) -> Iterator[None]:
-        """Count a request in flight while it is served."""
-        self.in_flight += 1
-        self._idle = trio.Event() if self.in_flight == 1 else self._idle
-        try:
-            yield
-        finally:
-            self.in_flight -= 1
-            if not self.in_flight:
-                self._idle.set()
-
     async def _ship_whole_state(self, master: RealtimeMaster, stored: list[tuple[bytes, bytes]]) -> None:
         """The epoch's first progress record: the whole state, so a slave that was behind (or a
         deposed master) starts from it. Retried until written (a full disk); nothing is served before."""
@@ -189,15 +175,10 @@ class MasterSession:
         self.accepting = False
         master.pull_handler.closed = f"realtime server {member.address or '-'} is handing over to {target}"
         master.parked.wake_all()
-        await self._idle.wait()  # requests let in before the stop end first (a NACK's retry, an ACK's commit)
+        await self.requests.wait_idle()  # requests let in before the stop end first (a NACK's retry, an ACK's commit)
         await master.committer.commit_now()  # what consumers did so far goes out as a progress record
-        message_log = member.storage.message_log
-        while (member.writer is not None and member.writer.statistics().pending) or (
-            message_log.flushed_offset < message_log.end_offset
-        ):
-            await member.clock.sleep_ms(5)
-        source.poke()
-        await source.wait_holds_all(target)
+        assert member.writer is not None
+        await finish_handover(member.writer, source, target)
 
     def _resume(self) -> None:
         assert self.master is not None
@@ -260,9 +241,8 @@ class SlaveSession:
         self.state: ReplicaState | None = None
         #: Applying stops here until the master has answered (see the module docstring).
         self.agreed_offset = 0
-        self.cut_records = 0
-        self.cut_messages = 0
-        self.cut_bytes = 0
+        #: What this session cut back (``cut_back``).
+        self.cut = CutCounts(messages=0)
         self._alarm = Alarm(member.clock)
         self._lock = trio.Lock()  # one apply step or cut at a time
         self.fetcher = ReplicaFetcher(
@@ -352,9 +332,7 @@ class SlaveSession:
             applied = await member.run_blocking(partial(_cut, member.storage, offset))
             self._alarm.poke()  # the apply loop opens the state again
         records, messages, size, indexed = applied
-        self.cut_records += records
-        self.cut_messages += messages
-        self.cut_bytes += size
+        self.cut += CutCounts(records=records, bytes=size, messages=messages)
         self.agreed_offset = min(self.agreed_offset, offset)
         log.warning(
             "realtime %s: cut %d record(s) (%d message(s), %d bytes) from offset %d that the master never had%s",

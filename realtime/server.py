@@ -1,12 +1,13 @@
 """The realtime server: SEND, PULL, ACK, NACK, CONSUMER_HEARTBEAT, QUERY, FETCH, STATUS, CLEAR_FENCE.
 
 ``open_realtime_server`` opens the data folder (``recovery.open_storage``) and runs one
-member of a realtime group until its block ends. The metaserver says whether the member
-is master or slave (``delaymq.realtime.roles``; docs/replication.md): a master serves
-from a ``master.RealtimeMaster`` (the state a restart recovers, and the handlers over
-it) and ships its log to its slaves (FETCH), its consumer progress included; a slave
-copies the log, indexes it and applies that progress, and refuses the rest with
-``not_master``. A realtime server without a metaserver is master for good (epoch 0).
+member of a realtime group until its block ends, in the shell every replicated server
+shares (``delaymq.replication.shell``: role, epoch, FETCH, registration, the crash hook).
+The metaserver says whether the member is master or slave (``delaymq.realtime.roles``;
+docs/replication.md): a master serves from a ``master.RealtimeMaster`` (the state a
+restart recovers, and the handlers over it) and ships its log to its slaves (FETCH), its
+consumer progress included; a slave copies the log, indexes it and applies that
+progress, and refuses the rest with ``not_master``. A realtime server without a metaserver is master for good (epoch 0).
 QUERY (``realtime.query``) says which consumer groups acked a message stored lately;
 CLEAR_FENCE (``realtime.clearfence``) forgets a scheduler group's fence. FETCH (the
 message log) is for a token that may be a server of this realtime group only.
@@ -16,7 +17,7 @@ and a master session's last checkpoint is written as it ends. Every blocking cal
 
 STATUS (command 14, as the scheduler's) takes no metadata and answers
 ``{group, address, now_ms, fences: {scheduler group: epoch}, statistics: {...}}``:
-``fences`` is the durable fence table, ``statistics`` ``RealtimeStatistics`` as a map
+``fences`` is the durable fence table, ``statistics`` ``RealtimeStatistics.to_wire``
 (``role``, ``epoch`` and ``replication`` as the scheduler's).
 """
 
@@ -25,18 +26,16 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from delaymq.client.registration import MembershipView, Registration, start_registration
+from delaymq.client.registration import Registration
 from delaymq.client.routes import CLIENT_PEERS_OPTIONS, RouteClient, meta_addresses
 from delaymq.clock import Clock
 from delaymq.net.addresses import split_listen
-from delaymq.net.auth import require_server
 from delaymq.net.limits import DEFAULT_LIMITS, Limits
 from delaymq.net.peers import AsyncCaller, Peers, open_peers
 from delaymq.net.requests import Request
@@ -54,8 +53,9 @@ from delaymq.realtime.recovery import open_storage
 from delaymq.realtime.roles import MasterSession, Member, SlaveSession
 from delaymq.realtime.statistics import COUNTERS, RealtimeStatistics
 from delaymq.replication.membership import member_identity
-from delaymq.replication.roles import NotMaster, RoleLoop
-from delaymq.replication.wire import FetchRequest
+from delaymq.replication.roles import Role, RoleLoop
+from delaymq.replication.shell import ReplicatedServer
+from delaymq.replication.statistics import CutCounts, ReplicationStatistics
 from delaymq.storage.log import DEFAULT_SEGMENT_SIZE, check_max_record
 from delaymq.storage.threads import RunBlocking, open_blocking, run_in_thread
 from delaymq.storage.writer import FlushPolicy, open_log_writer
@@ -69,22 +69,28 @@ DEFAULT_REPLICATION_TIMEOUT_MS = 5_000
 
 
 class RealtimeServer:
-    """One realtime member. Build it with ``open_realtime_server``."""
+    """One realtime member. Build it with ``open_realtime_server``.
+
+    Its role, epoch, FETCH, heartbeat report and crash hook are the shell's
+    (``delaymq.replication.shell.ReplicatedServer``); the requests of a master and
+    STATUS are its own."""
 
     def __init__(self, member: Member, *, managed: bool, limits: Limits) -> None:
         self.member = member
         self.group = member.group
-        self.registration: Registration | None = None
-        self.crashed = False
-        self._life: trio.CancelScope | None = None
-        self._managed = managed
         self._clock = member.clock
-        self.roles: RoleLoop[MasterSession | SlaveSession] = RoleLoop(
-            session_for=self._session_for,
-            standalone=lambda: MasterSession(member, epoch=0, managed=False),
-            between=self._between_sessions,
+        self.shell: ReplicatedServer[MasterSession, SlaveSession] = ReplicatedServer(
+            member,
+            kind=ServerKind.REALTIME,
+            name="realtime server",
+            log=member.storage.message_log,
+            master_type=MasterSession,
+            slave_type=SlaveSession,
+            make_master=lambda epoch: MasterSession(member, epoch=epoch, managed=managed),
+            make_slave=lambda master, epoch: SlaveSession(member, master=master, epoch=epoch),
+            session_ended=self._session_ended,
         )
-        self._cut = {"cut_records": 0, "cut_messages": 0, "cut_bytes": 0}
+        self._cut = CutCounts(messages=0)  # cut back by ended slave sessions
         self.frame_server = FrameServer(
             {
                 Command.SEND: self._send,
@@ -92,7 +98,7 @@ class RealtimeServer:
                 Command.ACK: self._ack,
                 Command.NACK: self._nack,
                 Command.CONSUMER_HEARTBEAT: self._heartbeat,
-                Command.FETCH: self._fetch,
+                Command.FETCH: self.shell.serve_fetch,
                 Command.STATUS: self._status,
                 Command.QUERY: partial(serve_query, self),  # delaymq.realtime.query
                 Command.CLEAR_FENCE: partial(serve_clear_fence, self),  # delaymq.realtime.clearfence
@@ -107,26 +113,35 @@ class RealtimeServer:
         return self.member.address
 
     @property
+    def registration(self) -> Registration | None:
+        """The metaserver's latest word (None without a meta_address, or before registering)."""
+        return self.member.registration
+
+    @property
+    def roles(self) -> RoleLoop[MasterSession | SlaveSession]:
+        return self.shell.roles
+
+    @property
     def session(self) -> MasterSession | SlaveSession | None:
-        return self.roles.session
+        return self.shell.session
 
     @property
     def master(self) -> RealtimeMaster | None:
         """The state this member serves from while it is master (None otherwise)."""
-        session = self.session
-        return session.master if isinstance(session, MasterSession) else None
+        session = self.shell.master_session
+        return session.master if session is not None else None
 
     @property
-    def role(self) -> str:
-        """ "master", "slave", or "waiting" (for the metaserver's word)."""
-        session = self.session
-        if isinstance(session, MasterSession):
-            return "master" if session.accepting else "waiting"
-        return "slave" if isinstance(session, SlaveSession) else "waiting"
+    def role(self) -> Role:
+        return self.shell.role
 
     @property
     def epoch(self) -> int:
-        return self.session.epoch if self.session is not None else 0
+        return self.shell.epoch
+
+    @property
+    def crashed(self) -> bool:
+        return self.shell.crashed
 
     @property
     def scheduler_routes(self) -> RouteClient | None:
@@ -147,9 +162,8 @@ class RealtimeServer:
         committed: no last checkpoint. What was written stays, as the page cache
         keeps it for the next process.
         """
-        self.crashed = self.member.crashed = True
-        if self._life is not None:
-            self._life.cancel()
+        self.member.crashed = True
+        self.shell.crash()
 
     async def serve_stream(self, stream: trio.abc.Stream) -> None:
         """Serve one connection (tests use it with in-memory streams)."""
@@ -169,7 +183,7 @@ class RealtimeServer:
             address=self.address,
             group=self.group,
             message_log_end=self.member.storage.message_log.end_offset,
-            role=self.role,
+            role=self.role.value,
             epoch=self.epoch,
             master=(self.registration.master if self.registration is not None else None) or self.address,
             replication=self._replication_statistics(),
@@ -182,72 +196,31 @@ class RealtimeServer:
             **counters,
         )
 
-    def _replication_statistics(self) -> dict[str, Any]:
-        member = self.member
-        info: dict[str, Any] = {
-            "mode": member.mode,
-            "min_insync": member.min_insync,
-            "durable_end": member.storage.message_log.flushed_offset,
-            "history": member.history.entries,
-            **self._cut,
-        }
-        session = self.session
-        if isinstance(session, SlaveSession):
-            for key in self._cut:
-                info[key] += getattr(session, key)
-        if isinstance(session, MasterSession) and session.source is not None:
-            source = session.source.statistics()
-            info["high_watermark"] = source.high_watermark
-            info["replicas"] = [asdict(replica) for replica in source.replicas]
-            info["accepting"] = session.accepting
-        if isinstance(session, SlaveSession):
-            fetched = session.fetcher.statistics()
-            info["master_durable_end"] = fetched.master_durable_end
-            info["lag_bytes"] = max(0, fetched.master_durable_end - member.storage.message_log.flushed_offset)
-            info["fetches"] = fetched.fetches
-            info["fetch_failures"] = fetched.failures
-            info["applied_offset"] = session.applied_offset
-        return info
+    def _replication_statistics(self) -> ReplicationStatistics:
+        slave = self.shell.slave_session
+        if slave is None:
+            return self.shell.replication_statistics(cut=self._cut)
+        return self.shell.replication_statistics(cut=self._cut + slave.cut, applied_offset=slave.applied_offset)
 
     def replica_info(self) -> dict[str, Any]:
         """The ``replica`` field of each heartbeat (metaserver contract)."""
-        info: dict[str, Any] = {
-            "offset": self.member.storage.message_log.flushed_offset,
-            "epoch": self.epoch,
-            "mode": self.member.mode,
-        }
-        session = self.session
-        if isinstance(session, MasterSession) and session.source is not None:
-            info["in_sync"] = session.source.in_sync()
-            if session.handover.handed_over is not None:
-                info["handed_over"] = session.handover.handed_over
-        return info
+        return self.shell.replica_info()
 
     # --------------------------------------------------------------- requests
-
-    def _accepting(self, what: str) -> MasterSession:
-        session = self.session
-        if isinstance(session, MasterSession) and session.accepting and session.master is not None:
-            return session
-        if isinstance(session, SlaveSession):
-            state = f"is a slave (its master is {session.master})"
-        else:
-            state = "is not master now (waiting for the metaserver's word)"
-        raise NotMaster(
-            f"{what}: realtime server {self.address or '-'} of group {self.group} {state}; ask the metaserver"
-        )
 
     async def _serve(
         self, what: str, handler: Callable[[RealtimeMaster], Handler], request: Request, *, replicated: bool = True
     ) -> Any:
         """Run a master's ``handler`` for ``request``, counted in flight (a handover waits for it)."""
-        session = self._accepting(what)
+        session = self.shell.taking_requests(what)
+        master = session.master
+        if master is None:  # not yet opened (it takes requests only once it is)
+            raise self.shell.refusal(what)
         if replicated and session.source is not None:
             session.source.check_insync(what)  # too few slaves in sync: refused before anything changes
-        with session.serving():
+        with session.requests.serving():
             await session.mastership.confirm()  # woken from a freeze: still master?
-            assert session.master is not None
-            return await handler(session.master)(request)
+            return await handler(master)(request)
 
     async def _send(self, request: Request) -> dict[str, Any]:
         answer: dict[str, Any] = await self._serve("SEND", lambda master: master.send_handler.handle, request)
@@ -273,21 +246,6 @@ class RealtimeServer:
         )
         return answer
 
-    async def _fetch(self, request: Request) -> tuple[dict[str, Any], bytes]:
-        require_server(request.identity, "FETCH", ServerKind.REALTIME.value, self.group)  # the log is every subject's
-        fetch = FetchRequest.from_metadata(request.metadata)
-        session = self.session
-        if not isinstance(session, MasterSession) or session.source is None:
-            raise NotMaster(f"FETCH: realtime server {self.address or '-'} of group {self.group} is not master now")
-        if fetch.group != self.group:
-            raise RemoteProtocolError(
-                f"FETCH for group {fetch.group!r} at a member of group {self.group!r}",
-                code="bad_request",
-                field="group",
-            )
-        answer, body = await session.source.serve_fetch(fetch)
-        return answer.as_metadata(), body
-
     async def _status(self, request: Request) -> dict[str, Any]:
         if request.metadata:
             key = next(iter(request.metadata))
@@ -305,30 +263,16 @@ class RealtimeServer:
             "address": self.address,
             "now_ms": self._clock.now_ms(),
             "fences": dict(sorted(fences.items())),
-            "statistics": asdict(self.statistics()),
+            "statistics": self.statistics().to_wire(),
         }
 
     # --------------------------------------------------------------- roles
 
-    async def _role_loop(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        await self.roles.run(self.registration, task_status=task_status)
-
-    def _session_for(self, view: MembershipView) -> MasterSession | SlaveSession | None:
-        if view.role == "master":
-            return MasterSession(self.member, epoch=view.epoch, managed=self._managed)
-        if view.role == "slave" and view.master and view.master != self.address:
-            return SlaveSession(self.member, master=view.master, epoch=view.epoch)
-        return None
-
-    async def _between_sessions(self, ended: MasterSession | SlaveSession | None) -> None:
+    async def _session_ended(self, ended: MasterSession | SlaveSession | None) -> None:
         if isinstance(ended, MasterSession):
             log.warning("realtime %s: no longer master of epoch %d", self.group, ended.epoch)
         if isinstance(ended, SlaveSession):
-            for key in self._cut:
-                self._cut[key] += getattr(ended, key)
-        writer = self.member.writer  # SENDs queued by the old master land before a fetcher appends
-        while writer is not None and writer.statistics().pending:
-            await self._clock.sleep_ms(5)
+            self._cut += ended.cut
 
 
 # ------------------------------------------------------------------- opening
@@ -378,18 +322,14 @@ async def open_realtime_server(
     check_cap("max_subjects", max_subjects)
     check_cap("max_groups", max_groups)
     check_max_record(limits.max_record)
-    if checkpoint_interval_ms <= 0:
-        raise ValueError(f"checkpoint_interval_ms must be positive, got {checkpoint_interval_ms}")
-    if replication not in ("sync", "async"):
-        raise ValueError(f"replication must be 'sync' or 'async', got {replication!r}")
-    if min_insync < 0:
-        raise ValueError(f"min_insync must be >= 0, got {min_insync}")
-    if replication_timeout_ms <= 0:
-        raise ValueError(f"replication_timeout_ms must be positive, got {replication_timeout_ms}")
-    if ack_timeout_ms <= 0 or consumer_timeout_ms <= 0:
-        raise ValueError(
-            f"ack_timeout_ms ({ack_timeout_ms}) and consumer_timeout_ms ({consumer_timeout_ms}) must be positive"
-        )
+    _check_settings(
+        checkpoint_interval_ms=checkpoint_interval_ms,
+        replication=replication,
+        min_insync=min_insync,
+        replication_timeout_ms=replication_timeout_ms,
+        ack_timeout_ms=ack_timeout_ms,
+        consumer_timeout_ms=consumer_timeout_ms,
+    )
     bind = split_listen(listen) if listen is not None else None
     if listen is None and meta_address is not None and advertise_address is None:
         raise ValueError("listen=None with a meta_address needs an advertise_address to register")
@@ -430,42 +370,67 @@ async def open_realtime_server(
                 min_insync=min_insync,
             )
             server = RealtimeServer(member, managed=meta_address is not None, limits=limits)
+            async with _serving(server, bind, advertise_address, flush, meta_address, member_id) as address:
+                log.info("realtime server %s serving on %s (data %s)", group, address or "-", root)
+                yield server
 
-            async def register(nursery: trio.Nursery, address: str) -> None:
-                """Retries go to a scheduler the metaserver routes to; the member registers with it."""
-                assert meta_address is not None and peers is not None
+
+def _check_settings(
+    *,
+    checkpoint_interval_ms: int,
+    replication: str,
+    min_insync: int,
+    replication_timeout_ms: int,
+    ack_timeout_ms: int,
+    consumer_timeout_ms: int,
+) -> None:
+    if checkpoint_interval_ms <= 0:
+        raise ValueError(f"checkpoint_interval_ms must be positive, got {checkpoint_interval_ms}")
+    if replication not in ("sync", "async"):
+        raise ValueError(f"replication must be 'sync' or 'async', got {replication!r}")
+    if min_insync < 0:
+        raise ValueError(f"min_insync must be >= 0, got {min_insync}")
+    if replication_timeout_ms <= 0:
+        raise ValueError(f"replication_timeout_ms must be positive, got {replication_timeout_ms}")
+    if ack_timeout_ms <= 0 or consumer_timeout_ms <= 0:
+        raise ValueError(
+            f"ack_timeout_ms ({ack_timeout_ms}) and consumer_timeout_ms ({consumer_timeout_ms}) must be positive"
+        )
+
+
+@asynccontextmanager
+async def _serving(
+    server: RealtimeServer,
+    bind: tuple[str, int] | None,
+    advertise_address: str | None,
+    flush: FlushPolicy,
+    meta_address: str | Sequence[str] | None,
+    member_id: str,
+) -> AsyncIterator[str]:
+    """Run ``server`` (its log writer, listener, registration and role loop); yields its address."""
+    member = server.member
+    storage, clock, limits = member.storage, member.clock, member.limits
+
+    async def register(nursery: trio.Nursery, address: str) -> None:
+        """Retries go to a scheduler the metaserver routes to; the member registers with it."""
+        assert meta_address is not None
+        member.address = address
+        server.scheduler_routes = RouteClient(Peers(nursery, limits=limits), meta_addresses(meta_address), clock=clock)
+        await server.shell.register(nursery, address, meta_address=meta_address, member_id=member_id)
+
+    # The crash scope holds the writer too: nothing more is written on the way out.
+    with server.shell.crash_scope():
+        async with open_log_writer(storage.message_log, flush=flush, run_blocking=member.run_blocking) as writer:
+            member.writer = writer
+            async with serve_frames(
+                server.frame_server,
+                bind=bind,
+                advertise_address=advertise_address,
+                tasks=[server.shell.run_roles] if meta_address is None else [],
+                register=register if meta_address is not None else None,
+            ) as address:
                 member.address = address
-                server.scheduler_routes = RouteClient(
-                    Peers(nursery, limits=limits), meta_addresses(meta_address), clock=clock
-                )
-                member.registration = server.registration = await start_registration(
-                    nursery,
-                    peers,
-                    group=group,
-                    kind=ServerKind.REALTIME,
-                    address=address,
-                    meta_address=meta_address,
-                    clock=clock,
-                    member=member_id,
-                    replica=server.replica_info,
-                )
-                await nursery.start(server._role_loop)
-
-            # The crash scope holds the writer too: nothing more is written on the way out.
-            with trio.CancelScope() as life:
-                server._life = life
-                async with open_log_writer(storage.message_log, flush=flush, run_blocking=run_blocking) as writer:
-                    member.writer = writer
-                    async with serve_frames(
-                        server.frame_server,
-                        bind=bind,
-                        advertise_address=advertise_address,
-                        tasks=[server._role_loop] if meta_address is None else [],
-                        register=register if meta_address is not None else None,
-                    ) as address:
-                        member.address = address
-                        log.info("realtime server %s serving on %s (data %s)", group, address or "-", root)
-                        yield server
+                yield address
 
 
 __all__ = ["DEFAULT_REPLICATION_TIMEOUT_MS", "RealtimeServer", "RealtimeStatistics", "open_realtime_server"]

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from delaymq.replication.roles import Role
+from delaymq.replication.statistics import CutCounts, ReplicationStatistics
 
 #: The counters a master keeps (``RealtimeMaster.counters``); all 0 while not master.
 COUNTERS = ("sends messages_stored duplicates pulls pulls_waiting messages_delivered acks nacks redeliveries "
              "retries_scheduled retries_stored dead_letters retries_given_back consumers subjects indexed_offset "
              "dedup_ids_in_memory checkpoints checkpoint_failures fenced fence_raises "
              "subjects_over_cap").split()  # fmt: skip
+
+
+def _no_replication() -> ReplicationStatistics:
+    return ReplicationStatistics(mode="sync", min_insync=0, durable_end=0, history=[], cut=CutCounts(messages=0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,10 +47,11 @@ class RealtimeStatistics:
     checkpoint_failures: int
     fenced: int  # SENDs refused for an older epoch of their scheduler group
     fence_raises: int  # scheduler groups' epochs raised (committed) since start
-    role: str = "master"  # "master", "slave" or "waiting" (for the metaserver's word)
+    role: str = Role.MASTER.value  # a ``delaymq.replication.roles.Role``'s value
     epoch: int = 0
     master: str = ""  # the group's master as the metaserver says (this server's address standalone)
-    replication: dict[str, Any] = field(default_factory=dict)
+    # On the wire as ``ReplicationStatistics.to_wire`` (``to_wire``); read in-process as that map too.
+    replication: ReplicationStatistics = field(default_factory=_no_replication)
     # Lateness stages of the delay path, ms (``LatencyHistogram.to_wire``; ``delaymq bench delay``):
     lateness_accepted: dict[str, Any] = field(default_factory=dict)  # SEND accepted - due, per record
     lateness_handed_out: dict[str, Any] = field(default_factory=dict)  # PULL handed out - due, per record
@@ -56,6 +64,12 @@ class RealtimeStatistics:
     # How long fsyncs take, µs (``LatencyHistogram.to_wire``): "message" (the log writer's group
     # commit), "checkpoint" (a master's checkpoint write: consume and pull logs, lmdb)
     fsync_us: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def to_wire(self) -> dict[str, Any]:
+        """The map STATUS answers with (field order kept; ``replication`` as its wire map)."""
+        wire = asdict(self)
+        wire["replication"] = self.replication.to_wire()
+        return wire
 
 
 __all__ = ["COUNTERS", "RealtimeStatistics"]

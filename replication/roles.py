@@ -11,6 +11,7 @@ with the metaserver before it accepts or sends anything again.
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -33,6 +34,21 @@ FIRST_ROLE_WAIT_S = 5.0
 HANDOVER_TIMEOUT_S = 30.0
 
 
+class Role(enum.StrEnum):
+    """What a member reports as its role (STATUS, statistics, the metrics' ``is_master``).
+
+    One meaning for every replicated server: ``MASTER`` only while it takes requests
+    (a master session that is still taking over, handing over or was fenced is
+    ``WAITING``, as is a member the metaserver has not named yet); ``SLAVE`` while it
+    copies a master's log. The metaserver's word (``MembershipView.role``) is another
+    thing: what the member is told to be, not what it does yet.
+    """
+
+    MASTER = "master"
+    SLAVE = "slave"
+    WAITING = "waiting"
+
+
 class NotMaster(RemoteProtocolError):
     """A request only a master takes, at a member that is not (or no longer, or not yet) master."""
 
@@ -43,7 +59,8 @@ class NotMaster(RemoteProtocolError):
 class Session(Protocol):
     """A master or slave session: runs until cancelled."""
 
-    epoch: int
+    @property
+    def epoch(self) -> int: ...
 
     async def run(self, *, task_status: trio.TaskStatus[None] = ...) -> None: ...
 
@@ -276,6 +293,7 @@ __all__ = [
     "Handover",
     "Mastership",
     "NotMaster",
+    "Role",
     "RoleLoop",
     "Session",
     "first_of",

@@ -19,6 +19,10 @@ writer takes them again once space is freed, with one log line per outage.
 Under ``async`` a failed background fsync makes every later append fail and is
 raised again when the writer closes: never silently dropped.
 
+``wait_idle`` and ``wait_durable`` let an owner wait for the writer to settle (a role
+change, a handover): the writer task wakes them after each group and each background
+fsync, so nobody polls.
+
 Each good fsync's duration (``time.perf_counter_ns`` around it, in the thread that
 fsyncs) goes into a ``LatencyHistogram`` of microseconds, recorded back on the trio
 side so a reader of ``fsync_durations_us`` never sees it half updated.
@@ -115,6 +119,9 @@ class LogWriter:
         self._max_group = 0
         self._pending = 0
         self._fsync_us = LatencyHistogram()  # durations of good fsyncs, microseconds
+        #: Made by a waiter (``_settled``), set and dropped by the writer task after each group
+        #: or background fsync: no event is made per append while nobody waits.
+        self._news: trio.Event | None = None
         self._refused_in_outage: int | None = None  # appends failed since the last good write (an outage)
 
     @property
@@ -180,6 +187,30 @@ class LogWriter:
             flushed_offset=self._log.flushed_offset,
         )
 
+    async def wait_idle(self) -> None:
+        """Return once no append waits for its group or its write (what was queued is in the log)."""
+        while self._pending:
+            await self._settled()
+
+    async def wait_durable(self) -> None:
+        """``wait_idle``, and the log fsynced up to its end (under ``async`` the background
+        fsync gets there within ``flush_interval_ms``)."""
+        log = self._log
+        while self._pending or log.flushed_offset < log.end_offset:
+            await self._settled()
+
+    async def _settled(self) -> None:
+        """Wait for the writer task's next group or background fsync."""
+        if self._news is None:
+            self._news = trio.Event()
+        await self._news.wait()
+
+    def _tell_waiters(self) -> None:
+        news = self._news
+        if news is not None:
+            self._news = None
+            news.set()
+
     def fsync_durations_us(self) -> dict[str, Any]:
         """How long each good fsync took, in microseconds (``LatencyHistogram.to_wire``)."""
         return self._fsync_us.to_wire()
@@ -218,6 +249,7 @@ class LogWriter:
             finally:
                 self._pending -= group.count
                 group.done.set()
+                self._tell_waiters()
 
     def _write(self, data: bytes | bytearray | memoryview) -> tuple[int, int]:
         """Write a group (worker thread); returns its offset and -1 (no fsync)."""
@@ -274,6 +306,7 @@ class LogWriter:
     async def _flush_once(self) -> None:
         log = self._log
         if self._failure is not None or log.flushed_offset >= log.end_offset:
+            self._tell_waiters()  # the log may have been fsynced by its other owners (a checkpoint)
             return
         try:
             elapsed = await self._run_blocking(partial(_timed_flush, log))
@@ -282,6 +315,7 @@ class LogWriter:
         else:
             self._fsyncs += 1
             self._fsync_us.record(elapsed // 1000)
+        self._tell_waiters()
 
     def _begin_close(self) -> None:
         self._closing.set()

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -22,6 +23,8 @@ from delaymq.protocol.frames import Frame
 from delaymq.protocol.records import Message, decode_batch, encode_batch
 from delaymq.realtime import RealtimeServer, open_realtime_server
 from delaymq.storage.threads import run_inline
+
+from ..support.polling import wait_until
 
 Call = Callable[[int, dict[str, Any], bytes], Awaitable[Frame]]
 EPOCH = 1_700_000_000_000
@@ -122,13 +125,6 @@ async def memory_client(server: Any, **names: Any) -> AsyncIterator[Client]:
         nursery.cancel_scope.cancel()
 
 
-async def wait_until(predicate: Callable[[], bool], *, seconds: float = 10) -> None:
-    """Wait for a condition of the server (checked at every scheduling round)."""
-    with trio.fail_after(seconds):
-        while not predicate():
-            await trio.sleep(0.001)
-
-
 @pytest.fixture
 def rt() -> SimpleNamespace:
     return SimpleNamespace(
@@ -136,7 +132,8 @@ def rt() -> SimpleNamespace:
         messages=messages,
         peers_client=peers_client,
         memory_client=memory_client,
-        wait_until=wait_until,
+        # A condition of the server, checked at every scheduling round, within 10 s unless ``timeout=``.
+        wait_until=partial(wait_until, timeout=10, interval=0.001),
     )
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,6 @@ import pytest
 import trio
 
 from delaymq.clock import SystemClock, TrioClock
-from delaymq.metaserver.server import open_metaserver
 from delaymq.net.auth import FORBIDDEN, TokenFile
 from delaymq.net.limits import Limits
 from delaymq.net.peers import open_peers
@@ -36,74 +35,33 @@ from delaymq.realtime.consumelog import OPEN_CONSUME_LOGS, ConsumeLog, encode_en
 from delaymq.realtime.fences import MAX_EPOCH_AHEAD_MS
 from delaymq.realtime.openfiles import OpenFiles
 from delaymq.replication.wire import FetchRequest
-from delaymq.scheduler.server import Scheduler, open_scheduler
+from delaymq.scheduler.server import Scheduler
 from delaymq.storage.state import StateStore
 from delaymq.storage.threads import run_inline
 
 from ..conftest import open_local_servers
+from ..support.tokens import ADMIN as ADMIN  # test_realtime_clear_fence's import
+from ..support.tokens import CONSUMER, OPS_TOKEN, PRODUCER, SERVER, SERVERS_TOKEN, SHOP_TOKEN, token, tokens_toml
 
 EPOCH = 1_700_000_000_000
 DAY_MS = 86_400_000
 WAIT = 30.0
 
-SERVER = "server-secret-0123456789"
 SCHEDULER = "sched-1-secret-0123456789"
 OTHER_REALTIME = "rt-other-secret-0123456789"
-PRODUCER = "producer-secret-0123456789"
 TENANT_A = "tenant-a-secret-0123456789"
 TENANT_B = "tenant-b-secret-0123456789"
-CONSUMER = "consumer-secret-0123456789"
-ADMIN = "admin-secret-0123456789"
 
-TOKENS = f"""
-[[token]]
-name = "servers"
-token = "{SERVER}"
-roles = ["server"]
-servers = ["scheduler:*", "realtime:*"]
-
-[[token]]
-name = "sched-1"
-token = "{SCHEDULER}"
-roles = ["server"]
-servers = ["scheduler:sched-1"]
-
-[[token]]
-name = "rt-other"
-token = "{OTHER_REALTIME}"
-roles = ["server"]
-servers = ["realtime:rt-other"]
-
-[[token]]
-name = "shop"
-token = "{PRODUCER}"
-roles = ["producer"]
-
-[[token]]
-name = "tenant-a"
-token = "{TENANT_A}"
-roles = ["producer", "consumer"]
-subjects = ["a.*"]
-groups = ["a-*"]
-
-[[token]]
-name = "tenant-b"
-token = "{TENANT_B}"
-roles = ["producer", "consumer"]
-subjects = ["b.*"]
-groups = ["b-*"]
-
-[[token]]
-name = "team"
-token = "{CONSUMER}"
-roles = ["consumer"]
-groups = ["team-*"]
-
-[[token]]
-name = "ops"
-token = "{ADMIN}"
-roles = ["admin"]
-"""
+TOKENS = tokens_toml(
+    SERVERS_TOKEN,
+    token("sched-1", SCHEDULER, ["server"], servers=["scheduler:sched-1"]),
+    token("rt-other", OTHER_REALTIME, ["server"], servers=["realtime:rt-other"]),
+    SHOP_TOKEN,
+    token("tenant-a", TENANT_A, ["producer", "consumer"], subjects=["a.*"], groups=["a-*"]),
+    token("tenant-b", TENANT_B, ["producer", "consumer"], subjects=["b.*"], groups=["b-*"]),
+    token("team", CONSUMER, ["consumer"], groups=["team-*"]),
+    OPS_TOKEN,
+)
 
 
 @dataclass
@@ -164,23 +122,8 @@ async def open_cluster(tmp_path: Path, tokens: Path, **options: Any) -> AsyncIte
     """A metaserver, the realtime server (with ``options``) and a scheduler on loopback, on the real
     clock, each with the tokens file; yielded once both servers have registered."""
     limits = Limits(tokens=TokenFile(tokens), token=SERVER)
-    clock = SystemClock()
-    async with AsyncExitStack() as stack:
-        meta = await stack.enter_async_context(open_metaserver(data_dir=tmp_path / "meta", clock=clock, limits=limits))
-        assert meta.address is not None
-        realtime = await stack.enter_async_context(
-            open_realtime_server(
-                data_dir=tmp_path / "rt", clock=clock, meta_address=meta.address, limits=limits, **options
-            )
-        )
-        scheduler = await stack.enter_async_context(
-            open_scheduler(data_dir=tmp_path / "sched", clock=clock, meta_address=meta.address, limits=limits)
-        )
-        with trio.fail_after(WAIT):
-            for server in (realtime, scheduler):
-                assert server.registration is not None
-                await server.registration.wait_registered()
-        yield Secured(realtime, tmp_path / "rt"), scheduler
+    async with open_local_servers(tmp_path, limits, wait=WAIT, **options) as servers:
+        yield Secured(servers.realtime, tmp_path / "rt"), servers.scheduler
 
 
 def message(message_id: str, subject: str, body: bytes = b"body") -> Message:

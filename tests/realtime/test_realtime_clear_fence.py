@@ -20,8 +20,9 @@ from delaymq.protocol.fencing import FENCED, Fence
 from delaymq.protocol.records import encode_batch
 
 from ..conftest import open_local_servers
+from ..support.polling import wait_until
 from .test_realtime_abuse import ADMIN, PRODUCER, SCHEDULER, SERVER, TOKENS, WAIT, Secured, message, open_secured
-from .test_realtime_replication import A, B, C, open_cluster, wait_until
+from .test_realtime_replication import A, B, C, open_cluster
 
 
 @pytest.fixture

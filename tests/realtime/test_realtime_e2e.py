@@ -138,7 +138,7 @@ async def test_long_poll_answers_the_moment_a_message_arrives(tmp_path: Path, rt
             await rt.wait_until(lambda: server.statistics().pulls_waiting == 1)
             sent_at = trio.current_time()
             await producer.send(rt.messages(1))
-            await rt.wait_until(lambda: bool(answered), seconds=30)
+            await rt.wait_until(lambda: bool(answered), timeout=30)
             elapsed = trio.current_time() - sent_at
         assert answered[0].ids == ["m00000"]  # type: ignore[attr-defined]
         assert elapsed < 10  # answered on arrival, not at the 30 s timeout

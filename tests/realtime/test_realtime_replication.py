@@ -8,7 +8,7 @@ Every server is the real one on a ``MemoryNetwork``; a master "dies" by ``crash(
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,30 +17,23 @@ import pytest
 import trio
 
 from delaymq.clock import TrioClock
-from delaymq.metaserver.server import open_metaserver
-from delaymq.net.connection import PeerUnavailable
 from delaymq.net.testing import MemoryNetwork
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError
 from delaymq.protocol.fencing import Fence
-from delaymq.protocol.frames import Frame
 from delaymq.protocol.records import decode_batch, encode_message
 from delaymq.realtime.checkpoint import CONSUMERS_DB, SHARES_DB
 from delaymq.realtime.server import RealtimeServer, open_realtime_server
 from delaymq.storage.threads import run_inline
+
+from ..support.network import Partition, open_memory_metaserver
+from ..support.polling import wait_until
 
 META = "meta.test:1"
 A, B, C = "rt-a.test:1", "rt-b.test:1", "rt-c.test:1"
 EPOCH_MS = 1_749_996_000_000
 GROUP = "rt1"
 CONSUMER = {"group": "g1", "consumer": "c1", "subject": "orders"}
-
-
-async def wait_until(predicate: Any, *, timeout: float = 120) -> None:
-    """Poll a condition the servers reach by themselves (bounded; the clock autojumps)."""
-    with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(0.01)
 
 
 @dataclass
@@ -112,36 +105,8 @@ class Cluster:
 @asynccontextmanager
 async def open_cluster(tmp: Path, *, failover_after_ms: int = 5_000) -> AsyncIterator[Cluster]:
     clock = TrioClock(EPOCH_MS)
-    async with AsyncExitStack() as stack:
-        meta = await stack.enter_async_context(
-            open_metaserver(
-                listen=None, data_dir=tmp / "meta", clock=clock, run_blocking=run_inline,
-                failover_after_ms=failover_after_ms,
-            )
-        )  # fmt: skip
-        nursery = await stack.enter_async_context(trio.open_nursery())
-        net = MemoryNetwork(nursery, timeout=30)
-        net.serve(META, meta.serve_stream)
-        try:
-            yield Cluster(tmp, clock, net, nursery)
-        finally:
-            nursery.cancel_scope.cancel()
-
-
-class Partition:
-    """A member's network with some addresses cut off (a partition, not a crash)."""
-
-    def __init__(self, net: MemoryNetwork) -> None:
-        self.net = net
-        self.cut: set[str] = set()
-
-    async def call(
-        self, address: str, command: int, metadata: dict[str, Any] | None = None, body: bytes = b"", *,
-        timeout: float | None = None,
-    ) -> Frame:  # fmt: skip
-        if address in self.cut:
-            raise PeerUnavailable(f"{address} is cut off", address=address)
-        return await self.net.call(address, command, metadata, body, timeout=timeout)
+    async with open_memory_metaserver(tmp, clock, META, failover_after_ms=failover_after_ms) as (net, nursery):
+        yield Cluster(tmp, clock, net, nursery)
 
 
 def log_bytes(server: RealtimeServer) -> bytes:

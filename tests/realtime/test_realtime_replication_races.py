@@ -18,7 +18,8 @@ from delaymq.protocol.fencing import Fence
 from delaymq.protocol.records import decode_batch
 from delaymq.realtime.server import RealtimeServer
 
-from .test_realtime_replication import CONSUMER, GROUP, META, A, B, C, Cluster, open_cluster, wait_until
+from ..support.polling import wait_until
+from .test_realtime_replication import CONSUMER, GROUP, META, A, B, C, Cluster, open_cluster
 
 OPTIONS = {"min_insync": 1, "ack_timeout_ms": 10_000}
 
