@@ -4,10 +4,10 @@ One task pulls from each realtime group of the ``consumer`` route (long polls,
 so a message arrives as soon as it is stored), and one more the group's retry
 subject there (``%retry%<group>%<subject>``, where nacked messages come back
 after their delay; see ``delaymq.client.retry``), a task re-reads the route and
-starts or stops pullers as groups come and go, one sends acks and nacks in
-batches of ``[start, end)`` pull-log ranges (a round at most every
-``SETTLE_INTERVAL``, its requests on the way together, so they share the
-server's checkpoints), one sends CONSUMER_HEARTBEAT.
+starts or stops pullers as groups come and go (``delaymq.client.pullers``), one
+sends acks and nacks in batches of ``[start, end)`` pull-log ranges (a round at
+most every ``SETTLE_INTERVAL``, its requests on the way together, so they share
+the server's checkpoints; ``delaymq.client.acksender``), one sends CONSUMER_HEARTBEAT.
 The decisions (what to pull, the exact tag filter, flow control, ack ranges)
 are ``delaymq.client.delivery.ConsumerCore``'s, shared with the blocking twin.
 What arrives waits in a ``ReleaseQueue`` (``delaymq.client.release``): a message
@@ -54,60 +54,37 @@ from typing import Any
 
 import trio
 
+from delaymq.client.acksender import AckSender
+from delaymq.client.acksender import send_failure as send_failure
 from delaymq.client.delivery import (
     DEFAULT_FETCH_AHEAD,
-    SETTLE_BACKOFF,
-    SETTLE_CONCURRENCY,
-    SETTLE_INTERVAL,
     ConsumerCore,
     ConsumerStatistics,
     ReceivedMessage,
-    Settlement,
-    SettleRequest,
     fetch_ahead_ms,
 )
+from delaymq.client.pullers import POLL_MARGIN as POLL_MARGIN
+from delaymq.client.pullers import ROUTE_RETRY as ROUTE_RETRY
+from delaymq.client.pullers import GroupPullers
+from delaymq.client.pullers import is_retryable as is_retryable
 from delaymq.client.release import ReleaseQueue
 from delaymq.client.retry import DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_DELAYS
-from delaymq.client.routes import CLIENT_PEERS_OPTIONS, RouteClient, RouteTable, meta_addresses
+from delaymq.client.routes import CLIENT_PEERS_OPTIONS, RouteClient, meta_addresses
 from delaymq.clock import Clock, SystemClock
 from delaymq.net.connection import TransportError
 from delaymq.net.limits import DEFAULT_LIMITS, Limits
 from delaymq.net.peers import Peers, open_peers
-from delaymq.protocol.backoff import BackoffRun
-from delaymq.protocol.commands import Command
-from delaymq.protocol.errors import PeerError, ProtocolError
+from delaymq.protocol.errors import ProtocolError
 from delaymq.protocol.limits import MiB
 from delaymq.protocol.routes import RouteAnswer, RouteKind
 
 log = logging.getLogger(__name__)
-
-#: Extra time a long poll's request is given beyond the poll itself.
-POLL_MARGIN = 10.0
-#: While a group's requests fail, the consumer route is asked again at most this often (seconds).
-ROUTE_RETRY = 1.0
-#: Error codes an ACK/NACK may get that retrying cannot fix: the ranges are dropped.
-_GIVE_UP_CODES = frozenset({"unknown_pull", "bad_value", "bad_request", "limit"})
 
 Handler = Callable[[ReceivedMessage], Awaitable[Any] | Any]
 
 
 class ConsumerFailed(Exception):
     """A server refused this consumer's pulls in a way retrying cannot fix (see ``__cause__``)."""
-
-
-def is_retryable(error: Exception) -> bool:
-    """No answer, or a refusal another moment (or group) may not repeat."""
-    return RouteTable.is_retryable(error)
-
-
-def send_failure(settlement: Settlement, error: Exception, *, again: bool = False) -> bool:
-    """Log a failed ACK/NACK (``again``: not the first in a row, at debug); True when it is worth sending again."""
-    if isinstance(error, PeerError) and error.code in _GIVE_UP_CODES:
-        log.warning("group %s refused acks of consumer: %s (dropped)", settlement.group, error)
-        return False
-    log.log(logging.DEBUG if again else logging.INFO, "acks to group %s at %s failed, will retry: %s",
-            settlement.group, settlement.address, error)  # fmt: skip
-    return True
 
 
 class Consumer:
@@ -129,25 +106,20 @@ class Consumer:
         self.routes = routes
         self._peers = peers
         self._clock = clock
-        self._heartbeat_ms = round(heartbeat_interval * 1000)
         self._route_ms = round(route_refresh * 1000)
         # One item per PULL answer (never empty), not per message: a batch crosses in one hop.
         self._send, self._receive = trio.open_memory_channel[list[ReceivedMessage]](math.inf)
         # Taken from the channel, not handed out yet; held there until due when fetched ahead.
         self._queue = ReleaseQueue(ahead_ms=core.fetch_ahead_ms)
-        self._room = trio.lowlevel.ParkingLot()  # pullers waiting for flow-control room
-        self._settle_wanted = trio.Event()
-        self._settle_lock = trio.Lock()
-        self._route_wanted = trio.Event()
-        self._pullers: dict[tuple[str, bool], trio.CancelScope] = {}  # (group, retry subject?)
-        # The pull in flight (or its backoff) per puller: given up when its group moves.
-        self._pull_attempts: dict[tuple[str, bool], trio.CancelScope] = {}
-        self._lost: set[str] = set()  # groups whose last request failed: ask the route often
-        self._moved = trio.Event()  # set (and replaced) when a group's address changes
-        self._settle_backoff = BackoffRun(SETTLE_BACKOFF, random=core.random)  # reset when a round sends all
-        self._nursery: trio.Nursery | None = None
+        self._groups = GroupPullers(
+            core, routes=routes, peers=peers, clock=clock, heartbeat_interval=heartbeat_interval,
+            route_refresh=route_refresh, deliver=self._send.send_nowait, settle=self._settle,
+            want_settle=self._want_settle, fail=self._fail,
+        )  # fmt: skip
+        self._acks = AckSender(
+            core, moved=lambda: self._groups.moved, answered=self._groups.answered, failed=self._groups.request_failed
+        )
         self._failure: BaseException | None = None
-        self._stopped = False
 
     # -- receiving --------------------------------------------------------------
 
@@ -225,8 +197,8 @@ class Consumer:
         # yielding to the scheduler for every message would cost more than the rest.
         await trio.lowlevel.checkpoint_if_cancelled()
         if self.core.settle(message, ack):
-            self._settle_wanted.set()
-            self._room.unpark_all()
+            self._acks.want()
+            self._groups.room.unpark_all()
 
     async def run(self, handler: Handler, *, concurrency: int = 1) -> None:
         """Hand every message to ``handler`` until stopped: it returns → ack, it raises → nack.
@@ -264,17 +236,14 @@ class Consumer:
 
     async def flush(self) -> bool:
         """Send every ack and nack not sent yet; False if some could not be (they stay queued)."""
-        async with self._settle_lock:
-            return await self._settle_round(self._peers)
+        return await self._acks.flush(self._peers)
 
     def stop(self) -> None:
         """Pull no more: iteration (and ``run``) ends once the messages already received are handed out.
 
         What is held and not acked when the ``open_consumer`` block ends goes back to the group.
         """
-        self._stopped = True
-        for scope in self._pullers.values():
-            scope.cancel()
+        self._groups.stop()
         self._send.close()
 
     def statistics(self) -> ConsumerStatistics:
@@ -283,130 +252,12 @@ class Consumer:
     # -- tasks --------------------------------------------------------------------
 
     def _start(self, nursery: trio.Nursery, answer: RouteAnswer) -> None:
-        self._nursery = nursery
-        self._apply_route(answer)
-        nursery.start_soon(self._route_loop)
-        nursery.start_soon(self._settle_loop)
-        nursery.start_soon(self._heartbeat_loop)
+        self._groups.start(nursery, answer)
+        nursery.start_soon(self._acks.run, self._peers)
+        nursery.start_soon(self._groups.heartbeat_loop)
 
-    async def _refresh_routes(self) -> None:
-        self._apply_route(await self.routes.groups(RouteKind.CONSUMER))
-
-    def _apply_route(self, answer: RouteAnswer) -> None:
-        if self._stopped:
-            return
-        before = {name: link.address for name, link in self.core.links.items()}
-        started, stopped = self.core.update_route((group.group, group.address) for group in answer.groups)
-        self._follow_moves(before)
-        for name in stopped:
-            log.info("consumer %s: group %s left the route; stop pulling it", self.core.consumer_id, name)
-            self._lost.discard(name)
-            for lane in self.core.lanes:
-                scope = self._pullers.pop((name, lane), None)
-                if scope is not None:
-                    scope.cancel()
-        assert self._nursery is not None
-        for name in started:
-            for lane in self.core.lanes:
-                scope = self._pullers[(name, lane)] = trio.CancelScope()
-                self._nursery.start_soon(self._pull_loop, name, lane, scope)
-        if not self.core.links or not any(link.active for link in self.core.links.values()):
-            log.warning("consumer %s: no realtime group serves consumers yet; waiting", self.core.consumer_id)
-
-    def _follow_moves(self, before: dict[str, str]) -> list[str]:
-        """Groups whose address changed (a new master): give up what waits on the old one; returns them."""
-        moved = [
-            name for name, address in before.items()
-            if (link := self.core.links.get(name)) is not None and link.address != address
-        ]  # fmt: skip
-        if not moved:
-            return moved
-        for name in moved:
-            log.info("consumer %s: group %s moved from %s to %s; pulls, acks and heartbeats follow",
-                     self.core.consumer_id, name, before[name], self.core.links[name].address)  # fmt: skip
-            for backoff in self.core.links[name].backoffs:
-                backoff.reset()  # a new master: try it soon (it may still be opening), not at the old pace
-            for lane in self.core.lanes:
-                attempt = self._pull_attempts.get((name, lane))
-                if attempt is not None:
-                    attempt.cancel()
-        self._moved.set()
-        self._moved = trio.Event()
-        if self.core.has_pending():
-            self._settle_wanted.set()
-        return moved
-
-    def _request_failed(self, name: str, error: Exception) -> None:
-        """A request to group ``name`` failed: if the group may have moved, ask the route (soon, and again)."""
-        link = self.core.links.get(name)
-        if is_retryable(error) and link is not None and link.active:
-            self._lost.add(name)
-            self._route_wanted.set()
-
-    async def _route_loop(self) -> None:
-        interval = self._route_ms / 1000
-        pace = min(ROUTE_RETRY, interval)  # never asked more often than this
-        asked = trio.current_time()  # by open_consumer
-        while True:
-            with trio.move_on_at(asked + (pace if self._lost else interval)):
-                await self._route_wanted.wait()
-            await trio.sleep_until(asked + pace)
-            self._route_wanted = trio.Event()
-            if self._lost:  # where is the group now? (the held answer is not stale yet)
-                self.routes.table.cache.invalidate(RouteKind.CONSUMER)
-            asked = trio.current_time()
-            try:
-                await self._refresh_routes()
-            except (TransportError, ProtocolError, LookupError) as error:
-                log.info("consumer %s: route refresh failed: %s", self.core.consumer_id, error)
-
-    def _deadline(self, ms: int) -> float:
-        return trio.current_time() + ms / 1000
-
-    async def _pull_loop(self, name: str, retry: bool, scope: trio.CancelScope) -> None:
-        """Pull one subject (``retry``: the group's retry subject) from one group, at its current address."""
-        core = self.core
-        timeout = core.poll_timeout_ms / 1000 + POLL_MARGIN
-        lane = (name, retry)
-        with scope:
-            while True:
-                request = core.pull_request(name, retry=retry)
-                if request is None:
-                    await self._room.park()
-                    continue
-                address = core.links[name].address
-                # Given up (cancelled) when the group moves: then pull at once at its new address.
-                with trio.CancelScope() as attempt:
-                    self._pull_attempts[lane] = attempt
-                    try:
-                        frame = await self._peers.call(address, Command.PULL, request, timeout=timeout)
-                        messages = core.accept_pull(
-                            name, frame.metadata, frame.body, self._clock.now_ms(), self._settle, retry=retry
-                        )
-                    except (PeerError, TransportError, ProtocolError) as error:
-                        if not is_retryable(error):
-                            self._fail(error)
-                            return
-                        backoff = core.pull_failed(name, retry=retry)
-                        first = core.links[name].backoffs[retry].failures == 1  # later ones at debug
-                        log.log(logging.INFO if first else logging.DEBUG,
-                                "consumer %s: pull of %s from group %s at %s failed (%s); retry in %d ms",
-                                core.consumer_id, request["subject"], name, address, error, backoff)  # fmt: skip
-                        self._request_failed(name, error)
-                        await trio.sleep(backoff / 1000)
-                        continue
-                    finally:
-                        if self._pull_attempts.get(lane) is attempt:
-                            del self._pull_attempts[lane]
-                if attempt.cancelled_caught:
-                    continue  # the group moved while this pull waited on its old address
-                self._lost.discard(name)
-                if core.has_pending():
-                    self._settle_wanted.set()
-                if messages and not self._stopped:
-                    # After ``stop`` (its cancel came after this answer had arrived) nobody
-                    # reads them: they stay held and go back to the group as the block ends.
-                    self._send.send_nowait(messages)
+    def _want_settle(self) -> None:
+        self._acks.want()
 
     def _fail(self, error: BaseException) -> None:
         log.error("consumer %s stops: %s", self.core.consumer_id, error)
@@ -414,93 +265,22 @@ class Consumer:
             self._failure = error
         self.stop()
 
-    async def _settle_loop(self) -> None:
-        backoff = self._settle_backoff
-        started = -math.inf
-        while True:
-            await self._settle_wanted.wait()
-            moved = self._moved
-            # One round per SETTLE_INTERVAL: what is settled meanwhile goes with it (a
-            # group's move ends the wait: its acks go to the new master at once).
-            with trio.move_on_at(started + SETTLE_INTERVAL):
-                await moved.wait()
-            self._settle_wanted = trio.Event()
-            started = trio.current_time()
-            moved = self._moved
-            async with self._settle_lock:
-                done = await self._settle_round(self._peers)
-            if done:
-                backoff.reset()
-                continue
-            # What did not go stays queued: again after a backoff, or at once at a group's new address.
-            with trio.move_on_after(backoff.next_delay_ms() / 1000):
-                await moved.wait()
-            self._settle_wanted.set()
-
-    async def _settle_round(self, peers: Peers) -> bool:
-        """Send what is pending to every group at once; True if all of it went."""
-        results: list[bool] = []
-
-        async def send(settlement: Settlement) -> None:
-            results.append(await self._send_settlement(settlement, peers))
-
+    @asynccontextmanager
+    async def _running(self, answer: RouteAnswer, flush_timeout: float) -> AsyncIterator[None]:
+        """Run the consumer's tasks around the caller's block; close (give back, flush) as it ends."""
+        body_error: Exception | None = None
         async with trio.open_nursery() as nursery:
-            for settlement in self.core.take_pending():
-                nursery.start_soon(send, settlement)
-        return all(results)
-
-    async def _send_settlement(self, settlement: Settlement, peers: Peers) -> bool:
-        """Send a settlement's requests (one range each) together, so the server answers them
-        from one checkpoint rather than one each; True if every one went (or was refused for good)."""
-        core = self.core
-        unsent = settlement.requests()
-        again: list[SettleRequest] = []  # failed in a way worth sending again
-        errors: list[Exception] = []
-        limit = trio.Semaphore(SETTLE_CONCURRENCY)
-
-        async def send(request: SettleRequest) -> None:
-            async with limit:
-                command = Command.ACK if request.ack else Command.NACK
-                try:
-                    await peers.call(settlement.address, command, core.settle_metadata(settlement, request))
-                except (PeerError, TransportError) as error:
-                    if send_failure(settlement, error, again=self._settle_backoff.failures > 0 or bool(errors)):
-                        again.append(request)
-                        errors.append(error)
-                else:
-                    self._lost.discard(settlement.group)
-                unsent.remove(request)
-
-        try:
-            async with trio.open_nursery() as nursery:
-                for request in list(unsent):
-                    nursery.start_soon(send, request)
-        except BaseException:  # cancelled: what was not confirmed is sent again (repeats are harmless)
-            core.settle_failed(settlement, unsent + again)
-            raise
-        if again:
-            core.settle_failed(settlement, again)
-            self._request_failed(settlement.group, errors[0])
-            return False
-        return True
-
-    async def _heartbeat_loop(self) -> None:
-        core = self.core
-        while True:
-            await trio.sleep_until(self._deadline(self._heartbeat_ms))
-
-            async def beat(name: str, address: str) -> None:
-                try:
-                    await self._peers.call(address, Command.CONSUMER_HEARTBEAT, core.heartbeat_metadata())
-                except (PeerError, TransportError) as error:
-                    log.debug("consumer %s: heartbeat to %s at %s failed: %s", core.consumer_id, name, address, error)
-                    self._request_failed(name, error)
-                else:
-                    self._lost.discard(name)
-
-            async with trio.open_nursery() as nursery:
-                for name, address in core.heartbeat_targets():
-                    nursery.start_soon(beat, name, address)
+            self._start(nursery, answer)
+            try:
+                yield
+            except Exception as error:
+                body_error = error  # raised below, not inside an ExceptionGroup
+            finally:
+                with trio.CancelScope(shield=True):
+                    await self._close(flush_timeout)
+                nursery.cancel_scope.cancel()
+        if body_error is not None:
+            raise body_error
 
     async def _close(self, flush_timeout: float) -> None:
         self.stop()
@@ -511,7 +291,7 @@ class Consumer:
         # cancelled, the tasks reading the old ones are cancelled too.
         sent = False
         with trio.move_on_after(flush_timeout):
-            async with self._settle_lock:
+            async with self._acks.lock:
                 if self.core.has_pending():
                     async with open_peers(**self._peers_options) as peers:
                         sent = await self._flush_following_routes(peers)
@@ -530,7 +310,7 @@ class Consumer:
         """
         routes = RouteClient(peers, self.routes.table.meta_addresses, clock=self._clock,
                              refresh_interval_ms=self._route_ms)  # fmt: skip
-        while not await self._settle_round(peers):
+        while not await self._acks.send_round(peers):
             try:
                 answer = await routes.groups(RouteKind.CONSUMER)
             except (TransportError, ProtocolError, LookupError) as error:
@@ -538,7 +318,7 @@ class Consumer:
                 return False
             before = {name: link.address for name, link in self.core.links.items()}
             self.core.update_route((group.group, group.address) for group in answer.groups)
-            if not self._follow_moves(before):
+            if not self._groups.follow_moves(before):
                 return False
         return True
 
@@ -586,21 +366,11 @@ async def open_consumer(
     consumer of a group the same. Raises ``NoRouteError`` when no metaserver answers.
     """
     core = ConsumerCore(
-        subject,
-        group=group,
-        consumer_id=consumer_id,
-        tags=tags,
-        broadcast=broadcast,
-        start=start,
-        max_messages_held=max_messages_held,
-        max_bytes_held=max_bytes_held,
-        pull_batch=pull_batch,
-        poll_timeout_ms=round(poll_timeout * 1000),
-        fetch_ahead_ms=fetch_ahead_ms(fetch_ahead),
-        retry_delays=retry_delays,
-        max_attempts=max_attempts,
-        limits=limits,
-    )
+        subject, group=group, consumer_id=consumer_id, tags=tags, broadcast=broadcast, start=start,
+        max_messages_held=max_messages_held, max_bytes_held=max_bytes_held, pull_batch=pull_batch,
+        poll_timeout_ms=round(poll_timeout * 1000), fetch_ahead_ms=fetch_ahead_ms(fetch_ahead),
+        retry_delays=retry_delays, max_attempts=max_attempts, limits=limits,
+    )  # fmt: skip
     addresses = meta_addresses(meta)
     clock = clock if clock is not None else SystemClock()
     peers_options: dict[str, Any] = {
@@ -610,28 +380,12 @@ async def open_consumer(
     async with open_peers(**peers_options) as peers:
         routes = RouteClient(peers, addresses, clock=clock, refresh_interval_ms=round(route_refresh * 1000))
         consumer = Consumer(
-            core,
-            routes=routes,
-            peers=peers,
-            clock=clock,
-            heartbeat_interval=heartbeat_interval,
-            route_refresh=route_refresh,
-            peers_options=peers_options,
-        )
+            core, routes=routes, peers=peers, clock=clock, heartbeat_interval=heartbeat_interval,
+            route_refresh=route_refresh, peers_options=peers_options,
+        )  # fmt: skip
         answer = await routes.groups(RouteKind.CONSUMER)  # before the nursery: errors stay unwrapped
-        body_error: Exception | None = None
-        async with trio.open_nursery() as nursery:
-            consumer._start(nursery, answer)
-            try:
-                yield consumer
-            except Exception as error:
-                body_error = error  # raised below, not inside an ExceptionGroup
-            finally:
-                with trio.CancelScope(shield=True):
-                    await consumer._close(flush_timeout)
-                nursery.cancel_scope.cancel()
-        if body_error is not None:
-            raise body_error
+        async with consumer._running(answer, flush_timeout):
+            yield consumer
 
 
 __all__ = ["Consumer", "ConsumerFailed", "Handler", "open_consumer"]

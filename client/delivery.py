@@ -2,19 +2,15 @@
 
 ``ConsumerCore`` holds every decision of a consumer, fed PULL answers and
 times; ``Consumer`` (trio) only moves bytes around it (``BlockingConsumer``
-runs that same ``Consumer`` on a loop thread):
+runs that same ``Consumer`` on a loop thread). Its parts:
 
-- per realtime group and subject pulled (the subject, and the group's retry
-  subject ``%retry%<group>%<subject>`` where nacked messages come back) an
-  ``AckTracker``: the consumer's pull-log sequences as handed out, the
-  contiguous settled prefix, and the acked / nacked ranges not sent yet
-  (merged, so many acks travel as a few ``[start, end)`` ranges; nacks kept
-  apart by the retry delay the ``RetryPolicy`` gives their ``attempts``);
-- a ``TagFilter``: the server filters by a 64-bit mask, which lets through
-  tags that share a bit, so the exact check runs here; a message whose tags do
-  not match is acked silently and never shown;
-- ``FlowControl``: messages and bytes held (pulled, not yet acked or nacked);
-  pulls stop while either cap is reached.
+- per realtime group (``GroupLink``) and subject pulled (the subject, and the
+  group's retry subject ``%retry%<group>%<subject>`` where nacked messages come
+  back) an ``AckTracker`` (``delaymq.client.acks``): the pull log as handed out
+  and the acks and nacks not sent yet;
+- a ``TagFilter`` and ``FlowControl`` (``delaymq.client.flow``): the exact tag
+  check the server's bitmask only narrows, and the caps on what is held;
+- the messages it hands out, ``ReceivedMessage`` (``delaymq.client.received``).
 
 Held messages are keyed by (group, subject, epoch, sequence): settling one twice is a
 no-op, and an answer showing that a server lost the tail of its pull log (it
@@ -24,19 +20,28 @@ numbering are never sent against the new one.
 
 from __future__ import annotations
 
-import os
-import socket
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import KW_ONLY, dataclass, field
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, NamedTuple
+from typing import Any
 
-from delaymq.client.messages import seconds_to_ms
-from delaymq.client.retry import DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_DELAYS, RetryNack, RetryPolicy
+from delaymq.client.acks import AckTracker, Settlement, SettleRequest
+from delaymq.client.consumeroptions import (
+    DEFAULT_FETCH_AHEAD,
+    checked_broadcast,
+    checked_group,
+    checked_start,
+    default_consumer_id,
+    fetch_ahead_ms,
+    retry_subject_of,
+)
+from delaymq.client.flow import FlowControl, TagFilter
+from delaymq.client.received import ReceivedMessage
+from delaymq.client.retry import DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_DELAYS, RetryPolicy
 from delaymq.net.limits import DEFAULT_LIMITS, Limits
 from delaymq.protocol.backoff import Backoff, BackoffRun, RandomSource
-from delaymq.protocol.errors import LocalProtocolError, RemoteProtocolError
-from delaymq.protocol.fields import PULL_STARTS, check_int, check_name
+from delaymq.protocol.errors import RemoteProtocolError
+from delaymq.protocol.fields import check_int, check_name
 from delaymq.protocol.limits import (
     DEFAULT_POLL_MS,
     FRAME_RESERVE,
@@ -46,230 +51,8 @@ from delaymq.protocol.limits import (
     MAX_PULL_AHEAD_MS,
     MiB,
 )
-from delaymq.protocol.ranges import AckRanges, RangeSet
-from delaymq.protocol.records import decode_batch
-from delaymq.protocol.subjects import group_problem, original_subject, retry_subject, retry_subject_problem
-
-
-def default_consumer_id() -> str:
-    """host-pid-random: unique per consumer, readable in server statistics."""
-    return f"{socket.gethostname()[:200]}-{os.getpid()}-{os.urandom(4).hex()}"
-
-
-# ----------------------------------------------------------------------- acks
-
-
-class AckTracker:
-    """A consumer's pull log on one realtime group, as the client sees it.
-
-    ``acked`` is the contiguous settled prefix (everything below it is acked,
-    nacked or filtered); ``end`` the next sequence the server will hand out.
-    ``to_ack`` / ``to_nack`` are the settled ranges not yet sent (``to_nack``:
-    give back at once); ``to_retry`` the nacked ranges to re-schedule, by what
-    their NACK asks for (one NACK carries one delay, so ranges are kept apart
-    by it).
-    """
-
-    __slots__ = ("end", "epoch", "started", "_settled", "to_ack", "to_nack", "to_retry")
-
-    def __init__(self) -> None:
-        self.end = 0
-        self.epoch = 0
-        self.started = False
-        self._settled = AckRanges()  # the settled prefix, and settled sequences above it
-        self.to_ack = RangeSet()
-        self.to_nack = RangeSet()
-        self.to_retry: dict[RetryNack, RangeSet] = {}
-
-    def handed(self, start: int, count: int, server_acked: int) -> tuple[int, int] | None:
-        """Take a PULL answer's ``[start, start + count)``.
-
-        Returns a gap ``[end, start)`` the server handed to this consumer but
-        this process never saw (a pull whose answer was lost, or an earlier run
-        under the same consumer id); it is queued as a nack so the group gets
-        it back at once instead of after the ack timeout.
-        """
-        if not self.started or start < self.end:
-            if self.started:  # the server re-numbered: it lost the tail of our pull log
-                self.epoch += 1
-                self.to_ack.take()
-                self.to_nack.take()
-                self.to_retry.clear()
-            self.started = True
-            self._settled = AckRanges(min(server_acked, start))
-            self.end = self.acked
-        gap = None
-        if start > self.end:
-            gap = (self.end, start)
-            self._settled.mark(*gap)
-            self.to_nack.add(*gap)
-        self.end = max(self.end, start + count)
-        return gap
-
-    def settle(self, sequence: int, *, ack: bool, retry: RetryNack | None = None) -> bool:
-        """Mark one sequence acked (or nacked); False if it was settled already or never handed.
-
-        A nack with ``retry`` is re-scheduled as it says; without, given back at once.
-        """
-        if sequence >= self.end or self._settled.is_done(sequence):
-            return False
-        self._settled.mark(sequence, sequence + 1)
-        if ack:
-            self.to_ack.add(sequence, sequence + 1)
-        elif retry is None:
-            self.to_nack.add(sequence, sequence + 1)
-        else:
-            self.retry_ranges(retry).add(sequence, sequence + 1)
-        return True
-
-    def retry_ranges(self, retry: RetryNack) -> RangeSet:
-        ranges = self.to_retry.get(retry)
-        if ranges is None:
-            ranges = self.to_retry[retry] = RangeSet()
-        return ranges
-
-    def take_retries(self) -> list[tuple[RetryNack, list[tuple[int, int]]]]:
-        """The retry nacks not sent yet, by what they ask for; the tracker forgets them."""
-        taken = [(retry, ranges.take()) for retry, ranges in self.to_retry.items() if ranges]
-        self.to_retry.clear()
-        return taken
-
-    @property
-    def acked(self) -> int:
-        """Everything below it is settled."""
-        return self._settled.acked
-
-    @property
-    def pending(self) -> bool:
-        return bool(self.to_ack) or bool(self.to_nack) or any(self.to_retry.values())
-
-    def outstanding(self) -> int:
-        """Sequences handed out and not settled."""
-        return self.end - self.acked - self._settled.done_above()
-
-
-# ----------------------------------------------------------------- tags, flow
-
-
-class TagFilter:
-    """The exact any-of tag check (the server's bitmask only narrows)."""
-
-    __slots__ = ("tags", "wire")
-
-    def __init__(self, tags: Iterable[str], limits: Limits = DEFAULT_LIMITS) -> None:
-        if isinstance(tags, str):
-            raise LocalProtocolError("tags is a str, not a sequence of str", code="bad_value", field="tags")
-        wanted = list(dict.fromkeys(check_name(tag, "tag", limits.max_tag) for tag in tags))
-        if len(wanted) > limits.max_tags:
-            raise LocalProtocolError(
-                f"{len(wanted)} tags, limit {limits.max_tags}", code="limit", field="tags", limit=limits.max_tags
-            )
-        self.wire = wanted  # what PULL asks the server for
-        self.tags = frozenset(wanted)
-
-    def matches(self, tags: Iterable[str]) -> bool:
-        if not self.tags:
-            return True
-        wanted = self.tags
-        return any(tag in wanted for tag in tags)
-
-
-class FlowControl:
-    """Messages and bytes held: pulled and not yet settled. Pulls stop at either cap.
-
-    Bytes are message bodies. A pull asks for at most the room left, but a
-    server hands out at least one message however large, so ``held_bytes``
-    may pass its cap by one message.
-    """
-
-    __slots__ = ("max_messages", "max_bytes", "messages", "bytes")
-
-    def __init__(self, max_messages: int, max_bytes: int) -> None:
-        self.max_messages = check_int(max_messages, "max_messages_held", 1, 1 << 40)
-        self.max_bytes = check_int(max_bytes, "max_bytes_held", 1, 1 << 50)
-        self.messages = 0
-        self.bytes = 0
-
-    def room(self) -> tuple[int, int] | None:
-        """(messages, bytes) a pull may still bring in; None when a cap is reached."""
-        messages = self.max_messages - self.messages
-        size = self.max_bytes - self.bytes
-        if messages <= 0 or size <= 0:
-            return None
-        return messages, size
-
-    def take(self, count: int, size: int) -> None:
-        self.messages += count
-        self.bytes += size
-
-    def release(self, count: int, size: int) -> None:
-        self.messages -= count
-        self.bytes -= size
-
-
-# ------------------------------------------------------------------ messages
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class ReceivedMessage:
-    """A message handed to this consumer; settle it with ``ack()`` or ``nack()``.
-
-    From a trio ``Consumer`` ``ack()``/``nack()`` are awaited; from a
-    ``BlockingConsumer`` they are plain calls. ``received_at``, ``deliver_at``
-    and ``created_at`` are epoch milliseconds (UTC); ``received_at`` is when it
-    reached this process, or, for one that waited in it (fetched ahead of its
-    ``deliver_at``), when it was released to the application. ``server_group`` and
-    ``sequence`` say where it sits in this consumer's pull log. A message that
-    came back after a nack keeps its id and ``subject``; ``attempts`` counts
-    the deliveries before this one, ``deliver_at`` is when the retry was due,
-    and ``pulled_subject`` is the group's retry subject it was pulled from.
-    """
-
-    id: str
-    subject: str
-    tags: tuple[str, ...]
-    properties: dict[str, Any]
-    body: bytes
-    deliver_at: int
-    created_at: int
-    attempts: int
-    received_at: int
-    server_group: str
-    sequence: int
-    _: KW_ONLY
-    pulled_subject: str = ""  # "" or ``subject``: pulled from the subject itself
-    epoch: int = field(default=0, repr=False)
-    settle: Callable[[ReceivedMessage, bool], Any] | None = field(default=None, repr=False)
-
-    def ack(self) -> Any:
-        """Done with it: the group will not hand it out again."""
-        return self._settle(True)
-
-    def nack(self) -> Any:
-        """Not done: it comes back after the group's next retry delay, or goes to the dead letters.
-
-        The dead-letter subject ``%dead%<group>%<subject>`` takes it after the
-        consumer's ``max_attempts``-th delivery. A broadcast consumer gets it
-        back at once.
-        """
-        return self._settle(False)
-
-    def _settle(self, ack: bool) -> Any:
-        if self.settle is None:
-            raise RuntimeError("this message was not received from a consumer")
-        return self.settle(self, ack)
-
-    @property
-    def lateness_ms(self) -> int:
-        """How long after its ``deliver_at`` it reached the application (``received_at``)."""
-        return self.received_at - self.deliver_at
-
-    def text(self) -> str:
-        """The body as UTF-8 text (``UnicodeDecodeError`` if it is not)."""
-        return self.body.decode()
-
-
-# ------------------------------------------------------------------- the core
+from delaymq.protocol.records import Message, decode_batch
+from delaymq.protocol.subjects import original_subject
 
 #: The wait after a failed pull, before that subject is pulled from that group again.
 #: "Equal" jitter: at least half the ceiling, so a consumer never pulls a group that is
@@ -288,23 +71,6 @@ SETTLE_BACKOFF = Backoff(initial_ms=100, maximum_ms=5_000, jitter="equal")
 SETTLE_INTERVAL = 0.25
 #: At most this many ACK/NACK requests of one round on the way at once (each is one range).
 SETTLE_CONCURRENCY = 16
-#: How long before their ``deliver_at`` a consumer takes messages a scheduler sent ahead
-#: (seconds; it holds them until due): more than a scheduler's default send-ahead and
-#: send interval (100 + 60 ms), so a PULL takes a SEND's records as they are stored.
-DEFAULT_FETCH_AHEAD = 0.2
-
-
-def fetch_ahead_ms(seconds: float | timedelta) -> int:
-    """``fetch_ahead`` (seconds or a timedelta) as the PULL's ``ahead_ms``; refused beyond 0..1 s."""
-    ms = seconds_to_ms(seconds, name="fetch_ahead", field="fetch_ahead")
-    if not 0 <= ms <= MAX_PULL_AHEAD_MS:
-        raise LocalProtocolError(
-            f"fetch_ahead is {seconds!r} s; give 0 to {MAX_PULL_AHEAD_MS / 1000:g} s",
-            code="limit",
-            field="fetch_ahead",
-            limit=MAX_PULL_AHEAD_MS,
-        )
-    return ms
 
 
 def _pull_backoffs(random: RandomSource | None = None) -> tuple[BackoffRun, BackoffRun]:
@@ -327,36 +93,6 @@ class GroupLink:
     def tracker(self) -> AckTracker:
         """The subject's pull log (``trackers[1]`` is the retry subject's)."""
         return self.trackers[0]
-
-
-class SettleRequest(NamedTuple):
-    """One ACK or NACK of a pull-log range; a NACK's ``retry`` says what it asks for (None: at once)."""
-
-    ack: bool
-    start: int
-    end: int
-    retry: RetryNack | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Settlement:
-    """Acks and nacks to send to one group for one subject (taken from its tracker)."""
-
-    group: str
-    address: str
-    epoch: int
-    acks: list[tuple[int, int]]
-    nacks: list[tuple[int, int]]  # give back at once
-    retries: list[tuple[RetryNack, list[tuple[int, int]]]] = field(default_factory=list)
-    subject: str = ""
-    retry_lane: bool = False  # the ranges are of the group's retry subject
-
-    def requests(self) -> list[SettleRequest]:
-        """Every request, in sending order: nacks first (the group gets them back sooner), then acks."""
-        out = [SettleRequest(False, start, end) for start, end in self.nacks]
-        out += [SettleRequest(False, start, end, retry) for retry, ranges in self.retries for start, end in ranges]
-        out += [SettleRequest(True, start, end) for start, end in self.acks]
-        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -409,22 +145,13 @@ class ConsumerCore:
         random: RandomSource | None = None,
     ) -> None:
         self.subject = check_name(subject, "subject", limits.max_subject)
-        self.group = check_name(group, "group", MAX_NAME)
-        problem = group_problem(group)
-        if problem:
-            raise LocalProtocolError(problem, code="bad_value", field="group")
+        self.group = checked_group(group)
         self.consumer_id = check_name(
             default_consumer_id() if consumer_id is None else consumer_id, "consumer_id", MAX_NAME
         )
         self.filter = TagFilter(tags, limits)
-        if type(broadcast) is not bool:
-            raise LocalProtocolError(f"broadcast is {broadcast!r}, not a bool", code="bad_value", field="broadcast")
-        self.broadcast = broadcast
-        if start not in PULL_STARTS:
-            raise LocalProtocolError(
-                f"start is {start!r}, must be 'latest' or 'earliest'", code="bad_value", field="start"
-            )
-        self.start = start
+        self.broadcast = checked_broadcast(broadcast)
+        self.start = checked_start(start)
         self.flow = FlowControl(max_messages_held, max_bytes_held)
         self.pull_batch = check_int(pull_batch, "pull_batch", 1, MAX_PULL)
         self.poll_timeout_ms = check_int(poll_timeout_ms, "poll_timeout_ms", 0, MAX_POLL_MS)
@@ -432,17 +159,7 @@ class ConsumerCore:
         self.fetch_ahead_ms = check_int(fetch_ahead_ms, "fetch_ahead_ms", 0, MAX_PULL_AHEAD_MS)
         self.retry_policy = RetryPolicy.from_options(retry_delays, max_attempts)
         #: Where nacked messages come back; None for a broadcast consumer (its nacks give back at once).
-        self.retry_subject: str | None = None
-        if not broadcast and retry_subject(group, subject) != subject:
-            problem = retry_subject_problem(group, subject, limits.max_subject)
-            if problem:
-                raise LocalProtocolError(
-                    f"{problem}; use a shorter subject or group",
-                    code="limit",
-                    field="subject",
-                    limit=limits.max_subject,
-                )
-            self.retry_subject = retry_subject(group, subject)
+        self.retry_subject = retry_subject_of(group, subject, broadcast=broadcast, limits=limits)
         self.limits = limits
         self.random = random  # the jitter of pull backoffs; None: random.random
         self.links: dict[str, GroupLink] = {}
@@ -536,21 +253,8 @@ class ConsumerCore:
         call, ``has_pending`` says whether acks wait to be sent.
         ``RemoteProtocolError`` for an answer that does not add up.
         """
-        link = self.links[name]
-        start, count, server_acked = (_answer_int(metadata, key) for key in ("pull_start", "count", "acked"))
-        messages = decode_batch(body, self.limits) if body else []
-        if len(messages) != count:
-            raise RemoteProtocolError(
-                f"PULL answer from group {name} says count {count} but carries {len(messages)} records",
-                code="bad_metadata",
-                field="count",
-            )
-        self._pulls += 1
-        link.backoffs[retry].reset()
-        tracker = link.trackers[retry]
-        gap = tracker.handed(start, count, server_acked)
-        if gap is not None:
-            self._gaps += gap[1] - gap[0]
+        start, server_acked, messages = self._decode_answer(name, metadata, body)
+        tracker = self._answered(self.links[name], retry, start, len(messages), server_acked)
         epoch = tracker.epoch
         out: list[ReceivedMessage] = []
         held = self._held
@@ -589,6 +293,28 @@ class ConsumerCore:
         if retry:
             self._received_retries += len(out)
         return out
+
+    def _decode_answer(self, name: str, metadata: Mapping[str, Any], body: bytes) -> tuple[int, int, list[Message]]:
+        """A PULL answer's ``pull_start``, ``acked`` and records; ``RemoteProtocolError`` if they disagree."""
+        start, count, server_acked = (_answer_int(metadata, key) for key in ("pull_start", "count", "acked"))
+        messages = decode_batch(body, self.limits) if body else []
+        if len(messages) != count:
+            raise RemoteProtocolError(
+                f"PULL answer from group {name} says count {count} but carries {len(messages)} records",
+                code="bad_metadata",
+                field="count",
+            )
+        return start, server_acked, messages
+
+    def _answered(self, link: GroupLink, retry: bool, start: int, count: int, server_acked: int) -> AckTracker:
+        """Count a pull that was answered; its subject's tracker, told what was handed out."""
+        self._pulls += 1
+        link.backoffs[retry].reset()
+        tracker = link.trackers[retry]
+        gap = tracker.handed(start, count, server_acked)
+        if gap is not None:
+            self._gaps += gap[1] - gap[0]
+        return tracker
 
     def pull_failed(self, name: str, *, retry: bool = False) -> int:
         """A pull got no answer or a refusal worth retrying; returns the backoff in ms."""
@@ -735,6 +461,7 @@ def _answer_int(metadata: Mapping[str, Any], key: str) -> int:
     return value
 
 
+# The core's parts are importable from here too: the consumer's names in one place.
 __all__ = [
     "DEFAULT_FETCH_AHEAD",
     "AckTracker",

@@ -263,88 +263,131 @@ async def run_registration(
     registration = Registration(
         {"incarnation": secrets.token_hex(8), **info}, interval_ms=interval_ms or DEFAULT_INTERVAL_MS
     )
-    full = {
-        name: registration.info[name] for name in (*INFO_FIELDS, "incarnation", "member") if name in registration.info
-    }
-    light = {"group": full["group"], "address": full["address"]}
-    where = f"{full['address']} (group {full['group']})"
-    current = 0
-    register = True
-    started = False
-    backoff = BackoffRun(_retry_policy(backoff_initial_ms, registration.heartbeat_interval_ms), random=random)
-    outage_since: int | None = None
-    refused: str | None = None
+    attempts = _Attempts(
+        registration, addresses, clock=clock, interval_ms=interval_ms, backoff_initial_ms=backoff_initial_ms,
+        random=random, replica=replica,
+    )  # fmt: skip
     while True:
-        address = addresses[current]
+        next_at = await attempts.attempt(peers)
+        if next_at is None:
+            continue  # the metaserver forgot this server: register at once
+        if not attempts.started:
+            attempts.started = True
+            task_status.started(registration)
+        await registration._wait_next(clock, next_at - clock.monotonic_ms())
+
+
+class _Attempts:
+    """The REGISTER and HEARTBEAT attempts of one ``run_registration``, and what they carry over:
+    which metaserver is asked, which command is next, the backoff, the outage under way."""
+
+    def __init__(
+        self,
+        registration: Registration,
+        addresses: Sequence[str],
+        *,
+        clock: Clock,
+        interval_ms: int | None,
+        backoff_initial_ms: int,
+        random: RandomSource | None,
+        replica: ReplicaState | None,
+    ) -> None:
+        self.registration = registration
+        self._addresses = addresses
+        self._clock = clock
+        self._interval_ms = interval_ms  # the caller's override of the metaserver's interval
+        self._backoff_initial_ms = backoff_initial_ms
+        self._replica = replica
+        info = registration.info
+        self._full = {name: info[name] for name in (*INFO_FIELDS, "incarnation", "member") if name in info}
+        self._light = {"group": self._full["group"], "address": self._full["address"]}
+        self._where = f"{self._full['address']} (group {self._full['group']})"
+        self._current = 0  # index of the metaserver asked
+        self._register = True  # REGISTER next (else HEARTBEAT)
+        self.started = False  # the first attempt is over: ``task_status.started`` was called
+        self._backoff = BackoffRun(_retry_policy(backoff_initial_ms, registration.heartbeat_interval_ms), random=random)
+        self._outage_since: int | None = None
+        self._refused: str | None = None  # the refusal last logged: a repeat is not logged again
+
+    async def attempt(self, peers: AsyncCaller) -> int | None:
+        """Send one REGISTER or HEARTBEAT; the monotonic ms the next one is due, or None for at once."""
+        registration, clock = self.registration, self._clock
+        address = self._addresses[self._current]
         registration.meta_address = address
-        command = Command.REGISTER if register else Command.HEARTBEAT
-        interval = interval_ms or registration.heartbeat_interval_ms
+        command = Command.REGISTER if self._register else Command.HEARTBEAT
+        interval = self._interval_ms or registration.heartbeat_interval_ms
         sent_at = clock.monotonic_ms()  # an interval: never from the wall clock
-        next_at = sent_at + interval
-        request = full if register else light
-        if replica is not None:
-            request = {**request, "replica": dict(replica())}
+        request = self._full if self._register else self._light
+        if self._replica is not None:
+            request = {**request, "replica": dict(self._replica())}
         try:
             frame = await peers.call(address, command, request, timeout=max(interval, 1_000) / 1000)
             registration._accept(command, frame.metadata, clock.now_ms())
         except PeerError as error:
-            if error.code == REGISTER_FIRST and not register:
-                log.info("metaserver %s does not know %s; registering again", address, where)
-                register = True
-                continue
-            registration._failures += 1
-            registration.registered = False
-            registration.superseded = error.code == SUPERSEDED
-            # A member id still live at its old address (a restart on a new one) waits for its
-            # eviction like a metaserver outage; any other refusal at start is the operator's to fix.
-            if not started and error.code != MEMBER_TAKEN:
-                raise RegistrationRefused(f"metaserver {address} refused to register {where}: {error}") from error
-            reason = str(error).removeprefix(f"{command.name}: ")  # the same refusal of either command
-            if reason != refused:
-                refused = reason
-                log.error("metaserver %s refused %s of %s: %s", address, command.name, where, reason)
-            register = True
-            next_at = clock.monotonic_ms() + _next_backoff_ms(backoff, backoff_initial_ms, interval)
+            if error.code == REGISTER_FIRST and not self._register:
+                log.info("metaserver %s does not know %s; registering again", address, self._where)
+                self._register = True
+                return None
+            return self._refused_by(address, command, error, interval)
         except (TransportError, RemoteProtocolError) as error:
-            registration._failures += 1
-            registration.registered = False
-            now = clock.monotonic_ms()
-            if outage_since is None:
-                outage_since = now
-                registration._outages += 1
-                log.warning("metaserver %s unreachable (%s); %s keeps retrying with backoff", address, error, where)
-            register = True  # it may come back without its data: REGISTER says everything
-            current = (current + 1) % len(addresses)
-            next_at = now + _next_backoff_ms(backoff, backoff_initial_ms, interval)
-        else:
-            if outage_since is not None:
-                log.info(
-                    "metaserver %s answers again after %.1f s; %s is %s",
-                    address,
-                    (clock.monotonic_ms() - outage_since) / 1000,
-                    where,
-                    "registered" if register else "heartbeating",
-                )
-            elif register:
-                log.info(
-                    "registered %s with metaserver %s: group state %s, master %s%s",
-                    where,
-                    address,
-                    registration.state,
-                    registration.master,
-                    "" if registration.role is None else f", {registration.role} at epoch {registration.epoch}",
-                )
-            outage_since = None
-            refused = None
-            register = False
-            backoff.reset()
-            # At the interval this answer named, from the first one on: a replicated group's
-            # master must not wait the default 5 s (its failover time) before its first heartbeat.
-            next_at = sent_at + (interval_ms or registration.heartbeat_interval_ms)
-        if not started:
-            started = True
-            task_status.started(registration)
-        await registration._wait_next(clock, next_at - clock.monotonic_ms())
+            return self._unreachable(address, error, interval)
+        return self._answered(address, sent_at)
+
+    def _refused_by(self, address: str, command: Command, error: PeerError, interval: int) -> int:
+        registration = self.registration
+        registration._failures += 1
+        registration.registered = False
+        registration.superseded = error.code == SUPERSEDED
+        # A member id still live at its old address (a restart on a new one) waits for its
+        # eviction like a metaserver outage; any other refusal at start is the operator's to fix.
+        if not self.started and error.code != MEMBER_TAKEN:
+            raise RegistrationRefused(f"metaserver {address} refused to register {self._where}: {error}") from error
+        reason = str(error).removeprefix(f"{command.name}: ")  # the same refusal of either command
+        if reason != self._refused:
+            self._refused = reason
+            log.error("metaserver %s refused %s of %s: %s", address, command.name, self._where, reason)
+        self._register = True
+        return self._clock.monotonic_ms() + _next_backoff_ms(self._backoff, self._backoff_initial_ms, interval)
+
+    def _unreachable(self, address: str, error: Exception, interval: int) -> int:
+        registration = self.registration
+        registration._failures += 1
+        registration.registered = False
+        now = self._clock.monotonic_ms()
+        if self._outage_since is None:
+            self._outage_since = now
+            registration._outages += 1
+            log.warning("metaserver %s unreachable (%s); %s keeps retrying with backoff", address, error, self._where)
+        self._register = True  # it may come back without its data: REGISTER says everything
+        self._current = (self._current + 1) % len(self._addresses)
+        return now + _next_backoff_ms(self._backoff, self._backoff_initial_ms, interval)
+
+    def _answered(self, address: str, sent_at: int) -> int:
+        registration = self.registration
+        if self._outage_since is not None:
+            log.info(
+                "metaserver %s answers again after %.1f s; %s is %s",
+                address,
+                (self._clock.monotonic_ms() - self._outage_since) / 1000,
+                self._where,
+                "registered" if self._register else "heartbeating",
+            )
+        elif self._register:
+            log.info(
+                "registered %s with metaserver %s: group state %s, master %s%s",
+                self._where,
+                address,
+                registration.state,
+                registration.master,
+                "" if registration.role is None else f", {registration.role} at epoch {registration.epoch}",
+            )
+        self._outage_since = None
+        self._refused = None
+        self._register = False
+        self._backoff.reset()
+        # At the interval this answer named, from the first one on: a replicated group's
+        # master must not wait the default 5 s (its failover time) before its first heartbeat.
+        return sent_at + (self._interval_ms or registration.heartbeat_interval_ms)
 
 
 def _retry_policy(initial_ms: int, interval_ms: int) -> Backoff:
