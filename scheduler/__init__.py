@@ -1,6 +1,11 @@
-"""delaymq.scheduler: the delay server (DESIGN.md section 2; docs/scheduler.md).
+"""delaymq.scheduler: the delay server (docs/architecture.md, "The delay path"; docs/scheduler.md).
 
-- ``server``: ``open_scheduler`` / ``Scheduler``: SCHEDULE and STATUS, replay, cleanup.
+- ``server``: ``open_scheduler`` / ``Scheduler``: the member's shell (roles, FETCH,
+  registration, crash scope) over ``settings`` (``SchedulerSettings``), ``store``
+  (``SchedulerStorage``: the data folder, cut-backs), ``current`` (the session now),
+  ``schedule`` (SCHEDULE), ``changes`` (CANCEL, MOVE, QUERY), ``housekeeping``
+  (cleanup, counters saved), ``status`` and ``counters`` (statistics, STATUS),
+  ``delivery`` (SEND to realtime); ``roles``: the master and slave sessions.
 - ``dispatcher``: ``Dispatcher``: loads hours and seconds, fires due messages, sends
   them to realtime servers, records them in the dispatch logs.
 - ``wheelset``: ``WheelSet``: the pure rules of what to open, load and fire next.

@@ -5,23 +5,24 @@ Each id is decided on the event loop with no await between looking and deciding
 a message is either delivered or cancelled, never both. A cancel or move holds the
 entries back from firing, appends one record to the write-ahead message log, and
 answers once it is durable (and replicated as the policy asks); replay then files
-it like a SCHEDULE. The ``Scheduler`` serves these through this mixin.
+it like a SCHEDULE. The ``Scheduler`` routes these commands to a ``ChangeHandler``.
 """
 
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 
+from delaymq.clock import Clock
 from delaymq.net.limits import Limits
 from delaymq.net.requests import Request
 from delaymq.protocol.cancel import Selector, parse_selector
 from delaymq.protocol.envelope import HEADER_SIZE
 from delaymq.protocol.records import redeliver_at
-from delaymq.replication.roles import NotMaster
-from delaymq.scheduler.cancels import Hold, RecentDispatches, ScheduledBatch, TailEntry, handed_out, look_up
+from delaymq.scheduler.cancels import Hold, RecentDispatches, TailEntry, handed_out, look_up
+from delaymq.scheduler.current import CurrentSession
 from delaymq.scheduler.hours import HOUR_MS
 from delaymq.scheduler.idindex import (
     CANCELLED,
@@ -36,62 +37,46 @@ from delaymq.scheduler.idindex import (
     move_record,
     record_subject,
 )
+from delaymq.scheduler.roles import MasterSession
+from delaymq.scheduler.schedulelog import ScheduleStore
 from delaymq.storage.errors import StorageError, storage_refusal
-
-if TYPE_CHECKING:
-    from delaymq.clock import Clock
-    from delaymq.scheduler.roles import MasterSession, SlaveSession
-    from delaymq.scheduler.schedulelog import ScheduleStore
-    from delaymq.scheduler.wheelset import WheelSet
-    from delaymq.storage.threads import RunBlocking
-    from delaymq.storage.writer import LogWriter
-
+from delaymq.storage.threads import RunBlocking
 
 #: Where each key's message is now: ``(state, its value or tail entry, in the dispatch log?)``.
 States = dict[str, tuple[str, Any, bool]]
 
 
-class ChangeCommands:
-    """The CANCEL, MOVE and QUERY handlers of a ``Scheduler``."""
+class ChangeHandler:
+    """Answers CANCEL, MOVE and QUERY on a master."""
 
-    if TYPE_CHECKING:  # what the handlers use of the Scheduler
-        group: str
-        recent: RecentDispatches
-        _clock: Clock
-        _limits: Limits
-        _run_blocking: RunBlocking
-        _writer: LogWriter | None
-        _replication_timeout_ms: int
+    def __init__(
+        self,
+        *,
+        current: CurrentSession,
+        clock: Clock,
+        limits: Limits,
+        run_blocking: RunBlocking,
+        recent: RecentDispatches,
+    ) -> None:
+        self._current = current
+        self._clock = clock
+        self._limits = limits
+        self._run_blocking = run_blocking
+        #: When realtime accepted the latest dispatches (the answers' ``dispatched_at``).
+        self._recent = recent
 
-        @property
-        def address(self) -> str: ...
-        @property
-        def store(self) -> ScheduleStore: ...
-        @property
-        def wheels(self) -> WheelSet: ...
-        @property
-        def session(self) -> MasterSession | SlaveSession | None: ...
-        def _master(self, what: str) -> MasterSession: ...
-        async def _logged(
-            self,
-            session: MasterSession,
-            entries: list[tuple[str, TailEntry]] | ScheduledBatch,
-            end: int,
-            command: str,
-        ) -> None: ...
-
-    async def _cancel(self, request: Request) -> dict[str, Any]:
+    async def cancel(self, request: Request) -> dict[str, Any]:
         return await self._change(request, "CANCEL")
 
-    async def _move(self, request: Request) -> dict[str, Any]:
+    async def move(self, request: Request) -> dict[str, Any]:
         return await self._change(request, "MOVE")
 
-    async def _query(self, request: Request) -> dict[str, Any]:
-        session = self._master("QUERY")
+    async def query(self, request: Request) -> dict[str, Any]:
+        session = self._current.master("QUERY")
         selector = parse_selector(request.metadata, command="QUERY", limits=self._limits)
         keys = await self._selected(session, selector)
         if selector.key is None:  # by key, ``_selected`` read the pages already
-            await self._run_blocking(partial(look_up, self.store, keys))  # the pages, for the look below
+            await self._run_blocking(partial(look_up, self._current.store, keys))  # the pages, for the look below
         states = self._states_now(session, keys)
         while not _carry_key(selector, states):  # an id goes to another message once filed
             await self._next_filing(session, "QUERY")
@@ -102,9 +87,9 @@ class ChangeCommands:
             state, value, _logged = states[k]
             answer: dict[str, Any] = {"id": message_id_of(k), "state": "scheduled" if state == "unfiled" else state}
             if value is not None:
-                answer.update(deliver_at=value.deliver_at, hour=value.deliver_at // HOUR_MS, group=self.group)
+                answer.update(deliver_at=value.deliver_at, hour=value.deliver_at // HOUR_MS, group=self._current.group)
                 if state == "delivered" and isinstance(value, IdEntry):
-                    at = self.recent.get(value.hour, value.entry)
+                    at = self._recent.get(value.hour, value.entry)
                     if at is not None:
                         answer["dispatched_at"] = at
             results.append(answer)
@@ -118,7 +103,9 @@ class ChangeCommands:
         tail = session.tail
         epoch = tail.begin_lookup()
         try:
-            found = await self._run_blocking(partial(_ids_and_pages, self.store, selector.subject, selector.key))
+            found = await self._run_blocking(
+                partial(_ids_and_pages, self._current.store, selector.subject, selector.key)
+            )
         finally:
             tail.end_lookup(epoch)
         hashed = key_hash(selector.subject, selector.key)
@@ -141,7 +128,7 @@ class ChangeCommands:
         to a lane) or "scheduled"."""
         out: dict[str, tuple[str, IdEntry | TailEntry | None, bool]] = {}
         appending, cancelling = session.appending, session.cancelling
-        tail, checkpoint = session.tail, self.store.checkpoint
+        tail, checkpoint = session.tail, self._current.store.checkpoint
         indexed: list[str] = []
         for key in keys:
             if key in appending or key in cancelling:
@@ -153,8 +140,8 @@ class ChangeCommands:
             else:
                 indexed.append(key)
         if indexed:
-            wheels = self.wheels
-            for key, (value, logged) in zip(indexed, look_up(self.store, indexed)):
+            wheels = self._current.wheels
+            for key, (value, logged) in zip(indexed, look_up(self._current.store, indexed)):
                 if value is None:
                     out[key] = ("unknown", None, False)
                 elif value.state == CANCELLED:
@@ -168,7 +155,7 @@ class ChangeCommands:
     async def _change(self, request: Request, command: str) -> dict[str, Any]:
         """CANCEL or MOVE: decide each id on the event loop, hold what is to change back from
         firing, append one record, answer once it is durable (docs/cancel.md)."""
-        session = self._master(command)
+        session = self._current.master(command)
         move = command == "MOVE"
         selector = parse_selector(
             request.metadata, command=command, limits=self._limits, now_ms=self._clock.now_ms(), move=move
@@ -178,7 +165,7 @@ class ChangeCommands:
         results = self._answers(command, keys, states, selector.deliver_at)
         if not changing:
             return {"results": results}
-        assert session.holds is not None and self._writer is not None
+        assert session.holds is not None
         holds: list[Hold] = []
         for k in changing:
             value = states[k][1]
@@ -193,7 +180,7 @@ class ChangeCommands:
         done = session.cancelling.start(changing)
         try:
             with trio.CancelScope(shield=True):  # once handed to the writer it may reach the log
-                offset = await self._writer.append(data)
+                offset = await self._current.writer.append(data)
         except BaseException as error:
             with trio.CancelScope(shield=True):
                 await session.holds.release(holds)  # not in the log: they fire after all
@@ -208,13 +195,8 @@ class ChangeCommands:
             assert selector.deliver_at is not None
             entries = _moved_entries(changing, states, read, offset, end, selector.deliver_at)
         else:
-            entries = []
-            for k in changing:
-                value = states[k][1]
-                assert isinstance(value, IdEntry)
-                subject = read[k][2] if k in read else None
-                entries.append((k, TailEntry(value.deliver_at, offset, end, CANCELLED, value.key_hash, subject)))
-        await self._logged(session, entries, end, command)
+            entries = _cancelled_entries(changing, states, read, offset, end)
+        await self._current.logged(session, entries, end, command)
         return {"results": results}
 
     async def _decide(
@@ -229,10 +211,9 @@ class ChangeCommands:
         warm = selector.key is not None  # by key, ``_selected`` read the pages already
         while True:
             if not warm:
-                await self._run_blocking(partial(look_up, self.store, keys))  # the pages, for the look below
+                await self._run_blocking(partial(look_up, self._current.store, keys))  # the pages, for the look below
             warm = False
-            if self.session is not session or not session.accepting:
-                raise NotMaster(f"{command}: scheduler {self.address or '-'} stopped being master; ask the metaserver")
+            self._current.check_master(session, command)
             states = self._states_now(session, keys)
             if not _carry_key(selector, states):  # an id goes to another message once filed
                 await self._next_filing(session, command)
@@ -253,7 +234,7 @@ class ChangeCommands:
                 return keys, states, changing, read
             places = [_place(states[k][1]) for k in wanted]
             reader = _read_records if move else _subjects
-            got: list[Any] = await self._run_blocking(partial(reader, self.store, places))
+            got: list[Any] = await self._run_blocking(partial(reader, self._current.store, places))
             read.update((k, (hour, entry, item)) for k, (hour, entry), item in zip(wanted, places, got))
             # decide again: nothing may have changed while reading
 
@@ -269,8 +250,8 @@ class ChangeCommands:
         entry = states[k][1]
         assert isinstance(entry, TailEntry)
         session.replay_alarm.poke()
-        with trio.move_on_after(self._replication_timeout_ms / 1000) as waited:
-            while self.store.checkpoint < entry.end and self.session is session:
+        with trio.move_on_after(self._current.replication_timeout_ms / 1000) as waited:
+            while self._current.store.checkpoint < entry.end and self._current.session is session:
                 await session.step_filed.wait()
         if waited.cancelled_caught:
             raise storage_refusal(
@@ -281,7 +262,7 @@ class ChangeCommands:
     async def _next_filing(self, session: MasterSession, command: str) -> None:
         """Wait for replay's next step (the keys a request selected are then looked up again)."""
         session.replay_alarm.poke()
-        with trio.move_on_after(self._replication_timeout_ms / 1000) as waited:
+        with trio.move_on_after(self._current.replication_timeout_ms / 1000) as waited:
             await session.step_filed.wait()
         if waited.cancelled_caught:
             raise storage_refusal(
@@ -308,7 +289,7 @@ class ChangeCommands:
             elif value is not None and answer["state"] != "unknown":
                 answer["deliver_at"] = value.deliver_at
             if state == "delivered" and isinstance(value, IdEntry):
-                at = self.recent.get(value.hour, value.entry)
+                at = self._recent.get(value.hour, value.entry)
                 if at is not None:
                     answer["dispatched_at"] = at
             out.append(answer)
@@ -344,6 +325,23 @@ def _subjects(store: ScheduleStore, places: list[Any]) -> list[str | None]:
     return [None if subject is None else subject.decode() for subject in filed_subjects(store.directory, values)]
 
 
+def _cancelled_entries(
+    changing: list[str],
+    states: States,
+    read: dict[str, tuple[int | None, int | None, Any]],
+    offset: int,
+    end: int,
+) -> list[tuple[str, TailEntry]]:
+    """The tail's entries for a CANCEL record at ``offset``: each message cancelled, with its subject if read."""
+    entries = []
+    for k in changing:
+        value = states[k][1]
+        assert isinstance(value, IdEntry)
+        subject = read[k][2] if k in read else None
+        entries.append((k, TailEntry(value.deliver_at, offset, end, CANCELLED, value.key_hash, subject)))
+    return entries
+
+
 def _moved_entries(
     changing: list[str],
     states: States,
@@ -374,4 +372,4 @@ def _place(value: object) -> tuple[int, int] | tuple[None, None]:
     return (value.hour, value.entry) if isinstance(value, IdEntry) else (None, None)
 
 
-__all__ = ["ChangeCommands"]
+__all__ = ["ChangeHandler"]

@@ -1,5 +1,9 @@
 """What a scheduler tells about itself: ``statistics()`` and the STATUS command's answer.
 
+``take_statistics`` assembles a ``SchedulerStatistics`` snapshot from a member and its
+session; its nested parts (``ReplicationStatistics``, ``FsyncDurations``, ``LogBytes``)
+are typed, and read as the maps they are on the wire (``WireMap``).
+
 STATUS (command 14, the code the metaserver's STATUS uses) takes ``{hours?}`` (how
 many hours to list, default 48) and answers::
 
@@ -21,18 +25,143 @@ checkpoint and the message log's end.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, fields, is_dataclass
 from typing import Any
 
 from delaymq.protocol.errors import RemoteProtocolError
+from delaymq.replication.source import ReplicaProgress
+from delaymq.scheduler.counters import COUNTERS_DB, COUNTERS_KEY, SchedulerCounters
+from delaymq.scheduler.current import SessionRole
+from delaymq.scheduler.dispatcher import DispatcherStatistics
 from delaymq.scheduler.hours import hour_name
-from delaymq.storage.state import pack, unpack
+from delaymq.scheduler.roles import Member
+from delaymq.scheduler.schedulelog import ScheduleStore
+from delaymq.scheduler.wheelset import WheelSet
+from delaymq.storage.writer import LogWriter
 from delaymq.wheel import HOUR_MS, Tick
 
 #: Hours a STATUS answer lists unless asked otherwise, and at most.
 DEFAULT_STATUS_HOURS = 48
 MAX_STATUS_HOURS = 20_000
+
+
+class WireMap(Mapping[str, Any]):
+    """A typed part of a statistics snapshot that reads as the map it is on the wire
+    (``to_wire``): the metrics and ``delaymq status`` read it by key, as they read the
+    realtime server's."""
+
+    __slots__ = ()
+
+    def to_wire(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def __getitem__(self, key: str) -> Any:
+        return self.to_wire()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.to_wire())
+
+    def __len__(self) -> int:
+        return len(self.to_wire())
+
+
+# eq=False: equal to a map with the same items (``Mapping.__eq__``), as the dict it was.
+@dataclass(frozen=True, slots=True, eq=False)
+class MasterReplication(WireMap):
+    """A master's part of ``ReplicationStatistics``."""
+
+    high_watermark: int  # message-log offset every in-sync slave holds
+    replicas: tuple[ReplicaProgress, ...]
+    accepting: bool  # False while handing over
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "high_watermark": self.high_watermark,
+            "replicas": [asdict(replica) for replica in self.replicas],
+            "accepting": self.accepting,
+        }
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class SlaveReplication(WireMap):
+    """A slave's part of ``ReplicationStatistics``."""
+
+    master_durable_end: int
+    lag_bytes: int  # of the master's durable log, not held here yet
+    tick_age_ms: int | None  # since the master's last tick came (None: none yet)
+    tick_behind_ms: int | None  # the held tick behind this member's clock
+    held_dispatch_entries: int  # the master's dispatch records waiting for their entries to be filed
+    fetches: int
+    fetch_failures: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {item.name: getattr(self, item.name) for item in fields(self)}
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ReplicationStatistics(WireMap):
+    """A member's replication state; on the wire one map, the master's or slave's keys after the common ones."""
+
+    mode: str  # "sync" | "async"
+    min_insync: int
+    durable_end: int
+    history: tuple[tuple[int, int], ...]  # (epoch, start offset) of each epoch
+    cut_records: int
+    cut_bytes: int
+    master: MasterReplication | None = None
+    slave: SlaveReplication | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        wire: dict[str, Any] = {
+            "mode": self.mode,
+            "min_insync": self.min_insync,
+            "durable_end": self.durable_end,
+            "history": list(self.history),
+            "cut_records": self.cut_records,
+            "cut_bytes": self.cut_bytes,
+        }
+        if self.master is not None:
+            wire.update(self.master.to_wire())
+        if self.slave is not None:
+            wire.update(self.slave.to_wire())
+        return wire
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class LogBytes(WireMap):
+    """Bytes on disk besides the message log's, counted (not walked per snapshot)."""
+
+    schedule: int  # the hours' schedule logs, delay indexes and heads tables
+    dispatch: int  # the dispatch logs
+
+    @classmethod
+    def of(cls, store: ScheduleStore) -> LogBytes:
+        sizes = store.log_bytes()
+        return cls(schedule=sizes["schedule"], dispatch=sizes["dispatch"])
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"schedule": self.schedule, "dispatch": self.dispatch}
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class FsyncDurations(WireMap):
+    """How long fsyncs take, µs, by log; each a ``LatencyHistogram.to_wire`` map."""
+
+    message: dict[str, Any] | None  # the message log's group commit (None: no writer open)
+    schedule: dict[str, Any]  # each of filing's (``filing_fsyncs``)
+    dispatch: dict[str, Any]  # each dispatch-log flush
+
+    @classmethod
+    def of(cls, store: ScheduleStore, writer: LogWriter | None) -> FsyncDurations:
+        filing = store.fsync_durations_us()
+        message = writer.fsync_durations_us() if writer is not None else None
+        return cls(message=message, schedule=filing["schedule"], dispatch=filing["dispatch"])
+
+    def to_wire(self) -> dict[str, Any]:
+        wire = {} if self.message is None else {"message": self.message}
+        wire.update(schedule=self.schedule, dispatch=self.dispatch)
+        return wire
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +173,7 @@ class SchedulerStatistics:
     role: str  # "master", "slave" or "waiting"
     epoch: int  # the group epoch of the member's session (0: standalone)
     master: str | None  # the group's master as the metaserver names it
-    replication: dict[str, Any]  # mode, min_insync, offsets; a master's replicas, a slave's lag and tick
+    replication: ReplicationStatistics
     # Counters: totals since the data folder was created (``SchedulerCounters``).
     schedule_requests: int  # SCHEDULE requests answered
     scheduled: int  # records accepted into the message log
@@ -85,64 +214,119 @@ class SchedulerStatistics:
     in_outage: bool  # delivery to realtime is failing right now
     deleted_hours: int  # hours removed past their retention
     deleted_segments: int  # message-log segments removed below the checkpoint
-    # How long fsyncs take, µs (``LatencyHistogram.to_wire``), by log: "message" (the message
-    # log's group commit), "schedule" (each of filing's: ``filing_fsyncs``), "dispatch" (each
-    # dispatch-log flush)
-    fsync_us: dict[str, dict[str, Any]] = field(default_factory=dict)
-    # Bytes on disk besides the message log's: "schedule" (the hours' schedule logs, delay
-    # indexes and heads tables), "dispatch" (dispatch logs); counted, not walked per snapshot
-    log_bytes: dict[str, int] = field(default_factory=dict)
+    fsync_us: FsyncDurations
+    log_bytes: LogBytes
     # SCHEDULE requests that waited for filing to catch up (``max_unfiled_bytes``) since start
     schedule_waits: int = 0
 
-
-@dataclass(frozen=True, slots=True)
-class SchedulerCounters:
-    """A member's totals since its data folder was created: what its lmdb state keeps
-    (``COUNTERS_DB``) and loads at start, plus what this process counted since."""
-
-    schedule_requests: int = 0
-    scheduled: int = 0
-    rewritten: int = 0
-    filed: int = 0
-    dispatched: int = 0
-    dispatch_batches: int = 0
-    dispatch_failures: int = 0
-    deleted_hours: int = 0
-    deleted_segments: int = 0
-    cut_records: int = 0
-    cut_bytes: int = 0
-
-    def __add__(self, other: SchedulerCounters) -> SchedulerCounters:
-        return SchedulerCounters(*(getattr(self, name) + getattr(other, name) for name in _COUNTER_NAMES))
-
-    def pack(self) -> bytes:
-        """The stored form: a msgpack map of name to count."""
-        return pack(asdict(self))
-
-    @classmethod
-    def unpack(cls, data: bytes) -> SchedulerCounters:
-        """Read the stored form; names it does not know are ignored, missing ones are 0
-        (another version wrote it). ``ValueError`` if it is not a map of counts."""
-        try:
-            stored = unpack(data)
-        except Exception as error:  # msgpack raises several kinds
-            raise ValueError(f"not msgpack: {error}") from None
-        if not isinstance(stored, dict):
-            raise ValueError(f"a {type(stored).__name__}, not a map")
-        counts = {}
-        for name in _COUNTER_NAMES:
-            value = stored.get(name, 0)
-            if type(value) is not int or value < 0:
-                raise ValueError(f"{name} is {value!r}, not a count")
-            counts[name] = value
-        return cls(**counts)
+    def to_wire(self) -> dict[str, Any]:
+        """The ``statistics`` map of a STATUS answer, field by field in order."""
+        return {item.name: _wire(getattr(self, item.name)) for item in fields(self)}
 
 
-_COUNTER_NAMES = tuple(field.name for field in fields(SchedulerCounters))
-#: Where the counters are kept in a scheduler's lmdb state (one key).
-COUNTERS_DB = "scheduler.counters"
-COUNTERS_KEY = b"totals"
+def _wire(value: Any) -> Any:
+    if isinstance(value, WireMap):
+        return value.to_wire()
+    if is_dataclass(value) and not isinstance(value, type):
+        return asdict(value)
+    return value
+
+
+def take_statistics(
+    *,
+    member: Member,
+    role: SessionRole,
+    wheels: WheelSet,
+    dispatch: DispatcherStatistics,
+    totals: SchedulerCounters,
+    master_address: str | None,
+    schedule_waits: int,
+) -> SchedulerStatistics:
+    """A snapshot of ``member`` in ``role``; ``unfiled_records`` is -1 (counting reads the log:
+    ``Scheduler.unfiled()``, STATUS). ``totals``: ``Scheduler.counters()``."""
+    message_log, store, writer, master = member.log, member.store, member.writer, role.master
+    segments = message_log.segments()
+    counts = wheels.counts()
+    filing = store.statistics()
+    tick = wheels.tick(member.clock.now_ms())
+    if role.slave is not None and role.slave.held_tick is not None:
+        tick = role.slave.held_tick.tick  # a slave's wheels are idle: the master's tick says where it is
+    return SchedulerStatistics(
+        address=member.address,
+        group=member.group,
+        role=role.name,
+        epoch=role.epoch,
+        master=master_address,
+        replication=_replication(member, role, totals),
+        schedule_requests=totals.schedule_requests,
+        scheduled=totals.scheduled,
+        rewritten=totals.rewritten,
+        message_log_end=message_log.end_offset,
+        checkpoint=store.checkpoint,
+        filed=totals.filed,
+        unfiled_bytes=max(0, message_log.end_offset - store.checkpoint),
+        unfiled_records=-1,
+        unfiled_exact=False,
+        message_log_bytes=sum(size for _base, size in segments),
+        message_log_segments=len(segments),
+        pending=(master.pending + master.filed - master.cancelled - dispatch.recorded) if master is not None else -1,
+        hours=counts.hours,
+        open_hours=counts.open_hours,
+        loaded=counts.scheduled + counts.in_flight,
+        buffered=counts.buffered,
+        cached_records=dispatch.cached_records,
+        delivered_held=dispatch.delivered_held,
+        heads_held_max=filing.heads_held_max,
+        tick=tick,
+        dispatched=totals.dispatched,
+        dispatch_batches=totals.dispatch_batches,
+        dispatch_failures=totals.dispatch_failures,
+        lateness_max_ms=dispatch.lateness_max_ms,
+        lateness_mean_ms=dispatch.lateness_mean_ms,
+        lateness_fired=dispatch.lateness_fired,
+        fire_rounds=dispatch.fire_rounds,
+        confirm_rounds=dispatch.confirm_rounds,
+        message_log_fsyncs=writer.statistics().fsyncs if writer is not None else 0,
+        filing_fsyncs=filing.fsyncs + filing.syncfs,
+        lanes=dispatch.lanes,
+        waiting=dispatch.waiting,
+        in_outage=dispatch.in_outage,
+        deleted_hours=totals.deleted_hours,
+        deleted_segments=totals.deleted_segments,
+        fsync_us=FsyncDurations.of(store, writer),
+        log_bytes=LogBytes.of(store),
+        schedule_waits=schedule_waits,
+    )
+
+
+def _replication(member: Member, role: SessionRole, totals: SchedulerCounters) -> ReplicationStatistics:
+    master = slave = None
+    if role.master is not None:
+        source = role.master.source.statistics()
+        master = MasterReplication(source.high_watermark, source.replicas, role.master.accepting)
+    if role.slave is not None:
+        fetched = role.slave.fetcher.statistics()
+        held = role.slave.held_tick
+        clock = member.clock
+        slave = SlaveReplication(
+            master_durable_end=fetched.master_durable_end,
+            lag_bytes=max(0, fetched.master_durable_end - member.log.flushed_offset),
+            tick_age_ms=None if held is None else clock.monotonic_ms() - held.received_ms,
+            tick_behind_ms=None if held is None else max(0, clock.now_ms() - held.master_now_ms),
+            held_dispatch_entries=member.records.held,
+            fetches=fetched.fetches,
+            fetch_failures=fetched.failures,
+        )
+    return ReplicationStatistics(
+        mode=member.mode,
+        min_insync=member.min_insync,
+        durable_end=member.log.flushed_offset,
+        history=tuple(member.history.entries),
+        cut_records=totals.cut_records,
+        cut_bytes=totals.cut_bytes,
+        master=master,
+        slave=slave,
+    )
 
 
 def parse_status_request(metadata: Mapping[str, Any]) -> int:
@@ -190,7 +374,7 @@ def status_answer(
             for hour, count in zip(hours, pending)
             if count > 0  # an open hour stays listed in the wheels until it has ended
         ],
-        "statistics": asdict(statistics),
+        "statistics": statistics.to_wire(),
     }
 
 
@@ -199,8 +383,15 @@ __all__ = [
     "COUNTERS_KEY",
     "DEFAULT_STATUS_HOURS",
     "MAX_STATUS_HOURS",
+    "FsyncDurations",
+    "LogBytes",
+    "MasterReplication",
+    "ReplicationStatistics",
     "SchedulerCounters",
     "SchedulerStatistics",
+    "SlaveReplication",
+    "WireMap",
     "parse_status_request",
     "status_answer",
+    "take_statistics",
 ]

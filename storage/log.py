@@ -502,6 +502,20 @@ class SegmentedLog:
             self._failure = error
             raise LogIOError(f"fsync of segment {segment.path.name} up to offset {target} failed: {error}") from error
 
+    def roll(self) -> bool:
+        """Start a new segment at the end now; False if the active segment is empty.
+
+        The active segment is fsynced first, as a roll by size does. Segments are
+        deleted whole and never the active one, so a writer whose load is too small
+        to fill a segment rolls to let what it no longer needs be deleted. Blocking.
+        """
+        with self._append_lock:
+            self._check_usable()
+            if not self._active.size:
+                return False
+            self._roll()
+            return True
+
     def _roll(self) -> _Segment:
         """Start a new segment at the current end (called under the append lock)."""
         old = self._active

@@ -39,6 +39,8 @@ from delaymq.storage.log import DEFAULT_SEGMENT_SIZE, SegmentedLog
 from delaymq.storage.state import StateStore
 from delaymq.storage.threads import run_inline
 
+from ..support.tasks import start_in_nursery
+
 META = "meta.test:1"
 SCHEDULER = "scheduler.test:1"
 #: 2025-06-15 14:00:00 UTC, an hour boundary: tests start here.
@@ -208,6 +210,11 @@ class Cluster:
                 yield scheduler
             finally:
                 self.net.remove(address)
+
+    async def start_member(self, address: str, **options: Any) -> Scheduler:
+        """A member (``scheduler(address, **options)``) in the cluster's nursery: its ``crash()`` ends only its own task."""
+        member: Scheduler = await start_in_nursery(self.nursery, self.scheduler(address, **options))
+        return member
 
     async def schedule_raw(self, records: list[bytes]) -> Frame:
         """SCHEDULE straight to the scheduler, past the producer's own checks."""

@@ -20,6 +20,8 @@ from delaymq.protocol.records import encode_message, new_message_id
 from delaymq.scheduler.cancels import RecentDispatches
 from delaymq.wheel import HOUR_MS
 
+from ..support.polling import wait_until
+
 SECOND = 1_000
 MINUTE = 60_000
 DAY = 86_400_000
@@ -334,29 +336,13 @@ async def test_a_cancel_racing_the_firing_second_is_either_delivered_or_cancelle
 A, B = "sched-a.test:1", "sched-b.test:1"
 
 
-async def wait_until(predicate: Any, *, timeout: float = 120) -> None:
-    """Poll a condition the servers reach by themselves (bounded; the clock autojumps)."""
-    with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(0.01)
-
-
-async def start_member(cluster: Any, address: str, **options: Any) -> Any:
-    async def run(*, task_status: Any) -> None:
-        async with cluster.scheduler(address, **options) as scheduler:
-            task_status.started(scheduler)
-            await trio.sleep_forever()
-
-    return await cluster.nursery.start(run)
-
-
 async def test_a_cancel_on_the_master_is_honoured_by_a_promoted_slave(
     sched: Any, tmp_path: Path, autojump_clock: Any
 ) -> None:
     async with sched.open_cluster(tmp_path, meta={"failover_after_ms": 5_000}) as cluster:
         receiver = cluster.receiver()
-        master = await start_member(cluster, A, min_insync=1)
-        slave = await start_member(cluster, B, min_insync=1)
+        master = await cluster.start_member(A, min_insync=1)
+        slave = await cluster.start_member(B, min_insync=1)
         await wait_until(lambda: master.role == "master" and slave.role == "slave")
         await wait_until(lambda: master.replica_info().get("in_sync") == [B])
         now = cluster.clock.now_ms()

@@ -20,30 +20,18 @@ from delaymq.replication.wire import FetchRequest
 from delaymq.scheduler.server import open_scheduler
 from delaymq.storage.threads import run_inline
 
+from ..support.tokens import PRODUCER, SHOP_TOKEN, token, tokens_toml
+
 EPOCH_MS = 1_749_996_000_000
 ADDRESS = "sched.test:1"
 GROUP = "sched-1"
-PRODUCER = "producer-secret-0123456789"
 OWN_GROUP = "own-group-secret-0123456789"
 OTHER_GROUP = "other-group-secret-0123456789"
-TOKENS = f"""
-[[token]]
-name = "shop"
-token = "{PRODUCER}"
-roles = ["producer"]
-
-[[token]]
-name = "sched-1-member"
-token = "{OWN_GROUP}"
-roles = ["server"]
-servers = ["scheduler:{GROUP}"]
-
-[[token]]
-name = "sched-2-member"
-token = "{OTHER_GROUP}"
-roles = ["server"]
-servers = ["scheduler:sched-2", "realtime:*"]
-"""
+TOKENS = tokens_toml(
+    SHOP_TOKEN,
+    token("sched-1-member", OWN_GROUP, ["server"], servers=[f"scheduler:{GROUP}"]),
+    token("sched-2-member", OTHER_GROUP, ["server"], servers=["scheduler:sched-2", "realtime:*"]),
+)
 
 
 async def fetch_as(nursery: trio.Nursery, scheduler: Any, token: str) -> tuple[dict[str, Any], bytes]:

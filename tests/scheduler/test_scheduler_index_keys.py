@@ -11,7 +11,7 @@ from typing import Any
 
 from delaymq.protocol.records import encode_message, scan_batch
 from delaymq.scheduler.idindex import SCHEDULED, ids_for_key, index_key, key_hash, lookup
-from delaymq.scheduler.server import _index_keys
+from delaymq.scheduler.schedule import index_keys
 
 from ..conftest import ScheduleFolder
 
@@ -48,7 +48,7 @@ def _expected() -> list[tuple[str, bytes | None]]:
 
 def test_the_schedule_path_names_each_shape_by_its_index_key_and_key_hash() -> None:
     batch = scan_batch(b"".join(_records()))
-    keys, hashes = _index_keys(batch)
+    keys, hashes = index_keys(batch)
     assert list(zip(keys, hashes)) == _expected()
 
 

@@ -1,4 +1,4 @@
-"""Memory stays flat as the scheduled backlog grows (DESIGN.md section 7): what the
+"""Memory stays flat as the scheduled backlog grows (docs/performance.md, "Scheduler memory and the backlog"): what the
 scheduler holds is bounded by the hours near now and by one replay step, never by the
 number of messages scheduled. Checked through the counts ``statistics()`` reports, not
 RSS (noisy)."""

@@ -17,22 +17,17 @@ import trio
 
 from delaymq.cli.status_command import format_scheduler
 from delaymq.clock import TrioClock
-from delaymq.net.connection import PeerUnavailable, TransportError
+from delaymq.net.connection import TransportError
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError
-from delaymq.protocol.frames import Frame
 from delaymq.protocol.records import encode_message
 from delaymq.scheduler.server import Scheduler
 
+from ..support.network import Partition
+from ..support.polling import wait_until
+
 A, B, C = "sched-a.test:1", "sched-b.test:1", "sched-c.test:1"
 SECOND = 1_000
-
-
-async def wait_until(predicate: Any, *, timeout: float = 120) -> None:
-    """Poll a condition the servers reach by themselves (bounded; the clock autojumps)."""
-    with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(0.01)
 
 
 def log_bytes(scheduler: Scheduler) -> bytes:
@@ -52,22 +47,6 @@ def hour_files(scheduler: Scheduler) -> dict[str, bytes]:
     }
 
 
-class Partition:
-    """A member's network with some addresses cut off (a partition, not a crash)."""
-
-    def __init__(self, net: Any) -> None:
-        self.net = net
-        self.cut: set[str] = set()
-
-    async def call(
-        self, address: str, command: int, metadata: dict[str, Any] | None = None, body: bytes = b"", *,
-        timeout: float | None = None,
-    ) -> Frame:  # fmt: skip
-        if address in self.cut:
-            raise PeerUnavailable(f"{address} is cut off", address=address)
-        return await self.net.call(address, command, metadata, body, timeout=timeout)
-
-
 async def schedule(cluster: Any, sched: Any, names: list[str], at: int, address: str) -> None:
     frame = await cluster.net.call(address, Command.SCHEDULE, {}, b"".join(sched.message(n, at) for n in names))
     assert frame.metadata["results"] == ["scheduled"] * len(names)
@@ -76,24 +55,12 @@ async def schedule(cluster: Any, sched: Any, names: list[str], at: int, address:
 META_OPTIONS = {"failover_after_ms": 5_000}
 
 
-async def start_member(cluster: Any, address: str, **options: Any) -> Scheduler:
-    """A member running in the cluster's nursery: its ``crash()`` ends only its own task."""
-
-    async def run(*, task_status: Any) -> None:
-        async with cluster.scheduler(address, **options) as scheduler:
-            task_status.started(scheduler)
-            await trio.sleep_forever()
-
-    member: Scheduler = await cluster.nursery.start(run)
-    return member
-
-
 async def start_pair(
     cluster: Any, *, master: dict[str, Any] | None = None, slave: dict[str, Any] | None = None, **both: Any
 ) -> tuple[Scheduler, Scheduler]:
     """Members A (first: master) and B (its slave), once A reports B in sync."""
-    first = await start_member(cluster, A, **both, **(master or {}))
-    second = await start_member(cluster, B, **both, **(slave or {}))
+    first = await cluster.start_member(A, **both, **(master or {}))
+    second = await cluster.start_member(B, **both, **(slave or {}))
     await wait_until(lambda: first.role == "master" and second.role == "slave")
     await wait_until(lambda: first.replica_info().get("in_sync") == [B])
     return first, second
@@ -285,7 +252,7 @@ async def test_a_deposed_master_rejoins_as_a_slave_cutting_the_tail_its_successo
         cluster.net.remove(A)
         partition.cut.clear()
         await wait_until(lambda: new.role == "master")
-        rejoined = await start_member(cluster, A, min_insync=1)
+        rejoined = await cluster.start_member(A, min_insync=1)
         await wait_until(
             lambda: rejoined.role == "slave" and rejoined.member.log.end_offset == new.member.log.end_offset
         )
@@ -320,7 +287,7 @@ async def test_sync_with_no_slave_in_sync_refuses_retryably_and_stores_nothing(
     sched: Any, tmp_path: Path, autojump_clock: Any
 ) -> None:
     async with sched.open_cluster(tmp_path, meta=META_OPTIONS) as cluster:
-        master = await start_member(cluster, A, min_insync=1)
+        master = await cluster.start_member(A, min_insync=1)
         await wait_until(lambda: master.role == "master")
         end = master.member.log.end_offset
         with pytest.raises(PeerError) as refused:
@@ -328,7 +295,7 @@ async def test_sync_with_no_slave_in_sync_refuses_retryably_and_stores_nothing(
         assert (refused.value.code, refused.value.field, refused.value.limit) == ("unavailable", "min_insync", 1)
         assert "0 slave(s) are in sync" in str(refused.value) and "nothing was stored" in str(refused.value)
         assert master.member.log.end_offset == end
-        slave = await start_member(cluster, B, min_insync=1)
+        slave = await cluster.start_member(B, min_insync=1)
         await wait_until(lambda: master.replica_info().get("in_sync") == [B])
         await schedule(cluster, sched, ["lonely"], cluster.clock.now_ms() + SECOND, A)  # the retry is stored
         await wait_until(lambda: slave.member.log.end_offset == master.member.log.end_offset > end)
@@ -341,10 +308,10 @@ async def test_async_replication_answers_at_once_and_the_slave_follows(
     sched: Any, tmp_path: Path, autojump_clock: Any
 ) -> None:
     async with sched.open_cluster(tmp_path, meta=META_OPTIONS) as cluster:
-        master = await start_member(cluster, A, replication="async", min_insync=1)
+        master = await cluster.start_member(A, replication="async", min_insync=1)
         await wait_until(lambda: master.role == "master")
         await schedule(cluster, sched, ["alone"], cluster.clock.now_ms() + 60 * SECOND, A)  # no slave: answered
-        slave = await start_member(cluster, B, replication="async", min_insync=1)
+        slave = await cluster.start_member(B, replication="async", min_insync=1)
         await wait_until(lambda: slave.role == "slave")
         await wait_until(lambda: log_bytes(slave) == log_bytes(master) != b"")
         assert hour_files(slave) == hour_files(master)
@@ -352,7 +319,7 @@ async def test_async_replication_answers_at_once_and_the_slave_follows(
 
 async def test_a_slave_far_behind_catches_up_over_many_fetches(sched: Any, tmp_path: Path, autojump_clock: Any) -> None:
     async with sched.open_cluster(tmp_path, meta=META_OPTIONS) as cluster:
-        master = await start_member(cluster, A, min_insync=0)
+        master = await cluster.start_member(A, min_insync=0)
         await wait_until(lambda: master.role == "master")
         start = cluster.clock.now_ms()
         body = b"x" * 2_000
@@ -365,7 +332,7 @@ async def test_a_slave_far_behind_catches_up_over_many_fetches(sched: Any, tmp_p
             ]
             frame = await cluster.net.call(A, Command.SCHEDULE, {}, b"".join(records))
             assert len(frame.metadata["results"]) == 100
-        slave = await start_member(cluster, B, min_insync=0)
+        slave = await cluster.start_member(B, min_insync=0)
         await wait_until(lambda: slave.store.checkpoint == master.member.log.end_offset)
         assert slave.statistics().replication["fetches"] >= 2  # 4 MiB at most per answer
         assert log_bytes(slave) == log_bytes(master)
@@ -397,7 +364,7 @@ async def test_under_async_a_deposed_master_cuts_even_what_it_had_filed_and_coun
         partition.cut.clear()
         await wait_until(lambda: new.role == "master")
         await schedule(cluster, sched, ["after-the-failover"], due, B)  # takes the lost one's entry number
-        rejoined = await start_member(cluster, A, replication="async", min_insync=1)
+        rejoined = await cluster.start_member(A, replication="async", min_insync=1)
         await wait_until(lambda: rejoined.role == "slave" and rejoined.store.checkpoint == new.member.log.end_offset)
         assert rejoined.statistics().replication["cut_records"] == 1
         assert log_bytes(rejoined) == log_bytes(new)

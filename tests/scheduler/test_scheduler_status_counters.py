@@ -21,7 +21,7 @@ import trio.testing
 from delaymq.cli.status_command import format_scheduler
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError
-from delaymq.scheduler import server as server_module
+from delaymq.scheduler import schedule as schedule_module
 from delaymq.scheduler.replay import Unfiled, replay_step, unfiled
 from delaymq.wheel import HOUR_MS
 
@@ -97,7 +97,7 @@ async def test_a_schedule_waits_while_filing_is_too_far_behind_then_is_stored(
 async def test_a_schedule_that_waited_too_long_for_filing_is_refused_retryable_and_nothing_is_stored(
     sched: SimpleNamespace, tmp_path: Path, autojump_clock: trio.testing.MockClock, monkeypatch: Any
 ) -> None:
-    monkeypatch.setattr(server_module, "FILING_WAIT_MS", 50)  # less than async flush's interval
+    monkeypatch.setattr(schedule_module, "FILING_WAIT_MS", 50)  # less than async flush's interval
     async with sched.open_cluster(tmp_path) as cluster:
         now = cluster.clock.now_ms()
         first = [sched.message(f"a{i}", now + HOUR_MS + i) for i in range(100)]

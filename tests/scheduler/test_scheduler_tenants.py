@@ -46,8 +46,8 @@ from delaymq.scheduler.idindex import (
     move_record,
 )
 from delaymq.scheduler.replay import replay_step, replay_until_caught_up
+from delaymq.scheduler.schedule import index_keys
 from delaymq.scheduler.schedulelog import INDEX_SUFFIX, ScheduleStore
-from delaymq.scheduler.server import _index_keys
 from delaymq.scheduler.staging import ReplayStep
 from delaymq.storage.log import SegmentedLog
 from delaymq.storage.state import StateStore
@@ -100,7 +100,7 @@ class Master(Folder):
 
     def schedule(self, records: list[bytes]) -> list[bool]:
         batch = scan_batch(b"".join(records))
-        keys, hashes = _index_keys(batch)
+        keys, hashes = index_keys(batch)
         checkpoint = self.store.checkpoint
         found = None if self.store.past_every_indexed(keys) else look_up_fresh(self.store, keys, batch.subjects)
         fresh, overlap = fresh_records(self.tail, keys, batch.subjects, found, checkpoint)
