@@ -1,4 +1,4 @@
-"""The scheduler's id index and business-key index (lmdb), and the cancel and move records.
+"""The scheduler's id index and business-key index (lmdb).
 
 What CANCEL, MOVE, QUERY and the SCHEDULE duplicate check look up (docs/cancel.md).
 Two named dbs of the scheduler's lmdb ``StateStore``, written by the replay commit
@@ -32,32 +32,44 @@ hours, so the wheel skips them as it skips delivered ones (``ScheduleStore.deliv
 adds them to the dispatch log's); written in the same commit, it costs no file and no
 fsync of its own per hour touched.
 
-Two envelope kinds of the message log carry cancels and moves, replicated and
-replayed like a SCHEDULE batch:
-
-- ``CANCEL_KIND`` (5): i64 0, i64 the time it was taken (epoch ms), then the msgpack
-  list of the index keys the master decided to cancel;
-- ``MOVE_KIND`` (6): message records end to end, each the moved message with its new
-  ``deliver_at`` (same id, body, attempts): filing cancels the index key's current
-  entry and files the record as a new one.
+The index keys and key hashes are read from the message records, and the CANCEL and
+MOVE records encoded and decoded, by ``delaymq.scheduler.indexrecords``; every name of
+it is importable from here too.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import struct
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
-import msgpack
-
-from delaymq.protocol.cancel import KEY_PROPERTY, check_key
-from delaymq.protocol.envelope import HEADER_SIZE, RecordKind, encode, iter_spans
-from delaymq.protocol.errors import LocalProtocolError
+from delaymq.protocol.envelope import HEADER_SIZE
 from delaymq.scheduler.hours import HOUR_MS, INDEX_SUFFIX, LOG_SUFFIX, hour_name
+from delaymq.scheduler.indexrecords import (
+    CANCEL_KIND,
+    DISPLACED_SEPARATOR,
+    ID_AT,
+    KEY_FIELDS,
+    KEY_FIELDS_AT,
+    KEY_HASH_SIZE,
+    MOVE_KIND,
+    cancel_keys,
+    cancel_record,
+    displaced_key,
+    index_key,
+    is_displaced,
+    key_hash,
+    message_id_of,
+    move_record,
+    move_spans,
+    record_index_key,
+    record_key,
+    record_subject,
+    subject_hash,
+)
 from delaymq.storage.state import StateStore
 
 IDS_DB = "scheduler.ids"
@@ -65,9 +77,6 @@ IDS_DB = "scheduler.ids"
 DISPLACED_DB = "scheduler.displaced"
 KEYS_DB = "scheduler.keys"
 CANCELLED_DB = "scheduler.cancelled"
-#: Envelope kinds of the scheduler's message log besides MESSAGE.
-CANCEL_KIND = int(RecordKind.CANCEL)
-MOVE_KIND = int(RecordKind.MOVE)
 
 SCHEDULED = 0
 CANCELLED = 1
@@ -76,28 +85,14 @@ _VALUE = struct.Struct(">qIqB")
 #: A ``scheduler.ids`` value without a key hash: deliver_at, entry, source, state.
 ID_VALUE = _VALUE
 _VALUE_SOURCE_AT = 12  # a value's source, after deliver_at and entry
-_FIELDS = struct.Struct(">HHHBBHI")  # attempts .. props_len, at byte 28 of a message record
-_NAMES = struct.Struct(">HH")  # id_len, subject_len, at byte 30 of a message record
 _ENTRY_HEAD = struct.Struct(">QI")  # a delay index entry's offset and size (docs/scheduler-storage.md)
 _ENTRY_SOURCE = struct.Struct(">Q")  # ... and its source, at byte 20
 _ENTRY = struct.Struct(">QIIiQI")  # a whole entry: offset, size, ms_in_hour, prev, source, CRC
 _ENTRY_SIZE = 32
-_NUL2 = "\x00\x00"
-_NUL2_BYTES = DISPLACED_SEPARATOR = b"\x00\x00"  # between a displaced key's id and subject hash
-#: attempts, id_len and props_len of a message record, at byte ``KEY_FIELDS_AT``: whether
-#: its index key is just its id (at byte ``ID_AT``), what replay's hot loop reads.
-KEY_FIELDS = struct.Struct(">HH6xI")
-KEY_FIELDS_AT = 28
-_ID_AT = ID_AT = 46
-_TIMES = struct.Struct(">qq")
+_NUL2_BYTES = DISPLACED_SEPARATOR
+_NUL2 = DISPLACED_SEPARATOR.decode()
 _PLACE = struct.Struct(">II")  # a scheduler.cancelled key: hour, entry
 _SOURCE = struct.Struct(">q")
-#: Every msgpack spelling of the str "key" holds these bytes: a properties map without
-#: them has no ``key`` property, and filing does not decode it.
-_KEY_PACKED = b"key"
-_ONLY_KEY = b"\x81\xa3key"  # a map of one entry, "key"
-_blake2b = hashlib.blake2b
-KEY_HASH_SIZE = 16
 #: Deletions per lmdb transaction when an hour goes (a transaction's dirty pages stay in memory).
 _DELETE_CHUNK = 20_000
 
@@ -126,35 +121,6 @@ class IdEntry(NamedTuple):
         return cls(deliver_at, entry, source, state, key_hash)
 
 
-def subject_hash(subject: str | bytes) -> str:
-    """BLAKE2b-64 of the subject's UTF-8 bytes, in hex: how retry and displaced keys name it."""
-    data = subject.encode() if isinstance(subject, str) else bytes(subject)
-    return hashlib.blake2b(data, digest_size=8).hexdigest()
-
-
-def index_key(message_id: str, subject: str, attempts: int) -> str:
-    """The id; for a retry (``attempts`` > 0) ``id NUL attempts NUL subject-hash``."""
-    if not attempts:
-        return message_id
-    return f"{message_id}\x00{attempts}\x00{subject_hash(subject)}"
-
-
-def displaced_key(message_id: str, subject: str | bytes) -> str:
-    """``id NUL NUL subject-hash``: where a message of ``subject`` is indexed once a message
-    of another subject filed the same id after it (``scheduler.displaced``)."""
-    return f"{message_id}{_NUL2}{subject_hash(subject)}"
-
-
-def is_displaced(key: str) -> bool:
-    """A ``displaced_key`` (a retry's key has its attempts between the NULs)."""
-    return _NUL2 in key
-
-
-def message_id_of(key: str) -> str:
-    """The message id an index key names."""
-    return key.partition("\x00")[0]
-
-
 def db_of(key: bytes) -> str:
     """The db an index key (UTF-8) lives in."""
     return DISPLACED_DB if _NUL2_BYTES in key else IDS_DB
@@ -168,13 +134,6 @@ def may_be_displaced(state: StateStore, message_id: bytes) -> bool:
     except KeyError:  # not kept in memory (a store opened without ``keep_highest_key``)
         return True
     return bool(highest) and message_id + _NUL2_BYTES <= highest
-
-
-def record_subject(buf: bytes | memoryview, pos: int) -> bytes:
-    """The subject (UTF-8) of the message record at ``buf[pos:]``, read at fixed offsets."""
-    id_len, subject_len = _NAMES.unpack_from(buf, pos + 30)
-    p = pos + _ID_AT + id_len
-    return bytes(buf[p : p + subject_len])
 
 
 def read_entry_head(folder: str | os.PathLike[str], hour: int, entry: int) -> tuple[int, int, int] | None:
@@ -213,7 +172,7 @@ def filed_records(folder: str | os.PathLike[str], places: list[tuple[int, int]])
                         continue
                     offset, size, _source = head
                     record = os.pread(log_file.fileno(), size, offset)
-                    out[i] = record if len(record) == size and size > _ID_AT else None
+                    out[i] = record if len(record) == size and size > ID_AT else None
         except (OSError, ValueError):
             continue
     return out
@@ -228,67 +187,6 @@ def filed_subjects(folder: str | os.PathLike[str], values: list[IdEntry]) -> lis
 def filed_subject(folder: str | os.PathLike[str], value: IdEntry) -> bytes | None:
     """The subject of the message an index value points to (None: its record cannot be read)."""
     return filed_subjects(folder, [value])[0]
-
-
-def key_hash(subject: str, key: str) -> bytes:
-    return hashlib.blake2b(f"{subject}\x00{key}".encode(), digest_size=KEY_HASH_SIZE).digest()
-
-
-def record_key(buf: bytes | memoryview, pos: int, *, strict: bool = False) -> tuple[str, bytes | None, str | None]:
-    """``(index key, key hash or None, business key or None)`` of the message record at ``buf[pos:]``
-    (checked when it was received; a properties map that does not decode has no key).
-    ``strict``: a ``key`` property that is not a business key raises ``ValueError``."""
-    attempts, id_len, subject_len, _tags, _flags, tags_len, props_len = _FIELDS.unpack_from(buf, pos + 28)
-    p = pos + _ID_AT
-    message_id = bytes(buf[p : p + id_len]).decode()
-    if not attempts and not props_len:
-        return message_id, None, None
-    subject = bytes(buf[p + id_len : p + id_len + subject_len]).decode()
-    found_key = None
-    if props_len:
-        q = p + id_len + subject_len + tags_len
-        if not strict and bytes(buf[q : q + props_len]).find(_KEY_PACKED) < 0:
-            props_len = 0  # no "key" in the map: nothing to decode
-    if props_len:
-        try:
-            properties = msgpack.unpackb(bytes(buf[q : q + props_len]), raw=False)
-        except Exception:
-            properties = None
-        if isinstance(properties, dict) and KEY_PROPERTY in properties:
-            value = properties[KEY_PROPERTY]
-            if strict:
-                try:
-                    check_key(value, error=LocalProtocolError)
-                except LocalProtocolError as error:
-                    raise ValueError(error.message) from None
-            if isinstance(value, str) and value:
-                found_key = value
-    hashed = key_hash(subject, found_key) if found_key is not None else None
-    return index_key(message_id, subject, attempts), hashed, found_key
-
-
-def record_index_key(buf: bytes, pos: int) -> tuple[bytes, bytes | None]:
-    """``(index key as UTF-8, key hash or None)`` of the message record at ``buf[pos:]``: what
-    filing needs, read at fixed offsets (no decoding unless the record is a retry or its
-    properties spell ``key``)."""
-    if type(buf) is not bytes:
-        found, hashed, _key = record_key(buf, pos)
-        return found.encode(), hashed
-    attempts, id_len, subject_len, _tags, _flags, tags_len, props_len = _FIELDS.unpack_from(buf, pos + 28)
-    p = pos + _ID_AT
-    if not attempts:
-        if not props_len:
-            return buf[p : p + id_len], None
-        q = p + id_len + subject_len + tags_len
-        if buf.find(_KEY_PACKED, q, q + props_len) < 0:
-            return buf[p : p + id_len], None
-        # The common map, {"key": K} with K a short str (fixstr): hash its bytes as they are.
-        if buf.startswith(_ONLY_KEY, q) and props_len > 6 and buf[q + 5] == 0xA0 + props_len - 6:
-            s = p + id_len
-            digest = _blake2b(buf[s : s + subject_len] + b"\x00" + buf[q + 6 : q + props_len], digest_size=16)
-            return buf[p : p + id_len], digest.digest()
-    key, hashed, _found = record_key(buf, pos)
-    return key.encode(), hashed
 
 
 def cancelled_key(hour: int, entry: int) -> bytes:
@@ -320,31 +218,6 @@ def cancelled_counts(state: StateStore) -> dict[int, int]:
         hour = int.from_bytes(key[:4], "big")
         counts[hour] = counts.get(hour, 0) + 1
     return counts
-
-
-# ------------------------------------------------------------------ records
-
-
-def cancel_record(keys: Iterable[str], *, taken_at: int = 0) -> bytes:
-    """The CANCEL record: 16 bytes where a message keeps ``deliver_at`` (0) and ``created_at``
-    (``taken_at``), so every record of the log has them, then the msgpack list of keys."""
-    return encode(CANCEL_KIND, _TIMES.pack(0, taken_at) + msgpack.packb(list(keys), use_bin_type=True))
-
-
-def cancel_keys(payload: bytes | memoryview) -> list[str]:
-    keys = msgpack.unpackb(bytes(payload[_TIMES.size :]), raw=False)
-    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-        raise ValueError("a CANCEL record's payload is not a msgpack list of str")
-    return keys
-
-
-def move_record(records: Iterable[bytes]) -> bytes:
-    return encode(MOVE_KIND, b"".join(records))
-
-
-def move_spans(buf: bytes | memoryview, start: int, end: int) -> list[tuple[int, int]]:
-    """``(start, end)`` in ``buf`` of each message record inside the MOVE record at ``buf[start:end]``."""
-    return [(span.start, span.end) for span in iter_spans(buf, start + HEADER_SIZE, end)]
 
 
 # ------------------------------------------------------------------ a replay step's changes
@@ -563,6 +436,7 @@ __all__ = [
     "KEYS_DB",
     "KEY_FIELDS",
     "KEY_FIELDS_AT",
+    "KEY_HASH_SIZE",
     "MOVE_KIND",
     "SCHEDULED",
     "IdChanges",

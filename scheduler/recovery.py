@@ -28,7 +28,7 @@ import logging
 import os
 import zlib
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from delaymq.scheduler.delayindex import (
@@ -106,58 +106,89 @@ def recover_hours(folder: DataFolder, state: StateStore, names: list[str], table
     committed = {int.from_bytes(k, "big"): HourSummary.unpack(v) for k, v in state.items(HOURS_DB)}
     stored = state.get(REPLAY_DB, CHECKPOINT_KEY)
     checkpoint = int.from_bytes(stored, "big") if stored is not None else 0
-    journal = state.get(REPLAY_DB, JOURNAL_KEY)
-    redone = 0
-    if journal:
-        # Written again where a table lacks it, synced by the next commit (or below, before
-        # a repair replaces the journal).
-        redo = unpack_journal(journal)
-        redone, _found = tables.redo({key: value for key, value in redo.items() if key >> 12 in committed}, named)
-    summaries: dict[int, HourSummary] = {}
-    restart = checkpoint
-    repaired = checked = 0
-    unlinked = False
-    slots: dict[int, int] = {}
-    rolled: list[Rolled] = []
-    prefix = str(folder.path) + os.sep
+    redone = _redo_journal(state, tables, committed, named)
+    found = _HoursFound(restart=checkpoint)
     with state.write() as batch:
-        for hour in sorted(files.keys() | committed.keys()):
-            present = files.get(hour, set())
-            summary = committed.get(hour)
-            if summary is not None and _vouched(prefix + named.get(hour, ""), present, summary):
-                summaries[hour] = summary
-                continue
-            checked += 1
-            outcome = _recover_hour(folder, batch, tables, slots, hour, present, summary, rolled)
-            summary, hour_restart, changed, removed = outcome
-            if summary is not None:
-                summaries[hour] = summary
-            if hour_restart is not None:
-                restart = min(restart, hour_restart)
-            repaired += changed
-            unlinked |= removed
-        _index_rolled(batch, folder.path, rolled)
-        if restart < checkpoint:
+        _recover_each_hour(folder, batch, tables, files, named, committed, found)
+        _index_rolled(batch, folder.path, found.rolled)
+        if found.restart < checkpoint:
             _logger.warning(
                 "schedule %s: replay goes back from checkpoint %d to %d to re-file lost entries",
                 folder.path,
                 checkpoint,
-                restart,
+                found.restart,
             )
-            batch.put(REPLAY_DB, CHECKPOINT_KEY, restart.to_bytes(8, "big"))
-            checkpoint = restart
-        if slots:
+            batch.put(REPLAY_DB, CHECKPOINT_KEY, found.restart.to_bytes(8, "big"))
+            checkpoint = found.restart
+        if found.slots:
             # The old journal's slots and the tables created for repairs: durable before it is replaced.
             tables.sync()
             folder.fsync()
-            batch.put(REPLAY_DB, JOURNAL_KEY, pack_journal(slots))
-    if slots:
-        tables.write(slots)
+            batch.put(REPLAY_DB, JOURNAL_KEY, pack_journal(found.slots))
+    if found.slots:
+        tables.write(found.slots)
         tables.sync()
-    if unlinked or repaired:
+    if found.unlinked or found.repaired:
         folder.fsync()
     dispatched = {hour for hour, present in files.items() if DISPATCH_SUFFIX in present}
-    return RecoveredHours(summaries, checkpoint, repaired, checked, redone, dispatched)
+    return RecoveredHours(found.summaries, checkpoint, found.repaired, found.checked, redone, dispatched)
+
+
+@dataclass(slots=True)
+class _HoursFound:
+    """What checking the hours found so far, committed when every hour is done."""
+
+    restart: int  # where replay resumes: the checkpoint, or before entries an hour lost
+    summaries: dict[int, HourSummary] = field(default_factory=dict)
+    slots: dict[int, int] = field(default_factory=dict)  # heads changes, the new journal
+    rolled: list[Rolled] = field(default_factory=list)  # entries kept past the commit
+    repaired: int = 0
+    checked: int = 0
+    unlinked: bool = False  # files removed: the folder is fsynced
+
+
+def _redo_journal(
+    state: StateStore, tables: HeadsTables, committed: dict[int, HourSummary], named: dict[int, str]
+) -> int:
+    """Write the last commit's heads journal into the tables where a table lacks it; returns
+    how many slots that took. Synced by the next commit (or by ``recover_hours``, before a
+    repair replaces the journal)."""
+    journal = state.get(REPLAY_DB, JOURNAL_KEY)
+    if not journal:
+        return 0
+    redo = unpack_journal(journal)
+    redone, _found = tables.redo({key: value for key, value in redo.items() if key >> 12 in committed}, named)
+    return redone
+
+
+def _recover_each_hour(
+    folder: DataFolder,
+    batch: WriteBatch,
+    tables: HeadsTables,
+    files: dict[int, set[str]],
+    named: dict[int, str],
+    committed: dict[int, HourSummary],
+    found: _HoursFound,
+) -> None:
+    """Check every hour that has files or a committed summary, oldest first: an hour its
+    summary vouches for is taken as it is, the others are recovered (``_recover_hour``)."""
+    prefix = str(folder.path) + os.sep
+    summaries = found.summaries
+    for hour in sorted(files.keys() | committed.keys()):
+        present = files.get(hour, set())
+        summary = committed.get(hour)
+        if summary is not None and _vouched(prefix + named.get(hour, ""), present, summary):
+            summaries[hour] = summary
+            continue
+        found.checked += 1
+        outcome = _recover_hour(folder, batch, tables, found.slots, hour, present, summary, found.rolled)
+        summary, hour_restart, changed, removed = outcome
+        if summary is not None:
+            summaries[hour] = summary
+        if hour_restart is not None:
+            found.restart = min(found.restart, hour_restart)
+        found.repaired += changed
+        found.unlinked |= removed
 
 
 def _recover_hour(
@@ -173,92 +204,13 @@ def _recover_hour(
     """One hour: ``(summary or None, replay restart or None, repaired?, files removed?)``.
     The heads changes it needs go into ``slots``, the entries it keeps past the commit into
     ``rolled_out`` (indexed once every hour is recovered)."""
-    name = hour_name(hour)
-    base = folder.path / name
+    base = folder.path / hour_name(hour)
     committed = summary.entries if summary is not None else 0
     if INDEX_SUFFIX not in present and committed == 0:
-        removed = False
-        if LOG_SUFFIX in present:  # a log without an index holds nothing filed
-            Path(str(base) + LOG_SUFFIX).unlink()
-            removed = True
-        if HEADS_SUFFIX in present:  # a table without an index counts nothing
-            tables.remove(hour)
-            removed = True
-        return None, None, False, removed
-    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
-    index_fd = os.open(str(base) + INDEX_SUFFIX, flags, 0o644)
-    log_fd = -1
-    try:
-        log_fd = os.open(str(base) + LOG_SUFFIX, flags, 0o644)
-        index_size = os.fstat(index_fd).st_size
-        log_size = os.fstat(log_fd).st_size
-        stop = index_size // ENTRY_SIZE
-        heads: Heads | None = None
-        if committed and stop > committed:  # entries to roll forward over: from the committed heads
-            heads = tables.read(hour)
-            if heads is not None and heads.entries != committed:
-                heads = None
-            table_lost = heads is None
-        else:
-            table_lost = committed > 0 and not tables.exists(hour)
-        if table_lost:
-            _logger.warning(
-                "schedule %s: hour %s: its heads table is missing or does not count its %d entries; "
-                "rebuilding it from the index",
-                folder.path,
-                name,
-                committed,
-            )
-        trusted = (
-            not table_lost and summary is not None and _committed_end_checks(index_fd, log_fd, stop, log_size, summary)
-        )
-        if trusted or committed == 0:
-            assert summary is not None or committed == 0
-            start = committed
-            if heads is not None:
-                newest, counts = array("i", heads.newest), array("I", heads.counts)
-            else:
-                newest, counts = empty_heads()
-            s = summary or HourSummary(0, 0, -1, -1)
-            last_size = 0
-            if committed:
-                raw = pread_all(index_fd, ENTRY_SIZE, (committed - 1) * ENTRY_SIZE)
-                last_size = read_entry(raw, 0, committed - 1, name).size
-            checker = EntryChecker(
-                newest,
-                counts,
-                entries=committed,
-                log_end=s.log_end,
-                first_source=s.first_source,
-                last_source=s.last_source,
-                next_source=s.last_source + last_size if committed else 0,
-            )
-        else:
-            start = 0
-            newest, counts = empty_heads()
-            checker = EntryChecker(newest, counts)
-        rolled: list[Rolled] = []
-        touched = _check_entries(checker, index_fd, log_fd, start, stop, log_size, name, rolled, committed, hour)
-        kept = checker.entries
-        changed = index_size != kept * ENTRY_SIZE or log_size != checker.log_end
-        if changed:
-            _logger.warning(
-                "schedule %s: hour %s: kept %d entries of %d (%d committed): %s",
-                folder.path,
-                name,
-                kept,
-                stop,
-                committed,
-                checker.problem or "torn tail",
-            )
-            os.ftruncate(index_fd, kept * ENTRY_SIZE)
-            os.ftruncate(log_fd, checker.log_end)
-            os.fsync(index_fd)
-            os.fsync(log_fd)
-    finally:
-        os.close(index_fd)
-        if log_fd >= 0:
-            os.close(log_fd)
+        return None, None, False, _remove_unindexed(tables, hour, base, present)
+    rolled: list[Rolled] = []
+    checked = _check_hour_files(folder, tables, hour, base, summary, rolled)
+    checker, kept = checked.checker, checked.checker.entries
     restart: int | None = None
     if kept < committed:
         # Committed entries are gone (the files were damaged): rebuild the heads and
@@ -271,19 +223,154 @@ def _recover_hour(
         for suffix in (INDEX_SUFFIX, LOG_SUFFIX):
             Path(str(base) + suffix).unlink(missing_ok=True)
         tables.remove(hour)
-        return None, restart, changed or kept != committed, True
-    if kept < committed or table_lost or committed == 0:
+        return None, restart, checked.changed or kept != committed, True
+    if kept < committed or checked.table_lost or committed == 0:
         tables.create(hour)  # a whole table, every slot written by the journal
         slots.update(table_slots(hour, checker.newest, checker.counts))
     elif kept > committed:
         base_key = hour << 12
-        for second in touched:
+        for second in checked.touched:
             slots[base_key | second] = (checker.newest[second] + 1) << 32 | checker.counts[second]
     rolled_out.extend(rolled)
     result = HourSummary(kept, checker.log_end, checker.first_source, checker.last_source)
     if kept != committed:
         batch.put(HOURS_DB, hour_key(hour), result.pack())
-    return result, restart, changed or kept != committed or table_lost, False
+    return result, restart, checked.changed or kept != committed or checked.table_lost, False
+
+
+def _remove_unindexed(tables: HeadsTables, hour: int, base: Path, present: set[str]) -> bool:
+    """Remove the files of an hour without an index nor committed entries; whether any was there."""
+    removed = False
+    if LOG_SUFFIX in present:  # a log without an index holds nothing filed
+        Path(str(base) + LOG_SUFFIX).unlink()
+        removed = True
+    if HEADS_SUFFIX in present:  # a table without an index counts nothing
+        tables.remove(hour)
+        removed = True
+    return removed
+
+
+@dataclass(frozen=True, slots=True)
+class _CheckedHour:
+    """An hour's files once checked and cut back to their valid prefix."""
+
+    checker: EntryChecker  # what it accepted: the entries kept, their heads
+    touched: set[int]  # the seconds the entries it checked fall in
+    changed: bool  # the files were cut back
+    table_lost: bool  # the heads table was missing or did not count the committed entries
+
+
+def _check_hour_files(
+    folder: DataFolder,
+    tables: HeadsTables,
+    hour: int,
+    base: Path,
+    summary: HourSummary | None,
+    rolled: list[Rolled],
+) -> _CheckedHour:
+    """Check an hour's index and schedule log and cut them back to their longest valid prefix.
+    Entries its committed end vouches for are not read again; the others are checked, and
+    those past the commit go to ``rolled``."""
+    name = hour_name(hour)
+    committed = summary.entries if summary is not None else 0
+    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+    index_fd = os.open(str(base) + INDEX_SUFFIX, flags, 0o644)
+    log_fd = -1
+    try:
+        log_fd = os.open(str(base) + LOG_SUFFIX, flags, 0o644)
+        index_size = os.fstat(index_fd).st_size
+        log_size = os.fstat(log_fd).st_size
+        stop = index_size // ENTRY_SIZE
+        heads, table_lost = _committed_heads(folder, tables, hour, committed, stop)
+        trusted = (
+            not table_lost and summary is not None and _committed_end_checks(index_fd, log_fd, stop, log_size, summary)
+        )
+        start, checker = _start_checker(index_fd, name, summary, heads, trusted)
+        touched = _check_entries(checker, index_fd, log_fd, start, stop, log_size, name, rolled, committed, hour)
+        changed = index_size != checker.entries * ENTRY_SIZE or log_size != checker.log_end
+        if changed:
+            _cut_back(folder, name, index_fd, log_fd, checker, stop, committed)
+    finally:
+        os.close(index_fd)
+        if log_fd >= 0:
+            os.close(log_fd)
+    return _CheckedHour(checker, touched, changed, table_lost)
+
+
+def _committed_heads(
+    folder: DataFolder, tables: HeadsTables, hour: int, committed: int, stop: int
+) -> tuple[Heads | None, bool]:
+    """``(heads, table lost?)``: the hour's heads table as its last commit left it when there are
+    entries past the commit to roll forward over (None otherwise), and whether the table is
+    missing or does not count the committed entries (then it is rebuilt from the index)."""
+    heads: Heads | None = None
+    if committed and stop > committed:  # entries to roll forward over: from the committed heads
+        heads = tables.read(hour)
+        if heads is not None and heads.entries != committed:
+            heads = None
+        table_lost = heads is None
+    else:
+        table_lost = committed > 0 and not tables.exists(hour)
+    if table_lost:
+        _logger.warning(
+            "schedule %s: hour %s: its heads table is missing or does not count its %d entries; "
+            "rebuilding it from the index",
+            folder.path,
+            hour_name(hour),
+            committed,
+        )
+    return heads, table_lost
+
+
+def _start_checker(
+    index_fd: int, name: str, summary: HourSummary | None, heads: Heads | None, trusted: bool
+) -> tuple[int, EntryChecker]:
+    """``(first entry to check, checker)``: past the committed entries, from their heads, when
+    the commit's end is ``trusted`` (or there is none); otherwise from entry 0 and empty heads."""
+    committed = summary.entries if summary is not None else 0
+    if not (trusted or committed == 0):
+        newest, counts = empty_heads()
+        return 0, EntryChecker(newest, counts)
+    assert summary is not None or committed == 0
+    if heads is not None:
+        newest, counts = array("i", heads.newest), array("I", heads.counts)
+    else:
+        newest, counts = empty_heads()
+    s = summary or HourSummary(0, 0, -1, -1)
+    last_size = 0
+    if committed:
+        raw = pread_all(index_fd, ENTRY_SIZE, (committed - 1) * ENTRY_SIZE)
+        last_size = read_entry(raw, 0, committed - 1, name).size
+    checker = EntryChecker(
+        newest,
+        counts,
+        entries=committed,
+        log_end=s.log_end,
+        first_source=s.first_source,
+        last_source=s.last_source,
+        next_source=s.last_source + last_size if committed else 0,
+    )
+    return committed, checker
+
+
+def _cut_back(
+    folder: DataFolder, name: str, index_fd: int, log_fd: int, checker: EntryChecker, stop: int, committed: int
+) -> None:
+    """Cut an hour's index and schedule log to the entries ``checker`` kept, durably."""
+    kept = checker.entries
+    _logger.warning(
+        "schedule %s: hour %s: kept %d entries of %d (%d committed): %s",
+        folder.path,
+        name,
+        kept,
+        stop,
+        committed,
+        checker.problem or "torn tail",
+    )
+    os.ftruncate(index_fd, kept * ENTRY_SIZE)
+    os.ftruncate(log_fd, checker.log_end)
+    os.fsync(index_fd)
+    os.fsync(log_fd)
 
 
 def hour_files(names: list[str]) -> tuple[dict[int, set[str]], dict[int, str]]:

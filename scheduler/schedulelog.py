@@ -28,14 +28,16 @@ the heads is kept between steps, and nothing of them is mapped.
   index bytes with one ``pwrite`` each and makes them durable (fdatasync per file, or
   one ``syncfs`` when a step touched many hours) together with the heads slots the
   previous step wrote; then lmdb commits and the step's heads slots are written;
-- ``open``: ``recovery.recover_hours``. A crash before the lmdb commit leaves entries
+- ``open``: ``schedulefolder.open_schedule_folder`` checks the ``FORMAT`` and runs
+  ``recovery.recover_hours``. A crash before the lmdb commit leaves entries
   beyond the committed summary: recovery checks them and keeps the valid prefix; an
   hour whose files end where its summary says is not read at all.
   Replay skips a record whose message-log offset is not after its hour's last filed
   one, so re-reading from the checkpoint files nothing twice;
 - reading, ``open_hour``: ``hourlog.HourLog``, used by the dispatcher from another
-  thread while replay files; it sees committed entries only;
-- ``record_dispatched`` and the other dispatch-log calls: ``dispatchlog.DispatchLogCache``.
+  thread while replay files; it sees committed entries only. It, ``record_dispatched``
+  and the other dispatch-log calls (``dispatchlog.DispatchLogCache``) are those of
+  ``committedschedule.CommittedSchedule``, the store's committed side.
 
 What the folder holds on disk (``log_bytes``) is counted, never walked: an hour's
 schedule log, index and heads table hold exactly what its committed summary says once
@@ -49,85 +51,50 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from functools import partial
-from pathlib import Path
 from typing import Any
 
+from delaymq.scheduler.committedschedule import CommittedSchedule
 from delaymq.scheduler.delayindex import (
     CHECKPOINT_KEY,
     DELETED_DB,
-    ENTRY_SIZE,
     HOURS_DB,
-    INDEX_VERSION,
     JOURNAL_KEY,
-    JOURNAL_RECORD,
     REPLAY_DB,
     Heads,
     HourSummary,
-    heads_from_index,
     hour_key,
     pack_journal,
-    table_slots,
 )
-from delaymq.scheduler.dispatchlog import DispatchLogCache
-from delaymq.scheduler.headstable import TABLE_BYTES, HeadsTables
-from delaymq.scheduler.hourlog import HourLog
+from delaymq.scheduler.headstable import HeadsTables
 from delaymq.scheduler.hours import (
-    DEFAULT_RETENTION_MS,
     DISPATCH_SUFFIX,
     HEADS_SUFFIX,
-    HOUR_MS,
     INDEX_SUFFIX,
     LOG_SUFFIX,
-    SECONDS_PER_HOUR,
-    CorruptSchedule,
     HourNotComplete,
     ScheduleError,
-    check_hour,
     hour_name,
 )
-from delaymq.scheduler.idindex import (
-    CANCELLED_DB,
-    DISPLACED_DB,
-    IDS_DB,
-    cancelled_counts,
-    cancelled_entries,
-    cancelled_key,
-    forget_hour,
+from delaymq.scheduler.idindex import CANCELLED_DB, IDS_DB, cancelled_key, forget_hour
+from delaymq.scheduler.recovery import RecoveredHours
+from delaymq.scheduler.schedulefiles import ScheduleFiles
+from delaymq.scheduler.schedulefolder import (
+    STORE_FORMAT,
+    STORE_FORMAT_VERSION,
+    open_schedule_folder,
+    rebuild_heads_table,
+    summary_bytes,
 )
-from delaymq.scheduler.recovery import RecoveredHours, recover_hours
-from delaymq.scheduler.schedulefiles import ScheduleFiles, syncfs
-from delaymq.scheduler.staging import ReplayStep, StagedStep
+from delaymq.scheduler.staging import ReplayStep, StagedHour, StagedStep
 from delaymq.storage.folder import DataFolder
-from delaymq.storage.format import FormatParams, ensure_format
 from delaymq.storage.state import StateStore
 
-STORE_FORMAT = "schedule-store"
-STORE_FORMAT_VERSION = 2  # 2: heads tables in files (version 1 kept them as lmdb keys)
 #: Hours one replay step may file into: every hour of a two-year horizon and then some.
 DEFAULT_MAX_STEP_HOURS = 20_000
 DEFAULT_MAX_OPEN_DISPATCH_LOGS = 256
 
-_FORMAT: FormatParams = {
-    "format": STORE_FORMAT,
-    "version": STORE_FORMAT_VERSION,
-    "index_version": INDEX_VERSION,
-    "index_entry_size": ENTRY_SIZE,
-    "hour_names": "YYYYMMDDHH UTC",
-    "heads": f"YYYYMMDDHH{HEADS_SUFFIX} {TABLE_BYTES} bytes, journal in lmdb",
-    "heads_journal_record": JOURNAL_RECORD.size,
-    "dispatch_entry": "u32 big-endian",
-}
-
 _logger = logging.getLogger(__name__)
-
-
-def summary_bytes(summary: HourSummary) -> int:
-    """The bytes of an hour's schedule log, delay index and heads table as its committed
-    summary gives them (what they hold on disk once recovery has run)."""
-    return summary.log_end + summary.entries * ENTRY_SIZE + TABLE_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,15 +116,13 @@ class ScheduleStoreStatistics:
     redone_slots: int  # heads slots open wrote again from the last journal (0 when the tables held it)
 
 
-# --------------------------------------------------------------------- the store
-
-
-class ScheduleStore:
+class ScheduleStore(CommittedSchedule):
     """The schedule folder of one scheduler. Use ``ScheduleStore.open``.
 
     Thread use: one thread at a time files (``stage``/``commit``, or ``replay_step``);
     readers (``open_hour``, ``heads``), dispatch-log calls and cleanup may run in
-    other threads meanwhile.
+    other threads meanwhile. Reading and the dispatch-log calls are ``CommittedSchedule``'s
+    (``delaymq.scheduler.committedschedule``).
     """
 
     def __init__(
@@ -173,12 +138,17 @@ class ScheduleStore:
         fsync: bool,
         recovered: RecoveredHours,
     ) -> None:
-        self._folder = folder
-        self._state = state
-        self._summaries = summaries
+        super().__init__(
+            folder,
+            state,
+            summaries,
+            tables=tables,
+            dispatch_hours=recovered.dispatch_hours,
+            max_open_dispatch_logs=max_open_dispatch_logs,
+            fsync=fsync,
+        )
         self._checkpoint = checkpoint
         self._fsync = fsync
-        self._tables = tables
         # Hours whose table was checked against their summary since open (one int per
         # hour with messages, like ``_summaries``).
         self._checked_hours: set[int] = set()
@@ -187,26 +157,12 @@ class ScheduleStore:
         )
         self._files = ScheduleFiles(folder, tables, fsync=fsync)
         self._write_lock = threading.RLock()
-        #: The hours that have a dispatch log (found at open, or appended to since): the
-        #: others have delivered nothing, which ``pending`` then knows without a ``stat``
-        #: (a restart asks it of every hour of the backlog).
-        self._dispatch_hours = recovered.dispatch_hours
-        self._dispatch = DispatchLogCache(
-            folder, max_open=max_open_dispatch_logs, fsync=fsync, hours=self._dispatch_hours
-        )
         #: Bytes of the hours' schedule logs, indexes and heads tables (``summary_bytes``),
         #: moved under the write lock by each commit and deletion.
         self._schedule_bytes = sum(map(summary_bytes, summaries.values()))
-        #: Entries per hour that filed CANCEL and MOVE records took out (lmdb
-        #: ``scheduler.cancelled``): done, as delivered ones are. Read once here.
-        self._cancelled = cancelled_counts(state)
-        self._closed = False
         self._failure: BaseException | None = None
         self._steps = self._filed = self._bytes_filed = 0
         self._recovered = recovered
-        #: The message log's ``read_recent_many``, set by its owner: ``HourLog.read_records``
-        #: takes a record from there when the bytes it was filed from are still in memory.
-        self.recent_source: Callable[[list[tuple[int, int]]], list[bytes | None]] | None = None
 
     @classmethod
     def open(
@@ -233,15 +189,7 @@ class ScheduleStore:
                 raise ValueError(f"{name} must be at least 1, got {value}")
         folder = DataFolder(directory, what="schedule store")
         try:
-            names = os.listdir(folder.path)
-            suffixes = (LOG_SUFFIX, INDEX_SUFFIX, DISPATCH_SUFFIX, HEADS_SUFFIX)
-            has_data = any(n.endswith(suffixes) for n in names)
-            ensure_format(folder.path, _FORMAT, has_data=has_data)
-            sync_fs = None if syncfs is None else partial(syncfs, folder)
-            tables = HeadsTables(folder.path, fsync=fsync, syncfs=sync_fs)
-            recovered = recover_hours(folder, state, names, tables)
-            state.keep_highest_key(IDS_DB)  # for ``past_every_indexed`` and filing
-            state.keep_highest_key(DISPLACED_DB)  # for ``idindex.may_be_displaced``
+            tables, recovered = open_schedule_folder(folder, state, fsync=fsync)
         except BaseException:
             folder.close()
             raise
@@ -260,14 +208,6 @@ class ScheduleStore:
     # ------------------------------------------------------------------ properties
 
     @property
-    def directory(self) -> Path:
-        return self._folder.path
-
-    @property
-    def state(self) -> StateStore:
-        return self._state
-
-    @property
     def checkpoint(self) -> int:
         """The message-log offset replay resumes from: every record below it is filed
         (and fsynced), so ``message_log.delete_before(checkpoint)`` is safe."""
@@ -277,15 +217,6 @@ class ScheduleStore:
         """Whether every one of ``keys`` sorts after every key the id index holds, so none is
         in it: known from memory, no read. New time-ordered ids (``new_message_id``) do."""
         return bool(keys) and min(keys).encode() > self._state.highest_key(IDS_DB)
-
-    def hours_with_messages(self) -> list[int]:
-        """The hours holding at least one committed entry, oldest first."""
-        return sorted(self._summaries)
-
-    def entries(self, hour: int) -> int:
-        """How many committed entries ``hour`` holds (0 for an hour without files)."""
-        summary = self._summaries.get(hour)
-        return summary.entries if summary is not None else 0
 
     def statistics(self) -> ScheduleStoreStatistics:
         summaries = list(self._summaries.values())
@@ -318,11 +249,6 @@ class ScheduleStore:
             "schedule": self._tables.fsync_durations.to_wire(),
             "dispatch": self._dispatch.fsync_durations.to_wire(),
         }
-
-    def path_of(self, hour: int, suffix: str) -> Path:
-        """The file of ``hour`` with ``suffix`` (``LOG_SUFFIX``, ``INDEX_SUFFIX``, ``DISPATCH_SUFFIX``,
-        ``HEADS_SUFFIX``)."""
-        return self._folder.path / (hour_name(hour) + suffix)
 
     # ------------------------------------------------------------------ filing
 
@@ -359,62 +285,88 @@ class ScheduleStore:
             written = [w for w in self._step.hours.values() if w.entries > w.committed_entries]
             summaries = {w.hour: HourSummary(w.entries, w.log_end, w.first_source, w.last_source) for w in written}
             previous = {hour: self._summaries.get(hour) for hour in summaries}
-            changes = self._step.changes
-            try:
-                # The step's cancels go to lmdb with its checkpoint: until that commit, a restart
-                # replays the CANCEL and MOVE records again before any wheel runs.
-                self._files.append(written)
-                # Entry counts move before the heads: an entry a reader can learn of (from
-                # the heads or the arrivals) is always within ``entries``.
-                self._summaries.update(summaries)
-                with self._state.write() as batch:
-                    for w in written:
-                        batch.put(HOURS_DB, hour_key(w.hour), summaries[w.hour].pack())
-                    batch.put(REPLAY_DB, CHECKPOINT_KEY, checkpoint.to_bytes(8, "big"))
-                    batch.put(REPLAY_DB, JOURNAL_KEY, pack_journal(self._step.heads))
-                    changes.write(batch)
-            except BaseException as error:
-                for hour, summary in previous.items():
-                    if summary is None:
-                        self._summaries.pop(hour, None)
-                    else:
-                        self._summaries[hour] = summary
-                self._abort()
-                if isinstance(error, OSError):
-                    # A failed fsync may have dropped dirty pages: trust nothing until reopen.
-                    self._failure = error
-                    raise ScheduleError(f"replay commit at checkpoint {checkpoint} failed: {error}") from error
-                raise
-            try:
-                self._tables.write(self._step.heads)
-            except BaseException as error:
-                # Committed (nothing to cut back): the journal in lmdb is written into the
-                # tables again when the store reopens.
+            self._write_and_commit(written, summaries, previous, checkpoint)
+            self._write_step_heads(checkpoint)
+            return self._count_step(written, summaries, previous, checkpoint)
+
+    def _write_and_commit(
+        self,
+        written: list[StagedHour],
+        summaries: dict[int, HourSummary],
+        previous: dict[int, HourSummary | None],
+        checkpoint: int,
+    ) -> None:
+        """Write the step's files durably, then commit its summaries, checkpoint, heads journal
+        and index changes in one lmdb transaction. On failure the step is aborted and the
+        summaries put back."""
+        changes = self._step.changes
+        try:
+            # The step's cancels go to lmdb with its checkpoint: until that commit, a restart
+            # replays the CANCEL and MOVE records again before any wheel runs.
+            self._files.append(written)
+            # Entry counts move before the heads: an entry a reader can learn of (from
+            # the heads or the arrivals) is always within ``entries``.
+            self._summaries.update(summaries)
+            with self._state.write() as batch:
+                for w in written:
+                    batch.put(HOURS_DB, hour_key(w.hour), summaries[w.hour].pack())
+                batch.put(REPLAY_DB, CHECKPOINT_KEY, checkpoint.to_bytes(8, "big"))
+                batch.put(REPLAY_DB, JOURNAL_KEY, pack_journal(self._step.heads))
+                changes.write(batch)
+        except BaseException as error:
+            for hour, summary in previous.items():
+                if summary is None:
+                    self._summaries.pop(hour, None)
+                else:
+                    self._summaries[hour] = summary
+            self._abort()
+            if isinstance(error, OSError):
+                # A failed fsync may have dropped dirty pages: trust nothing until reopen.
                 self._failure = error
-                self._clear_step()
-                if isinstance(error, OSError):
-                    raise ScheduleError(
-                        f"replay step committed at checkpoint {checkpoint}, but writing its heads "
-                        f"tables failed: {error}; reopen the store to write them again"
-                    ) from error
-                raise
-            for hour, entries in changes.cancelled.items():
-                self._cancelled[hour] = self._cancelled.get(hour, 0) + len(entries)
-            step = self._step.outcome(written, self._checkpoint, checkpoint)
-            nbytes = 0
-            grown = 0
-            for w in written:
-                nbytes += w.log_end - w.committed_log_end
-                self._checked_hours.add(w.hour)
-                before = previous[w.hour]
-                grown += summary_bytes(summaries[w.hour]) - (summary_bytes(before) if before is not None else 0)
-            self._schedule_bytes += grown
-            self._checkpoint = checkpoint
-            self._steps += 1
-            self._filed += step.filed
-            self._bytes_filed += nbytes
+                raise ScheduleError(f"replay commit at checkpoint {checkpoint} failed: {error}") from error
+            raise
+
+    def _write_step_heads(self, checkpoint: int) -> None:
+        """Write the committed step's heads journal into the tables."""
+        try:
+            self._tables.write(self._step.heads)
+        except BaseException as error:
+            # Committed (nothing to cut back): the journal in lmdb is written into the
+            # tables again when the store reopens.
+            self._failure = error
             self._clear_step()
-            return step
+            if isinstance(error, OSError):
+                raise ScheduleError(
+                    f"replay step committed at checkpoint {checkpoint}, but writing its heads "
+                    f"tables failed: {error}; reopen the store to write them again"
+                ) from error
+            raise
+
+    def _count_step(
+        self,
+        written: list[StagedHour],
+        summaries: dict[int, HourSummary],
+        previous: dict[int, HourSummary | None],
+        checkpoint: int,
+    ) -> ReplayStep:
+        """Move the counts by the committed step, clear it, and say what it did."""
+        for hour, entries in self._step.changes.cancelled.items():
+            self._cancelled[hour] = self._cancelled.get(hour, 0) + len(entries)
+        step = self._step.outcome(written, self._checkpoint, checkpoint)
+        nbytes = 0
+        grown = 0
+        for w in written:
+            nbytes += w.log_end - w.committed_log_end
+            self._checked_hours.add(w.hour)
+            before = previous[w.hour]
+            grown += summary_bytes(summaries[w.hour]) - (summary_bytes(before) if before is not None else 0)
+        self._schedule_bytes += grown
+        self._checkpoint = checkpoint
+        self._steps += 1
+        self._filed += step.filed
+        self._bytes_filed += nbytes
+        self._clear_step()
+        return step
 
     def abort(self) -> None:
         """Drop what was staged (nothing of it reaches lmdb; files are cut back)."""
@@ -435,34 +387,7 @@ class ScheduleStore:
         """Hours the current (uncommitted) step has filed into."""
         return len(self._step.hours)
 
-    # ------------------------------------------------------------------ reading
-
-    def heads(self, hour: int) -> Heads:
-        """The committed second-heads table of ``hour`` (all -1 / 0 for an hour without entries).
-
-        ``heads.entries`` (the table as one step left it) is at most ``entries(hour)``."""
-        if check_hour(hour) not in self._summaries:
-            return Heads(hour, [-1] * SECONDS_PER_HOUR, [0] * SECONDS_PER_HOUR, 0)
-        table = self._tables.read(hour)
-        if table is None:
-            raise CorruptSchedule(
-                f"hour {hour_name(hour)}: its heads table {self._tables.path(hour)} is missing or cut short; "
-                f"run rebuild_heads({hour})"
-            )
-        return table
-
-    def newest_entry(self, hour: int, second: int) -> int:
-        """The newest committed entry of ``second`` (0..3599) of ``hour``, -1 for none."""
-        if hour not in self._summaries:
-            return -1
-        return self._tables.newest(hour, second)
-
-    def open_hour(self, hour: int) -> HourLog:
-        """A reader of one hour's index and schedule log; the caller closes it."""
-        self._check_open()
-        if hour not in self._summaries:
-            raise ScheduleError(f"hour {hour_name(hour)} ({hour}) holds no entries")
-        return HourLog(self, hour)
+    # ------------------------------------------------------------------ repair
 
     def rebuild_heads(self, hour: int) -> Heads:
         """Recompute ``hour``'s heads table from its delay index and store it (replacing
@@ -474,105 +399,11 @@ class ScheduleStore:
             summary = self._summaries.get(hour)
             if summary is None:
                 return self.heads(hour)
-            path = self.path_of(hour, INDEX_SUFFIX)
-            data = path.read_bytes()[: summary.entries * ENTRY_SIZE]
-            heads = heads_from_index(hour, data, where=str(path))
-            if heads.entries != summary.entries:
-                raise CorruptSchedule(f"{path}: holds {heads.entries} entries, its summary says {summary.entries}")
-            slots = table_slots(hour, heads.newest, heads.counts)
-            tables = self._tables
-            tables.create(hour)
-            tables.sync()  # the slots the last journal wrote, before it is replaced
-            if self._fsync:
-                self._folder.fsync()
-            with self._state.write() as batch:
-                batch.put(REPLAY_DB, JOURNAL_KEY, pack_journal(slots))
-            tables.write(slots)
+            heads = rebuild_heads_table(self._folder, self._state, self._tables, hour, summary, fsync=self._fsync)
             self._checked_hours.add(hour)
             return heads
 
-    # ------------------------------------------------------------------ dispatch logs
-
-    def record_dispatched(self, hour: int, entry_nos: Iterable[int]) -> int:
-        """Append entries a realtime server accepted to ``hour``'s dispatch log; returns how
-        many were not recorded before. Written to the page cache: ``flush_dispatched``
-        fsyncs (a lost tail only means a re-send)."""
-        numbers = list(entry_nos)
-        if not numbers:
-            return 0
-        entries = self.entries(hour)
-        low, high = min(numbers), max(numbers)
-        if low < 0 or high >= entries:
-            bad = low if low < 0 else high
-            raise ScheduleError(
-                f"hour {hour_name(hour)}: entry_no {bad} is outside 0..{entries - 1} (the hour holds {entries} entries)"
-            )
-        self._dispatch_hours.add(hour)  # before the file is created: never a log it does not know of
-        return self._dispatch.append(hour, numbers)
-
-    def flush_dispatched(self) -> None:
-        """fsync every dispatch log appended to since the last flush."""
-        self._dispatch.flush()
-
-    def delivered(self, hour: int) -> set[int]:
-        """The entry numbers of ``hour`` that are done: recorded as delivered, or cancelled
-        (what the wheel skips)."""
-        done = self._dispatch.delivered(hour) if hour in self._dispatch_hours else set()
-        if self._cancelled.get(hour):
-            done.update(cancelled_entries(self._state, hour))
-        return done
-
-    def cancelled(self, hour: int) -> list[int]:
-        """The entry numbers of ``hour`` that filed CANCEL and MOVE records took out."""
-        return cancelled_entries(self._state, hour) if self._cancelled.get(hour) else []
-
-    def delivered_among(self, hour: int, entry_nos: list[int]) -> list[bool]:
-        """Whether each entry of ``hour`` is in its dispatch log (delivered; a cancelled entry
-        is known as such from its id's value, ``delaymq.scheduler.idindex``)."""
-        if hour not in self._dispatch_hours:
-            return [False] * len(entry_nos)
-        with self._dispatch.lock:
-            log = self._dispatch._open(hour, create=False)  # the cached log: a bitmap test each
-            if log is None:
-                return [False] * len(entry_nos)
-            return [entry in log for entry in entry_nos]
-
-    def read_record(self, hour: int, entry_no: int) -> bytes:
-        """One filed record (a MOVE re-files it with a new ``deliver_at``)."""
-        with self.open_hour(hour) as reader:
-            return reader.read_records([entry_no])[0]
-
-    def dispatched_count(self, hour: int) -> int:
-        """How many distinct entries of ``hour`` are done: recorded as delivered, or cancelled."""
-        logged = self._dispatch.count(hour) if hour in self._dispatch_hours else 0
-        if not self._cancelled.get(hour):
-            return logged
-        cancelled = cancelled_entries(self._state, hour)
-        if logged:
-            among = self.delivered_among(hour, cancelled)
-            return logged + among.count(False)
-        return len(cancelled)
-
-    def pending(self, hour: int) -> int:
-        """Committed entries of ``hour`` not yet recorded as delivered."""
-        return self.entries(hour) - self.dispatched_count(hour)
-
-    def is_complete(self, hour: int) -> bool:
-        """Every committed entry of ``hour`` is delivered (true for an hour without entries)."""
-        return self.pending(hour) <= 0
-
-    def undispatched_hours(self) -> list[int]:
-        """Hours with entries not yet delivered, oldest first: what a restart loads."""
-        return [hour for hour in self.hours_with_messages() if not self.is_complete(hour)]
-
     # ------------------------------------------------------------------ cleanup
-
-    def hours_to_delete(self, now_ms: int, *, retention_ms: int = DEFAULT_RETENTION_MS) -> list[int]:
-        """Fully delivered hours that ended at least ``retention_ms`` before ``now_ms``."""
-        if retention_ms < 0:
-            raise ValueError(f"retention_ms must be >= 0, got {retention_ms}")
-        last = (now_ms - retention_ms) // HOUR_MS  # hours ending by now - retention are < last
-        return [hour for hour in self.hours_with_messages() if hour < last and self.is_complete(hour)]
 
     def delete_hour(self, hour: int, *, force: bool = False) -> None:
         """Delete ``hour``'s files (heads table included) and summary. Refuses an hour with undelivered
@@ -638,10 +469,6 @@ class ScheduleStore:
     def __repr__(self) -> str:
         hours = len(self._summaries)
         return f"<ScheduleStore {self._folder.path} hours={hours} checkpoint={self._checkpoint}>"
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ScheduleError(f"schedule store {self._folder.path} is closed")
 
     def _check_usable(self) -> None:
         self._check_open()

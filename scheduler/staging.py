@@ -9,6 +9,8 @@ touches that second. Nothing touches the disk here but those reads:
 ``ScheduleStore.commit`` writes the hours' bytes (``schedulefiles``), commits lmdb with
 the slots as the heads journal, and clears the step; ``ReplayStep`` says what it did.
 Memory is the step's, never the backlog's: nothing of the heads stays between steps.
+``StagedHour``, ``ReplayStep`` and ``HourArrivals`` are ``delaymq.scheduler.replaystep``'s,
+importable from here too.
 
 A record whose message-log offset is not after its hour's last filed one was filed
 before a crash (or before its hour was deleted) and is skipped, so re-reading from the
@@ -25,11 +27,9 @@ order before the next CANCEL or MOVE record is applied.
 from __future__ import annotations
 
 import os
-import struct
 import zlib
 from array import array
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 from delaymq.protocol.envelope import HEADER_SIZE, RecordKind
 from delaymq.protocol.records import RECORD_TIMES
@@ -37,7 +37,6 @@ from delaymq.scheduler.delayindex import (
     DELETED_DB,
     ENTRY_BODY,
     ENTRY_CRC,
-    ENTRY_SIZE,
     MAX_ENTRIES,
     HourSummary,
     hour_key,
@@ -51,136 +50,31 @@ from delaymq.scheduler.hours import (
     ScheduleError,
     hour_name,
 )
-from delaymq.scheduler.idindex import (
+from delaymq.scheduler.idindex import ID_VALUE, IDS_DB, SCHEDULED, IdChanges, IdEntry, filed_subjects
+from delaymq.scheduler.indexrecords import (
     CANCEL_KIND,
     ID_AT,
-    ID_VALUE,
-    IDS_DB,
     KEY_FIELDS,
     KEY_FIELDS_AT,
     MOVE_KIND,
-    SCHEDULED,
-    IdChanges,
-    IdEntry,
     cancel_keys,
     displaced_key,
-    filed_subjects,
     move_spans,
     record_index_key,
     record_key,
     record_subject,
 )
+from delaymq.scheduler.replaystep import HourArrivals, ReplayStep, StagedHour
 from delaymq.storage.state import StateStore
 
 _MESSAGE = int(RecordKind.MESSAGE)
 _pack_body = ENTRY_BODY.pack
 _pack_crc = ENTRY_CRC.pack
 _crc32 = zlib.crc32
-_ENTRY_PLACE = struct.Struct(">QI")  # a staged index entry's offset and size in the hour's log
 #: Sorts above every UTF-8 key: when the index's highest key is not known, every id may be held.
 _ABOVE_ALL = b"\xff"
 #: An id the hot loop found held: ``(index key, the value it had or None: ask lmdb, record position)``.
 Held = tuple[bytes, bytes | None, int]
-
-
-@dataclass(frozen=True, slots=True)
-class HourArrivals:
-    """The entries one replay step filed into one hour: numbers ``first_entry`` onwards,
-    one per ``ms_in_hour`` value, in entry order."""
-
-    hour: int
-    first_entry: int
-    ms_in_hour: array[int]
-
-    def __len__(self) -> int:
-        return len(self.ms_in_hour)
-
-    def pairs(self) -> list[tuple[int, int]]:
-        """``(ms_in_hour, entry_no)`` of each new entry, what ``SecondWheel.link`` takes."""
-        return list(zip(self.ms_in_hour, range(self.first_entry, self.first_entry + len(self.ms_in_hour))))
-
-
-@dataclass(frozen=True, slots=True)
-class ReplayStep:
-    """What one committed replay step did.
-
-    ``arrivals`` holds, per hour, the entries filed (tell the wheel: ``link`` into a
-    loaded second, ``note_arrival`` otherwise; add the hour to the ``HourWheel``).
-    ``new_hours`` are the hours that held no entry before.
-    """
-
-    start_offset: int  # message-log offset the step started at
-    checkpoint: int  # message-log offset the next step starts at (saved)
-    filed: int  # records filed into schedule logs
-    already_filed: int  # records skipped: filed before a crash, not re-filed
-    skipped: int  # records of another kind than MESSAGE
-    bytes: int  # message-log bytes the step read
-    arrivals: dict[int, HourArrivals] = field(default_factory=dict)
-    new_hours: tuple[int, ...] = ()
-    #: Entries the step's CANCEL and MOVE records cancelled (hour -> entry numbers),
-    #: put in lmdb ``scheduler.cancelled`` in the step's commit so the wheel skips them.
-    cancelled: dict[int, list[int]] = field(default_factory=dict)
-
-    @property
-    def idle(self) -> bool:
-        """Nothing was read: replay is caught up with what the message log holds durably.
-        (A step can file nothing yet move on, skipping records filed before a crash.)"""
-        return self.checkpoint == self.start_offset
-
-
-class StagedHour:
-    """What the current replay step filed into one hour, until ``commit`` writes it."""
-
-    __slots__ = (
-        "hour",
-        "base_ms",
-        "key_base",
-        "committed_entries",
-        "committed_log_end",
-        "first_source",
-        "entries",
-        "log_end",
-        "last_source",
-        "parts",
-        "run_view",
-        "run_start",
-        "run_end",
-        "index",
-        "ms",
-    )
-
-    def __init__(self, hour: int, summary: HourSummary) -> None:
-        self.hour = hour
-        self.base_ms = hour * HOUR_MS  # epoch ms of the hour's start
-        self.key_base = hour << 12  # heads-cache key of second s: key_base | s
-        self.committed_entries = self.entries = summary.entries
-        self.committed_log_end = self.log_end = summary.log_end
-        self.first_source = summary.first_source
-        self.last_source = summary.last_source
-        self.parts: list[memoryview] = []  # record bytes, slices of the chunks read
-        self.run_view: memoryview | None = None  # the run of adjacent records being grown
-        self.run_start = 0
-        self.run_end = 0
-        self.index = bytearray()  # packed index entries
-        self.ms = array("I")  # ms_in_hour of each new entry
-
-    def end_run(self) -> None:
-        if self.run_view is not None:
-            self.parts.append(self.run_view[self.run_start : self.run_end])
-            self.run_view = None
-
-    def record(self, entry: int) -> bytes:
-        """The record of staged entry ``entry`` (at least ``committed_entries``)."""
-        offset, size = _ENTRY_PLACE.unpack_from(self.index, ENTRY_SIZE * (entry - self.committed_entries))
-        parts = list(self.parts)
-        if self.run_view is not None:
-            parts.append(self.run_view[self.run_start : self.run_end])
-        at = self.committed_log_end  # the parts hold the hour's new log bytes end to end
-        for part in parts:
-            if offset < at + len(part):
-                return bytes(part[offset - at : offset - at + size])
-            at += len(part)
-        raise ScheduleError(f"hour {hour_name(self.hour)}: staged entry {entry} is not among the staged records")
 
 
 class StagedStep:
@@ -322,15 +216,14 @@ class StagedStep:
         ms_append = array("I").append
         run_view: memoryview | None = None
         first = False  # the hour's first entry ever is still to come
+        # One loop, no call per record: records spread over many hours switch hour at almost
+        # every record, and a call there or per record would cost measurably on replay.
         try:
             while pos < stop:
                 size, _magic, _version, kind, _crc, at, created = unpack(buf, pos)
                 end = pos + HEADER_SIZE + size
                 if end > stop:
-                    raise ScheduleError(
-                        f"record at message-log offset {source + pos} ends at {source + end}, "
-                        f"past the end of what was given to stage ({source + stop})"
-                    )
+                    raise _cut_by_stop(source, pos, end, stop)
                 if kind != _MESSAGE:
                     break
                 if at <= 0:
@@ -356,9 +249,7 @@ class StagedStep:
                     pos = end
                     continue
                 if n >= MAX_ENTRIES:
-                    raise ScheduleError(
-                        f"hour {hour_name(hour)}: an hour holds at most {MAX_ENTRIES} entries (MAX_ENTRIES)"
-                    )
+                    raise _hour_full(hour)
                 ms = at - base_ms
                 key = key_base | ms // 1000
                 head = heads_get(key, -1)
@@ -538,6 +429,17 @@ class StagedStep:
         self._heads = {}
         self.changes.clear()
         self._step_filed = self._step_already = self._step_skipped = 0
+
+
+def _cut_by_stop(source: int, pos: int, end: int, stop: int) -> ScheduleError:
+    return ScheduleError(
+        f"record at message-log offset {source + pos} ends at {source + end}, "
+        f"past the end of what was given to stage ({source + stop})"
+    )
+
+
+def _hour_full(hour: int) -> ScheduleError:
+    return ScheduleError(f"hour {hour_name(hour)}: an hour holds at most {MAX_ENTRIES} entries (MAX_ENTRIES)")
 
 
 def _filed_at(buf: bytes | memoryview, pos: int) -> int:
