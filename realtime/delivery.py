@@ -97,43 +97,86 @@ def pick(
     picked: list[Picked] = []
     if consume_log is None:
         return Pick(picked, False)
-    total = 0
-    held = None  # the earliest moment a held entry the pick stopped at may go
+    total = 0  # bytes picked
+    held: int | None = None  # the earliest moment a held entry the pick stopped at may go
     if share.redeliver:
-        taken = groups.take_redeliveries(share, limit)
-        for index, (sequence, redeliveries) in enumerate(taken):
-            if sequence >= consume_log.count:
-                # Its record was lost to damage (recovery drops these; never fail a pull).
-                log.warning(
-                    "realtime: group %r on %r: given-back entry %d is past the consume log's %d; dropped",
-                    share.group,
-                    share.subject,
-                    sequence,
-                    consume_log.count,
-                )
-                continue
-            try:
-                entry = consume_log.held_entry(sequence)
-            except BaseException:
-                groups.put_back(share, taken[index:])  # never lose a given-back message
-                raise
-            if entry is None:  # not in memory: picked as far as it goes, or read it first
-                groups.put_back(share, taken[index:])
-                if picked:
-                    return Pick(picked, False)
-                raise EntriesNotHeld(sequence)
-            release = held_until(entry.stored_at)
-            if release is not None and release > now_ms:
-                # Given back before it was due (its consumer had fetched it ahead): it and the
-                # given-back ones after it wait until then; new entries may still go.
-                groups.put_back(share, taken[index:])
-                held = release
-                break
-            if picked and total + entry.size > max_bytes:
-                groups.put_back(share, taken[index:])
-                return Pick(picked, False)
-            picked.append(Picked(sequence, redeliveries, entry.offset, entry.size))
-            total += entry.size
+        total, held, done = _pick_given_back(consume_log, groups, share, picked, limit, max_bytes, now_ms)
+        if done:
+            return Pick(picked, False)
+    # Positional: once per PULL, where keyword arguments cost a little each time.
+    return _pick_new(consume_log, groups, share, picked, total, held, limit, max_bytes, mask, now_ms)
+
+
+class _GivenBack(NamedTuple):
+    """What ``pick`` took of a share's given-back entries before its new ones."""
+
+    total: int  # bytes picked
+    held: int | None  # when the first given-back entry not due yet may go (epoch ms)
+    done: bool  # the pick ends here: the next entry is not in memory, or over ``max_bytes``
+
+
+def _pick_given_back(
+    consume_log: ConsumeLog,
+    groups: Groups,
+    share: Share,
+    picked: list[Picked],
+    limit: int,
+    max_bytes: int,
+    now_ms: int,
+) -> _GivenBack:
+    """Append the share's given-back entries due by ``now_ms`` to ``picked``; those not
+    taken go back to the share (never lose a given-back message)."""
+    total = 0
+    taken = groups.take_redeliveries(share, limit)
+    for index, (sequence, redeliveries) in enumerate(taken):
+        if sequence >= consume_log.count:
+            # Its record was lost to damage (recovery drops these; never fail a pull).
+            log.warning(
+                "realtime: group %r on %r: given-back entry %d is past the consume log's %d; dropped",
+                share.group,
+                share.subject,
+                sequence,
+                consume_log.count,
+            )
+            continue
+        try:
+            entry = consume_log.held_entry(sequence)
+        except BaseException:
+            groups.put_back(share, taken[index:])
+            raise
+        if entry is None:  # not in memory: picked as far as it goes, or read it first
+            groups.put_back(share, taken[index:])
+            if picked:
+                return _GivenBack(total, None, True)
+            raise EntriesNotHeld(sequence)
+        release = held_until(entry.stored_at)
+        if release is not None and release > now_ms:
+            # Given back before it was due (its consumer had fetched it ahead): it and the
+            # given-back ones after it wait until then; new entries may still go.
+            groups.put_back(share, taken[index:])
+            return _GivenBack(total, release, False)
+        if picked and total + entry.size > max_bytes:
+            groups.put_back(share, taken[index:])
+            return _GivenBack(total, None, True)
+        picked.append(Picked(sequence, redeliveries, entry.offset, entry.size))
+        total += entry.size
+    return _GivenBack(total, None, False)
+
+
+def _pick_new(
+    consume_log: ConsumeLog,
+    groups: Groups,
+    share: Share,
+    picked: list[Picked],
+    total: int,
+    held: int | None,
+    limit: int,
+    max_bytes: int,
+    mask: int,
+    now_ms: int,
+) -> Pick:
+    """Append new entries past the share's position to ``picked`` (``total`` bytes so far) and
+    move the share; ``held``: when a given-back entry not due yet may go (``pick``)."""
     position = share.position
     count = consume_log.count
     skip = share.skip
@@ -148,6 +191,8 @@ def pick(
             raise EntriesNotHeld(position)
         if not data:
             break
+        # The per-entry loop stays inline, on locals: a call per entry would cost measurably
+        # on a PULL that scans thousands of entries.
         for offset, size, entry_mask, stored_at, _crc in iter_entries(data):  # (time: HELD flag included)
             scanned += 1
             if (mask and not entry_mask & mask) or (skip and position in skip):

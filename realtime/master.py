@@ -114,75 +114,100 @@ class RealtimeMaster:
         self._checkpoint_ns = -1  # set by the worker thread that wrote, recorded on the trio side
         self.parked = ParkedPulls()
         self.sweeper = RedeliverySweeper(groups=groups, clock=clock, parked=self.parked)
-        self.consumers = Consumers(
-            groups=groups,
-            indexer=indexer,
-            store=store,
-            pull_dir=pull_dir,
-            clock=clock,
+        self.consumers = self._make_consumers(run_blocking=run_blocking, max_groups=max_groups)
+        self.committer = self._make_committer(interval_ms=checkpoint_interval_ms, run_blocking=run_blocking)
+        self.fences = Fences(store=store, run_blocking=run_blocking, durable=fences, clock=clock)
+        self.send_handler = self._make_send_handler(limits=limits, run_blocking=run_blocking, max_subjects=max_subjects)
+        self.pull_handler = self._make_pull_handler(limits=limits, run_blocking=run_blocking)
+        self.retries = self._make_retries(run_blocking=run_blocking)
+        self.ack_handler = self._make_ack_handler(limits=limits)
+        indexer.on_indexed = self.parked.wake
+        indexer.on_ids = dedup.indexed
+        if source is not None:
+            self._replicate_through(source)
+
+    # --------------------------------------------------------------- parts
+
+    def _make_consumers(self, *, run_blocking: RunBlocking, max_groups: int) -> Consumers:
+        return Consumers(
+            groups=self._groups,
+            indexer=self._indexer,
+            store=self._store,
+            pull_dir=self._pull_dir,
+            clock=self._clock,
             sweeper=self.sweeper,
             run_blocking=run_blocking,
             max_groups=max_groups,
         )
-        self.committer = Committer(
+
+    def _make_committer(self, *, interval_ms: int, run_blocking: RunBlocking) -> Committer:
+        return Committer(
             take=self._take_snapshot,
             write=self._write_snapshot,
             done=self._snapshot_done,
             failed=self._snapshot_failed,
-            interval_ms=checkpoint_interval_ms,
+            interval_ms=interval_ms,
             run_blocking=run_blocking,
         )
-        self.fences = Fences(store=store, run_blocking=run_blocking, durable=fences, clock=clock)
-        self.send_handler = SendHandler(
-            clock=clock,
+
+    def _make_send_handler(self, *, limits: Limits, run_blocking: RunBlocking, max_subjects: int) -> SendHandler:
+        return SendHandler(
+            clock=self._clock,
             limits=limits,
-            store=store,
-            indexer=indexer,
-            dedup=dedup,
+            store=self._store,
+            indexer=self._indexer,
+            dedup=self._dedup,
             fences=self.fences,
             run_blocking=run_blocking,
-            subjects=SubjectCap(max_subjects, indexer, groups.shares, clock),
+            subjects=SubjectCap(max_subjects, self._indexer, self._groups.shares, self._clock),
         )
-        self.pull_handler = PullHandler(
+
+    def _make_pull_handler(self, *, limits: Limits, run_blocking: RunBlocking) -> PullHandler:
+        return PullHandler(
             consumers=self.consumers,
-            groups=groups,
-            indexer=indexer,
+            groups=self._groups,
+            indexer=self._indexer,
             parked=self.parked,
             sweeper=self.sweeper,
-            message_log=message_log,
-            clock=clock,
+            message_log=self._log,
+            clock=self._clock,
             limits=limits,
             run_blocking=run_blocking,
         )
-        self.retries = Retries(
-            groups=groups,
-            indexer=indexer,
-            message_log=message_log,
+
+    def _make_retries(self, *, run_blocking: RunBlocking) -> Retries:
+        return Retries(
+            groups=self._groups,
+            indexer=self._indexer,
+            message_log=self._log,
             sender=self.send_handler,
-            clock=clock,
+            clock=self._clock,
             run_blocking=run_blocking,
         )
-        self.ack_handler = AckHandler(
+
+    def _make_ack_handler(self, *, limits: Limits) -> AckHandler:
+        return AckHandler(
             consumers=self.consumers,
-            groups=groups,
+            groups=self._groups,
             retries=self.retries,
             parked=self.parked,
             sweeper=self.sweeper,
             commit=self.committer.commit,
-            clock=clock,
+            clock=self._clock,
             limits=limits,
         )
-        indexer.on_indexed = self.parked.wake
-        indexer.on_ids = dedup.indexed
-        if source is not None:
-            # Progress records go out with every checkpoint; what a consumer is answered waits for them.
-            self.committer.ship = partial(self.ship, wait=False)
-            self.fences.on_raise = self._ship_fences
-            self.fences.on_clear = self._ship_fence_clear
-            self.send_handler.replicated = self._replicated
-            if source.mode == "sync" and source.min_insync:
-                self.ack_handler.replicated = partial(self._replicated, None)
-                self.pull_handler.handed_out = self.ack_handler.commit  # a hand-out is replicated before it goes
+
+    def _replicate_through(self, source: ReplicationSource) -> None:
+        """Progress records go out with every checkpoint; what a consumer is answered waits for them."""
+        self.committer.ship = partial(self.ship, wait=False)
+        self.fences.on_raise = self._ship_fences
+        self.fences.on_clear = self._ship_fence_clear
+        self.send_handler.replicated = self._replicated
+        if source.mode == "sync" and source.min_insync:
+            self.ack_handler.replicated = partial(self._replicated, None)
+            self.pull_handler.handed_out = self.ack_handler.commit  # a hand-out is replicated before it goes
+
+    # --------------------------------------------------------------- public
 
     @property
     def writer(self) -> LogWriter | None:

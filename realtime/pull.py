@@ -31,11 +31,11 @@ from delaymq.protocol.records import RECORD_TIMES, tags_mask
 from delaymq.realtime.consumelog import ConsumeLog
 from delaymq.realtime.consumers import Consumers
 from delaymq.realtime.delivery import EntriesNotHeld, Picked, pick, read_intact, read_recent_records, read_window
-from delaymq.realtime.groups import Groups
+from delaymq.realtime.groups import ConsumerState, Groups
 from delaymq.realtime.index import Indexer
 from delaymq.realtime.parked import ParkedPulls
 from delaymq.realtime.redelivery import RedeliverySweeper
-from delaymq.realtime.requests import parse_pull
+from delaymq.realtime.requests import PullRequest, parse_pull
 from delaymq.replication.roles import NotMaster
 from delaymq.storage.log import SegmentedLog
 from delaymq.storage.threads import RunBlocking
@@ -92,45 +92,56 @@ class PullHandler:
         pull = parse_pull(request.metadata, self._limits)
         consumer = await self._consumers.get(pull.subject, pull.group, pull.consumer, create=pull)
         assert consumer is not None
-        groups = self._groups
         self._consumers.seen(consumer)
-        mask = tags_mask(pull.tags) if pull.tags else 0
-        deadline = trio.current_time() + pull.timeout_ms / 1000
-        subject = pull.subject
-        # Never more than half the ack timeout ahead: a hand-out's ack timeout starts at once.
-        ahead_ms = min(pull.ahead_ms, groups.ack_timeout_ms // 2)
         consumer.waiting += 1  # a consumer in a long poll is alive
         try:
-            while True:
-                if self.closed is not None:
-                    raise NotMaster(f"PULL: {self.closed}; ask the metaserver")
-                consume_log = self._indexer.consume_log(subject)
-                # What is held until ``ahead_ms`` from now may go: the consumer holds it until due.
-                now_ms = self._clock.now_ms() + ahead_ms
-                try:
-                    picked, more, held_until = pick(
-                        consume_log, groups, consumer.share, pull.max, pull.max_bytes, mask, now_ms
-                    )
-                except EntriesNotHeld as missing:  # a consumer that lags: its entries from the file
-                    assert consume_log is not None
-                    await self._read_entries(consume_log, missing.sequence)
-                    continue
-                if picked or trio.current_time() >= deadline:
-                    break
-                if more:
-                    await trio.lowlevel.checkpoint()
-                    continue
-                wake = deadline
-                if held_until is not None:  # the next entry is not due: pick again when it is
-                    wake = min(deadline, trio.current_time() + (held_until - now_ms) / 1000)
-                await self._parked.wait(subject, wake)
+            picked = await self._wait_for_entries(pull, consumer)
         finally:
             consumer.waiting -= 1
         self.pulls += 1
         now = self._clock.monotonic_ms()
         if not picked:
-            groups.touch(consumer, now)
+            self._groups.touch(consumer, now)
             return {"pull_start": consumer.length, "count": 0, "acked": consumer.acked}, b""
+        return await self._hand_out(pull, consumer, picked, now)
+
+    async def _wait_for_entries(self, pull: PullRequest, consumer: ConsumerState) -> list[Picked]:
+        """Pick entries for ``consumer``, parked until some arrive or are due, or ``pull`` times out."""
+        groups = self._groups
+        mask = tags_mask(pull.tags) if pull.tags else 0
+        deadline = trio.current_time() + pull.timeout_ms / 1000
+        subject = pull.subject
+        # Never more than half the ack timeout ahead: a hand-out's ack timeout starts at once.
+        ahead_ms = min(pull.ahead_ms, groups.ack_timeout_ms // 2)
+        while True:
+            if self.closed is not None:
+                raise NotMaster(f"PULL: {self.closed}; ask the metaserver")
+            consume_log = self._indexer.consume_log(subject)
+            # What is held until ``ahead_ms`` from now may go: the consumer holds it until due.
+            now_ms = self._clock.now_ms() + ahead_ms
+            try:
+                picked, more, held_until = pick(
+                    consume_log, groups, consumer.share, pull.max, pull.max_bytes, mask, now_ms
+                )
+            except EntriesNotHeld as missing:  # a consumer that lags: its entries from the file
+                assert consume_log is not None
+                await self._read_entries(consume_log, missing.sequence)
+                continue
+            if picked or trio.current_time() >= deadline:
+                return picked
+            if more:
+                await trio.lowlevel.checkpoint()
+                continue
+            wake = deadline
+            if held_until is not None:  # the next entry is not due: pick again when it is
+                wake = min(deadline, trio.current_time() + (held_until - now_ms) / 1000)
+            await self._parked.wait(subject, wake)
+
+    async def _hand_out(
+        self, pull: PullRequest, consumer: ConsumerState, picked: list[Picked], now: int
+    ) -> tuple[dict[str, Any], bytes]:
+        """Record ``picked`` in the consumer's pull log, then answer with their records."""
+        groups = self._groups
         # In the pull log before the answer: after a crash, recovery knows what went out.
         start = self._consumers.record_pull(consumer, picked, now)
         self._sweeper.poke()
@@ -145,7 +156,7 @@ class PullHandler:
                 "realtime: group %r on %r: %d record(s) at message-log offsets %s do not check "
                 "(the message log is damaged there); the group goes on without them",
                 pull.group,
-                subject,
+                pull.subject,
                 len(bad),
                 ", ".join(str(item.offset) for item in bad[:10]) + (" ..." if len(bad) > 10 else ""),
             )

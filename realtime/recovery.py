@@ -30,6 +30,7 @@ from typing import Any
 
 from delaymq.realtime import dedup as dedup_store
 from delaymq.realtime.checkpoint import (
+    LoadedState,
     Snapshot,
     consumer_from_record,
     encode_consumer,
@@ -178,58 +179,125 @@ def recover(
     """
     state = load_state(store)
     found = found or MessageFiles(disk_end=message_log.end_offset)
-    end = message_log.end_offset
-    counts = state.consume_counts
-    index_offset = state.index_offset
-    lost_records: int | None = None
-    if end < index_offset:
-        counts, lost_records = cut_consume_logs(consume_dir, end, counts)
-        index_offset = end
-    entries, covers_from = dedup_store.load_recent(store, state.dedup_buckets, now, dedup.window_ms, dedup.memory_ids)
-    dedup.load(entries, covers_from)
-    dedup.bare_ids_until = dedup_store.bare_ids_until(store, state.dedup_buckets, now, dedup.window_ms)
+    counts, index_offset, lost_records = _cut_to_log_end(consume_dir, message_log.end_offset, state)
+    _load_dedup_ids(store, dedup, state.dedup_buckets, now)
     indexer = Indexer(consume_dir, indexed_offset=index_offset, on_ids=dedup.indexed)
     try:
-        indexer.open_existing(counts)
-        replayed = indexer.replay(message_log, now) if replay else 0
-        if replayed:
-            log.info(
-                "realtime: indexed %d record(s) of the message log past the checkpoint at %d",
-                replayed,
-                index_offset,
-            )
-        if index_offset < state.index_offset:
-            indexer.dirty.update(indexer.logs.values())  # their lowered counts are committed below
+        _open_consume_logs(
+            indexer, message_log, counts, now=now, replay=replay, lowered=index_offset < state.index_offset
+        )
         for share in state.shares.values():
             groups.add_share(share)
         members, pull_logs, new_shares = load_members(pull_dir, state.consumers, groups, indexer)
         result = reconcile(groups.shares.values(), members, indexer.count, new_shares)
         damaged = index_offset < state.index_offset or bool(found.moved_aside)
         if damaged or result.shares or result.consumers:
-            snapshot = Snapshot(
-                index_offset=indexer.indexed_offset,
-                consume=[(consume_log, consume_log.count) for consume_log in indexer.take_dirty()],
-                pull_logs=[pull_logs[consumer] for consumer in result.consumers],
-                dedup_ids=dedup.take_unpersisted(),
-                shares=[(share, encode_share(share)) for share in result.shares],
-                consumers=[(consumer, encode_consumer(consumer)) for consumer in result.consumers],
-                now=now,
-            )
-            write_snapshot(
-                snapshot,
+            _commit_repairs(
+                indexer,
+                dedup,
+                [pull_logs[consumer] for consumer in result.consumers],
+                result,
                 store=store,
                 message_log=message_log,
                 consume_dir=consume_dir,
                 pull_dir=pull_dir,
                 dedup_buckets=state.dedup_buckets,
-                window_ms=dedup.window_ms,
+                now=now,
             )
-            dedup.committed(snapshot.dedup_ids, now)
     except BaseException:
         indexer.close()
         raise
+    _log_recovery(message_log, found, state.index_offset, lost_records, result, damaged=damaged)
+    in_flight = [
+        (member.consumer, pull_logs[member.consumer])
+        for member in members
+        if member.consumer.progress.undone(member.consumer.acked, member.consumer.length)
+    ]
+    return indexer, state.dedup_buckets, in_flight
+
+
+def _cut_to_log_end(consume_dir: Path, end: int, state: LoadedState) -> tuple[dict[str, int], int, int | None]:
+    """The consume-log counts and index offset to recover from, and how many records
+    damage lost (None: none): a message log ending below the checkpoint cuts them back."""
+    if end < state.index_offset:
+        counts, lost_records = cut_consume_logs(consume_dir, end, state.consume_counts)
+        return counts, end, lost_records
+    return state.consume_counts, state.index_offset, None
+
+
+def _load_dedup_ids(store: StateStore, dedup: DedupWindow, dedup_buckets: list[int], now: int) -> None:
+    """The dedup window's recent ids, as committed (blocking)."""
+    entries, covers_from = dedup_store.load_recent(store, dedup_buckets, now, dedup.window_ms, dedup.memory_ids)
+    dedup.load(entries, covers_from)
+    dedup.bare_ids_until = dedup_store.bare_ids_until(store, dedup_buckets, now, dedup.window_ms)
+
+
+def _open_consume_logs(
+    indexer: Indexer, message_log: SegmentedLog, counts: dict[str, int], *, now: int, replay: bool, lowered: bool
+) -> None:
+    """Open the consume logs at their checkpoint ``counts`` and (``replay``) index the message log
+    past the checkpoint; ``lowered``: damage cut them back, and their new counts must be committed."""
+    index_offset = indexer.indexed_offset
+    indexer.open_existing(counts)
+    replayed = indexer.replay(message_log, now) if replay else 0
+    if replayed:
+        log.info(
+            "realtime: indexed %d record(s) of the message log past the checkpoint at %d",
+            replayed,
+            index_offset,
+        )
+    if lowered:
+        indexer.dirty.update(indexer.logs.values())
+
+
+def _commit_repairs(
+    indexer: Indexer,
+    dedup: DedupWindow,
+    pull_logs: list[PullLog],
+    result: Reconciled,
+    *,
+    store: StateStore,
+    message_log: SegmentedLog,
+    consume_dir: Path,
+    pull_dir: Path,
+    dedup_buckets: list[int],
+    now: int,
+) -> None:
+    """Commit what recovery repaired: the consume-log counts, and the shares and consumers
+    ``reconcile`` changed with their ``pull_logs`` (blocking)."""
+    snapshot = Snapshot(
+        index_offset=indexer.indexed_offset,
+        consume=[(consume_log, consume_log.count) for consume_log in indexer.take_dirty()],
+        pull_logs=pull_logs,
+        dedup_ids=dedup.take_unpersisted(),
+        shares=[(share, encode_share(share)) for share in result.shares],
+        consumers=[(consumer, encode_consumer(consumer)) for consumer in result.consumers],
+        now=now,
+    )
+    write_snapshot(
+        snapshot,
+        store=store,
+        message_log=message_log,
+        consume_dir=consume_dir,
+        pull_dir=pull_dir,
+        dedup_buckets=dedup_buckets,
+        window_ms=dedup.window_ms,
+    )
+    dedup.committed(snapshot.dedup_ids, now)
+
+
+def _log_recovery(
+    message_log: SegmentedLog,
+    found: MessageFiles,
+    checkpoint: int,
+    lost_records: int | None,
+    result: Reconciled,
+    *,
+    damaged: bool,
+) -> None:
+    """What recovery repaired and kept, for an operator."""
     if damaged:
-        _log_damage(message_log, found, state.index_offset, lost_records, result)
+        _log_damage(message_log, found, checkpoint, lost_records, result)
     elif result.moved_back or result.dropped:
         log.warning(
             "realtime: %d group position(s) were past their consume logs and %d hand-out(s) or "
@@ -243,12 +311,6 @@ def recover(
             "they come back after the ack timeout with attempts raised, unless acked",
             result.kept,
         )
-    in_flight = [
-        (member.consumer, pull_logs[member.consumer])
-        for member in members
-        if member.consumer.progress.undone(member.consumer.acked, member.consumer.length)
-    ]
-    return indexer, state.dedup_buckets, in_flight
 
 
 def recover_storage(

@@ -17,6 +17,7 @@ Blocking: steps run in a worker thread, one at a time.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from delaymq.realtime.checkpoint import CONSUMERS_DB, Snapshot, decode_consumer, write_snapshot
 from delaymq.realtime.dedup import DedupWindow
@@ -84,62 +85,25 @@ class ReplicaState:
         data, _next = storage.message_log.read_raw(offset, min(max_bytes, until - offset))
         if not data:
             return ReplicaStep(idle=True)
-        applied = Progress()
-        pull_logs: dict[bytes, PullLog] = {}
-        count = 0
+        applied = AppliedProgress(storage.pull_folder.path, slave=self.slave)
+        messages = self.indexer.index_raw(data, offset, now, on_progress=applied.apply)
+        self._commit(applied, now)
+        self.messages += messages
+        self.progress += applied.count
+        return ReplicaStep(idle=False, messages=messages, progress=applied.count)
 
-        def pull_log_of(key: bytes) -> PullLog:
-            pull_log = pull_logs.get(key)
-            if pull_log is None:
-                pull_log = pull_logs[key] = PullLog(storage.pull_folder.path, key.hex())
-            return pull_log
-
-        def apply(payload: bytes) -> None:
-            nonlocal count
-            progress = Progress.decode(payload)
-            count += 1
-            if progress.reset:  # the master's whole state: what it does not keep goes
-                keep_shares, keep_consumers = (set(keys) for keys in progress.kept())
-                applied.shares[:] = [(key, record) for key, record in applied.shares if key in keep_shares]
-                applied.consumers[:] = [c for c in applied.consumers if c.key in keep_consumers]
-                applied.reset, applied.keep = True, (keep_shares, keep_consumers)
-                for stem in list_pull_logs(storage.pull_folder.path) if self.slave else ():
-                    if bytes.fromhex(stem) not in keep_consumers:
-                        pull_log_of(bytes.fromhex(stem)).truncate(0)
-            applied.shares.extend(progress.shares)
-            applied.consumers.extend(progress.consumers)
-            if applied.keep is not None:  # upserts after a reset stay
-                applied.keep[0].update(key for key, _ in progress.shares)
-                applied.keep[1].update(c.key for c in progress.consumers)
-            for group in progress.clear:  # an admin's CLEAR_FENCE: raises before it are void
-                applied.fences.pop(group, None)
-                if group not in applied.clear:
-                    applied.clear.append(group)
-            for group, epoch in progress.fences.items():
-                applied.fences[group] = max(epoch, applied.fences.get(group, 0))
-            for consumer in progress.consumers:
-                names = decode_consumer(consumer.record)
-                pull_log = pull_log_of(consumer.key)
-                if consumer.entries:
-                    pull_log.create(
-                        names["subject"], names["group"], names["consumer"], broadcast=bool(names["broadcast"])
-                    )
-                    pull_log.write(consumer.first, consumer.entries)
-                if self.slave:
-                    # Entries past the master's length are this member's own from a former life as
-                    # master (hand-outs it made and never replicated): the group never had them.
-                    pull_log.truncate(names["length"])
-
-        messages = self.indexer.index_raw(data, offset, now, on_progress=apply)
+    def _commit(self, applied: AppliedProgress, now: int) -> None:
+        """One checkpoint of what a step indexed and applied (blocking)."""
+        storage = self._storage
         snapshot = Snapshot(
             index_offset=self.indexer.indexed_offset,
             consume=[(consume_log, consume_log.count) for consume_log in self.indexer.take_dirty()],
-            pull_logs=list(pull_logs.values()),
+            pull_logs=list(applied.pull_logs.values()),
             dedup_ids=self._dedup.take_unpersisted(),
             shares=[],
             consumers=[],
             now=now,
-            records=None if applied.empty() else applied,
+            records=None if applied.records.empty() else applied.records,
         )
         write_snapshot(
             snapshot,
@@ -151,9 +115,6 @@ class ReplicaState:
             window_ms=self._dedup.window_ms,
         )
         self._dedup.committed(snapshot.dedup_ids, now)
-        self.messages += messages
-        self.progress += count
-        return ReplicaStep(idle=False, messages=messages, progress=count)
 
     def catch_up(self, *, until: int, now: int) -> int:
         """Steps until ``until`` is applied (a promotion); returns the progress records applied."""
@@ -164,6 +125,68 @@ class ReplicaState:
 
     def close(self) -> None:
         self.indexer.close()
+
+
+class AppliedProgress:
+    """The master's progress records of one step, merged into one to commit, and the
+    pull-log entries they wrote (blocking: the step's worker thread)."""
+
+    def __init__(self, pull_dir: Path, *, slave: bool) -> None:
+        self._pull_dir = pull_dir
+        self._slave = slave
+        self.records = Progress()
+        self.pull_logs: dict[bytes, PullLog] = {}
+        self.count = 0  # progress records applied
+
+    def apply(self, payload: bytes) -> None:
+        """Apply one progress record (the indexer's ``on_progress``)."""
+        progress = Progress.decode(payload)
+        self.count += 1
+        applied = self.records
+        if progress.reset:
+            self._reset(progress)
+        applied.shares.extend(progress.shares)
+        applied.consumers.extend(progress.consumers)
+        if applied.keep is not None:  # upserts after a reset stay
+            applied.keep[0].update(key for key, _ in progress.shares)
+            applied.keep[1].update(c.key for c in progress.consumers)
+        for group in progress.clear:  # an admin's CLEAR_FENCE: raises before it are void
+            applied.fences.pop(group, None)
+            if group not in applied.clear:
+                applied.clear.append(group)
+        for group, epoch in progress.fences.items():
+            applied.fences[group] = max(epoch, applied.fences.get(group, 0))
+        self._write_pull_logs(progress)
+
+    def _reset(self, progress: Progress) -> None:
+        """The master's whole state: what it does not keep goes."""
+        applied = self.records
+        keep_shares, keep_consumers = (set(keys) for keys in progress.kept())
+        applied.shares[:] = [(key, record) for key, record in applied.shares if key in keep_shares]
+        applied.consumers[:] = [c for c in applied.consumers if c.key in keep_consumers]
+        applied.reset, applied.keep = True, (keep_shares, keep_consumers)
+        for stem in list_pull_logs(self._pull_dir) if self._slave else ():
+            if bytes.fromhex(stem) not in keep_consumers:
+                self._pull_log_of(bytes.fromhex(stem)).truncate(0)
+
+    def _write_pull_logs(self, progress: Progress) -> None:
+        """Write each consumer's hand-outs where the master wrote them."""
+        for consumer in progress.consumers:
+            names = decode_consumer(consumer.record)
+            pull_log = self._pull_log_of(consumer.key)
+            if consumer.entries:
+                pull_log.create(names["subject"], names["group"], names["consumer"], broadcast=bool(names["broadcast"]))
+                pull_log.write(consumer.first, consumer.entries)
+            if self._slave:
+                # Entries past the master's length are this member's own from a former life as
+                # master (hand-outs it made and never replicated): the group never had them.
+                pull_log.truncate(names["length"])
+
+    def _pull_log_of(self, key: bytes) -> PullLog:
+        pull_log = self.pull_logs.get(key)
+        if pull_log is None:
+            pull_log = self.pull_logs[key] = PullLog(self._pull_dir, key.hex())
+        return pull_log
 
 
 def cut_pull_tails(storage: Storage) -> int:

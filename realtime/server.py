@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -319,21 +319,6 @@ async def open_realtime_server(
     ``serve_stream``) and ``peers`` replaces the connections to other servers.
     ``max_subjects`` and ``max_groups`` cap what SENDs and PULLs may create (``realtime.caps``).
     """
-    check_cap("max_subjects", max_subjects)
-    check_cap("max_groups", max_groups)
-    check_max_record(limits.max_record)
-    _check_settings(
-        checkpoint_interval_ms=checkpoint_interval_ms,
-        replication=replication,
-        min_insync=min_insync,
-        replication_timeout_ms=replication_timeout_ms,
-        ack_timeout_ms=ack_timeout_ms,
-        consumer_timeout_ms=consumer_timeout_ms,
-    )
-    bind = split_listen(listen) if listen is not None else None
-    if listen is None and meta_address is not None and advertise_address is None:
-        raise ValueError("listen=None with a meta_address needs an advertise_address to register")
-    root = Path(data_dir)
     settings = MasterSettings(
         dedup_window_ms=dedup_window_ms,
         dedup_memory_ids=dedup_memory_ids,
@@ -344,17 +329,85 @@ async def open_realtime_server(
         max_subjects=max_subjects,
         max_groups=max_groups,
     )
+    _check_options(settings, limits=limits, replication=replication, min_insync=min_insync)
+    bind = _bind_address(listen, meta_address=meta_address, advertise_address=advertise_address)
+    root = Path(data_dir)
+    async with _open_member(
+        root,
+        group=group,
+        advertise_address=advertise_address,
+        clock=clock,
+        limits=limits,
+        settings=settings,
+        segment_size=segment_size,
+        run_blocking=run_blocking,
+        replication=replication,
+        min_insync=min_insync,
+        peers=peers,
+        meta_address=meta_address,
+    ) as (member, member_id):
+        server = RealtimeServer(member, managed=meta_address is not None, limits=limits)
+        async with _serving(server, bind, advertise_address, flush, meta_address, member_id) as address:
+            log.info("realtime server %s serving on %s (data %s)", group, address or "-", root)
+            yield server
+
+
+def _check_options(settings: MasterSettings, *, limits: Limits, replication: str, min_insync: int) -> None:
+    """Refuse options a server cannot run with, before anything opens."""
+    check_cap("max_subjects", settings.max_subjects)
+    check_cap("max_groups", settings.max_groups)
+    check_max_record(limits.max_record)
+    if settings.checkpoint_interval_ms <= 0:
+        raise ValueError(f"checkpoint_interval_ms must be positive, got {settings.checkpoint_interval_ms}")
+    if replication not in ("sync", "async"):
+        raise ValueError(f"replication must be 'sync' or 'async', got {replication!r}")
+    if min_insync < 0:
+        raise ValueError(f"min_insync must be >= 0, got {min_insync}")
+    if settings.replication_timeout_ms <= 0:
+        raise ValueError(f"replication_timeout_ms must be positive, got {settings.replication_timeout_ms}")
+    ack_timeout_ms, consumer_timeout_ms = settings.ack_timeout_ms, settings.consumer_timeout_ms
+    if ack_timeout_ms <= 0 or consumer_timeout_ms <= 0:
+        raise ValueError(
+            f"ack_timeout_ms ({ack_timeout_ms}) and consumer_timeout_ms ({consumer_timeout_ms}) must be positive"
+        )
+
+
+def _bind_address(
+    listen: str | None, *, meta_address: str | Sequence[str] | None, advertise_address: str | None
+) -> tuple[str, int] | None:
+    """Where to listen (None: no listener; connections go to ``serve_stream``)."""
+    if listen is None:
+        if meta_address is not None and advertise_address is None:
+            raise ValueError("listen=None with a meta_address needs an advertise_address to register")
+        return None
+    return split_listen(listen)
+
+
+@asynccontextmanager
+async def _open_member(
+    root: Path,
+    *,
+    group: str,
+    advertise_address: str | None,
+    clock: Clock,
+    limits: Limits,
+    settings: MasterSettings,
+    segment_size: int,
+    run_blocking: RunBlocking,
+    replication: str,
+    min_insync: int,
+    peers: AsyncCaller | None,
+    meta_address: str | Sequence[str] | None,
+) -> AsyncIterator[tuple[Member, str]]:
+    """Open the data folder ``root`` and what a member of ``group`` shares across its roles;
+    yields the member and its id (``member_identity``). Closes the folder as the block ends."""
     async with open_blocking(
         partial(open_storage, root, segment_size=segment_size),
         lambda storage: storage.close(),
         run_blocking=run_blocking,
     ) as storage:
         history, member_id = await run_blocking(partial(member_identity, root, storage.store))
-        async with AsyncExitStack() as stack:
-            if peers is None and meta_address is not None:
-                # Registration and replication FETCH pace their own retries: no redial wait of the
-                # transport's stacked under them (after a restart they would come back late).
-                peers = await stack.enter_async_context(open_peers(limits=limits, **CLIENT_PEERS_OPTIONS))
+        async with _open_peers(peers, limits=limits, managed=meta_address is not None) as member_peers:
             member = Member(
                 group=group,
                 address=advertise_address or "",
@@ -364,38 +417,24 @@ async def open_realtime_server(
                 history=history,
                 settings=settings,
                 run_blocking=run_blocking,
-                peers=peers,
+                peers=member_peers,
                 registration=None,
                 mode=replication,
                 min_insync=min_insync,
             )
-            server = RealtimeServer(member, managed=meta_address is not None, limits=limits)
-            async with _serving(server, bind, advertise_address, flush, meta_address, member_id) as address:
-                log.info("realtime server %s serving on %s (data %s)", group, address or "-", root)
-                yield server
+            yield member, member_id
 
 
-def _check_settings(
-    *,
-    checkpoint_interval_ms: int,
-    replication: str,
-    min_insync: int,
-    replication_timeout_ms: int,
-    ack_timeout_ms: int,
-    consumer_timeout_ms: int,
-) -> None:
-    if checkpoint_interval_ms <= 0:
-        raise ValueError(f"checkpoint_interval_ms must be positive, got {checkpoint_interval_ms}")
-    if replication not in ("sync", "async"):
-        raise ValueError(f"replication must be 'sync' or 'async', got {replication!r}")
-    if min_insync < 0:
-        raise ValueError(f"min_insync must be >= 0, got {min_insync}")
-    if replication_timeout_ms <= 0:
-        raise ValueError(f"replication_timeout_ms must be positive, got {replication_timeout_ms}")
-    if ack_timeout_ms <= 0 or consumer_timeout_ms <= 0:
-        raise ValueError(
-            f"ack_timeout_ms ({ack_timeout_ms}) and consumer_timeout_ms ({consumer_timeout_ms}) must be positive"
-        )
+@asynccontextmanager
+async def _open_peers(peers: AsyncCaller | None, *, limits: Limits, managed: bool) -> AsyncIterator[AsyncCaller | None]:
+    """``peers``, or (a managed member given none) connections of its own for as long as the block runs."""
+    if peers is not None or not managed:
+        yield peers
+        return
+    # Registration and replication FETCH pace their own retries: no redial wait of the
+    # transport's stacked under them (after a restart they would come back late).
+    async with open_peers(limits=limits, **CLIENT_PEERS_OPTIONS) as own:
+        yield own
 
 
 @asynccontextmanager
