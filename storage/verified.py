@@ -18,6 +18,7 @@ the log checks its whole last segment, as if it had no verified end, and says so
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
 import zlib
@@ -35,6 +36,9 @@ _SLOT = struct.Struct(">4sB3xQQI")  # magic, version, sequence, end, tail_crc; t
 _CRC = struct.Struct(">I")
 SLOT_SIZE = _SLOT.size + _CRC.size  # 32
 _SLOTS = 2
+
+# Logged under the log's own name: operators' logging settings and filters know it by that.
+_logger = logging.getLogger("delaymq.storage.log")
 
 
 class VerifiedEnd(NamedTuple):
@@ -136,12 +140,82 @@ class VerifiedEndFile:
             os.close(fd)
 
 
+class VerifiedEndKeeper:
+    """A log's verified end as it moves: vouched for after an open, moved on by flushes, lowered before a cut.
+
+    Flushes and cuts call it under the log's flush lock. A save that fails costs only a longer
+    check at the next open, so it is logged (once while saves keep failing) and tried
+    again ``checkpoint_bytes`` later, not raised; only ``lower`` raises.
+    """
+
+    def __init__(self, file: VerifiedEndFile, end: int, *, checkpoint_bytes: int, log_path: Path) -> None:
+        self.file = file
+        self.end = end  # the saved verified end
+        self._tried = end  # where the last save was tried, failed or not
+        self._failing = False
+        self._checkpoint_bytes = checkpoint_bytes
+        self._log_path = log_path
+
+    def vouch_after_open(self, fd: int, base: int, end: int, *, distrusted: bool) -> None:
+        """Save ``end``, what an open just checked in the segment ``fd`` at ``base``, if the stored
+        end was distrusted (both slots replaced: what they held is worthless) or lags by ``checkpoint_bytes``."""
+        try:
+            if distrusted:
+                self.file.reset(end, tail_crc(fd, base, end))
+                self.end = end
+            elif end - self.end >= self._checkpoint_bytes:
+                self.file.save(end, tail_crc(fd, base, end))
+                self.end = end
+        except OSError as error:
+            _logger.warning("log %s: cannot save its verified end %d: %s", self._log_path, end, error)
+        self._tried = self.end
+
+    def due(self, flushed: int) -> bool:
+        """Whether a flush up to ``flushed`` should save it: ``checkpoint_bytes`` past the last save tried."""
+        return flushed - max(self.end, self._tried) >= self._checkpoint_bytes
+
+    def save(self, fd: int, base: int, end: int) -> None:
+        """Save ``end`` (flushed, in the segment ``fd`` at ``base``) as the verified end."""
+        self._tried = end
+        try:
+            self.file.save(end, tail_crc(fd, base, end))
+        except OSError as error:
+            if not self._failing:
+                self._failing = True
+                _logger.warning(
+                    "log %s: cannot save its verified end %d (the next open checks more of the last segment): %s",
+                    self._log_path,
+                    end,
+                    error,
+                )
+            return
+        if self._failing:
+            self._failing = False
+            _logger.info("log %s: verified end saved again (%d)", self._log_path, end)
+        self.end = end
+
+    def lower(self, fd: int, base: int, offset: int) -> None:
+        """Bring the verified end down to ``offset`` (in the segment ``fd`` at ``base``) if it is above.
+
+        Before the log is cut there: bytes appended at those offsets later are not
+        the ones it vouched for. ``OSError`` if it cannot be saved: the cut must not go ahead.
+        """
+        if self.end <= offset:
+            return
+        self.file.save(offset, tail_crc(fd, base, offset))
+        self.end = self._tried = offset
+
+    def close(self) -> None:
+        self.file.close()
+
+
 __all__ = [
     "SLOT_SIZE",
     "TAIL_BYTES",
     "VERIFIED_FILE",
     "VerifiedEnd",
     "VerifiedEndFile",
+    "VerifiedEndKeeper",
     "latest_slot",
     "read_verified",
     "tail_crc",
