@@ -122,11 +122,10 @@ async def _serve(
     load_ahead_ms: int,
 ) -> None:
     # Imported here, not by ``delaymq`` itself: every command (each server of a cluster too) starts sooner.
-    from delaymq.scheduler.server import open_scheduler
+    from delaymq.scheduler.server import SchedulerSettings, open_scheduler
 
-    async with open_scheduler(
+    settings = SchedulerSettings(  # a whole ``SchedulerSettings``: mypy checks each option's name
         data_dir=args.data,
-        clock=SystemClock(),
         listen=args.listen,
         group=args.group,
         meta_address=meta,
@@ -138,7 +137,8 @@ async def _serve(
         load_ahead_ms=load_ahead_ms,
         replication=args.replication,
         min_insync=args.min_insync,
-    ) as scheduler:
+    )
+    async with open_scheduler(settings, clock=SystemClock()) as scheduler:
         log.info(
             "scheduler %s listening on %s (data %s, metaserver %s, horizon %s, replication %s, min-insync %d); "
             "master or slave as the metaserver says",

@@ -1,7 +1,8 @@
 """delaymq.scheduler: the delay server (docs/architecture.md, "The delay path"; docs/scheduler.md).
 
-- ``server``: ``open_scheduler`` / ``Scheduler``: the member's shell (roles, FETCH,
-  registration, crash scope) over ``settings`` (``SchedulerSettings``), ``store``
+- ``server``: ``open_scheduler`` / ``Scheduler``: the member, in the replication shell
+  (``delaymq.replication.shell``: roles, FETCH, registration, crash scope), over
+  ``settings`` (``SchedulerSettings``), ``store``
   (``SchedulerStorage``: the data folder, cut-backs), ``current`` (the session now),
   ``schedule`` (SCHEDULE), ``changes`` (CANCEL, MOVE, QUERY), ``housekeeping``
   (cleanup, counters saved), ``status`` and ``counters`` (statistics, STATUS),

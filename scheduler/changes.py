@@ -72,7 +72,7 @@ class ChangeHandler:
         return await self._change(request, "MOVE")
 
     async def query(self, request: Request) -> dict[str, Any]:
-        session = self._current.master("QUERY")
+        session = self._current.taking_requests("QUERY")
         selector = parse_selector(request.metadata, command="QUERY", limits=self._limits)
         keys = await self._selected(session, selector)
         if selector.key is None:  # by key, ``_selected`` read the pages already
@@ -155,7 +155,7 @@ class ChangeHandler:
     async def _change(self, request: Request, command: str) -> dict[str, Any]:
         """CANCEL or MOVE: decide each id on the event loop, hold what is to change back from
         firing, append one record, answer once it is durable (docs/cancel.md)."""
-        session = self._current.master(command)
+        session = self._current.taking_requests(command)
         move = command == "MOVE"
         selector = parse_selector(
             request.metadata, command=command, limits=self._limits, now_ms=self._clock.now_ms(), move=move

@@ -1,16 +1,19 @@
 """The member's session now, as request handlers, housekeeping and statistics see it.
 
-``SessionRole.of`` is the one place that tells a master session from a slave one;
-``CurrentSession`` gives the handlers the master session (refusing ``not_master``
-otherwise) and what they share after an append: the unfiled tail, replication, and
-the check that the member is still master once the write is done.
+``SessionRole.of`` tells a master session from a slave one (what the member runs, not the
+``Role`` it reports: a master session that does not take requests reports ``waiting``);
+``CurrentSession`` gives the handlers the master session taking requests (the shell,
+``ReplicatedServer.taking_requests``, refuses ``not_master`` otherwise) and what they
+share after an append: the unfiled tail, replication, and the check that the member is
+still master once the write is done.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from delaymq.replication.roles import NotMaster, RoleLoop
+from delaymq.replication.roles import NotMaster
+from delaymq.replication.shell import ReplicatedServer
 from delaymq.scheduler.cancels import ScheduledBatch, TailEntry
 from delaymq.scheduler.dispatcher import Dispatcher
 from delaymq.scheduler.roles import MasterSession, Member, SlaveSession
@@ -43,28 +46,21 @@ class SessionRole:
         session = self.master or self.slave
         return session.epoch if session is not None else 0
 
-    @property
-    def name(self) -> str:
-        """ "master", "slave", or "waiting" (for the metaserver's word, or after being fenced)."""
-        if self.master is not None:
-            return "master"
-        return "slave" if self.slave is not None else "waiting"
-
 
 class CurrentSession:
-    """The session the role loop runs now, and the master's side of a request's write."""
+    """The session the shell's role loop runs now, and the master's side of a request's write."""
 
     def __init__(
         self,
         member: Member,
-        roles: RoleLoop[Session],
+        shell: ReplicatedServer[MasterSession, SlaveSession],
         *,
         idle_wheels: WheelSet,
         idle_dispatcher: Dispatcher,
         replication_timeout_ms: int,
     ) -> None:
         self.member = member
-        self._roles = roles
+        self._shell = shell
         # What a member that is not master shows: empty wheels, a dispatcher that never ran.
         self._idle_wheels = idle_wheels
         self._idle_dispatcher = idle_dispatcher
@@ -72,11 +68,11 @@ class CurrentSession:
 
     @property
     def session(self) -> Session | None:
-        return self._roles.session
+        return self._shell.session
 
     @property
     def role(self) -> SessionRole:
-        return SessionRole.of(self._roles.session)
+        return SessionRole.of(self._shell.session)
 
     @property
     def group(self) -> str:
@@ -110,18 +106,9 @@ class CurrentSession:
             return master.dispatcher
         return self._idle_dispatcher
 
-    def master(self, what: str) -> MasterSession:
+    def taking_requests(self, what: str) -> MasterSession:
         """The master session now, accepting requests; ``NotMaster`` says why not."""
-        role = self.role
-        if role.master is not None and role.master.accepting:
-            return role.master
-        if role.master is not None:
-            state = "is handing over to another member"
-        elif role.slave is not None:
-            state = f"is a slave (its master is {role.slave.master})"
-        else:
-            state = "is not master now (waiting for the metaserver's word)"
-        raise NotMaster(f"{what}: scheduler {self.address or '-'} of group {self.group} {state}; ask the metaserver")
+        return self._shell.taking_requests(what)
 
     def check_master(self, session: MasterSession, what: str) -> None:
         """Refuse ``what`` if ``session`` stopped being the accepting master while it waited."""

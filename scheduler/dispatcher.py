@@ -197,6 +197,8 @@ class Dispatcher:
         self._paused = False
         self._confirming = False
         self._handing_out = 0  # firer rounds between popping due entries and putting them in lanes
+        #: Set once nothing is on the way (``_settle``): what ``drain`` waits for.
+        self._settled: trio.Event | None = None
         #: Filters each hour's due ``(deliver_at, entry)`` before they reach a lane (cancels).
         self.skip: Callable[[int, list[tuple[int, int]]], list[tuple[int, int]]] | None = None
         self.load_alarm = Alarm(self._clock)
@@ -259,11 +261,22 @@ class Dispatcher:
         (a graceful handover: the slave taking over then holds every dispatch record)."""
         self._paused = True
         self.fire_alarm.poke()
-        while self._handing_out or self._waiting or self._to_confirm or self._confirming:
+        while self._on_the_way():
+            self._settled = trio.Event()
             self._confirm_alarm.poke()
-            if self._gathering:
+            if self._gathering:  # the confirmer's pause ends: no more is coming
                 self._gather_alarm.poke()
-            await self._clock.sleep_ms(5)
+            await self._settled.wait()
+        self._settled = None
+
+    def _on_the_way(self) -> bool:
+        """Records are being handed out, wait in lanes, or are not yet recorded."""
+        return bool(self._handing_out or self._waiting or self._to_confirm or self._confirming)
+
+    def _settle(self) -> None:
+        """Wake ``drain`` if nothing is on the way now (called where that may have become so)."""
+        if self._settled is not None and not self._on_the_way():
+            self._settled.set()
 
     def resume(self) -> None:
         """Fire again after ``drain`` (a handover that did not happen)."""
@@ -478,6 +491,7 @@ class Dispatcher:
             await self._hand_out_hours(due)
         finally:
             self._handing_out -= 1
+            self._settle()  # (all of it skipped, or the lanes already took it)
 
     async def _hand_out_hours(self, due: Due) -> None:
         for hour, items in due:
@@ -716,6 +730,7 @@ class Dispatcher:
                     finished = finished or (wheel is not None and wheel.is_done())
                 if finished or wheels.short_of_budget:
                     self.load_alarm.poke()  # an hour to close, or memory freed for loads that wait
+                self._settle()
                 # More on its way: what realtime accepts meanwhile waits for the next round.
                 rest = self._confirm_interval_ms - (self._clock.monotonic_ms() - started)
                 if rest > 0 and self._waiting and not self._paused:

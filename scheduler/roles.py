@@ -36,6 +36,7 @@ from delaymq.net.peers import AsyncCaller
 from delaymq.replication.epochs import EpochHistory
 from delaymq.replication.fetcher import ReplicaFetcher
 from delaymq.replication.roles import Handover, Mastership
+from delaymq.replication.shell import finish_handover
 from delaymq.replication.source import ReplicationSource
 from delaymq.scheduler.cancels import Holds, Tail
 from delaymq.scheduler.dispatcher import Deliver, Dispatcher
@@ -200,17 +201,12 @@ class MasterSession:
                 await self.replay_alarm.wait(None)
 
     async def _hand_over(self, target: str) -> None:
-        member = self.member
+        """Stop taking SCHEDULEs and firing, record what realtime accepted, wait until
+        ``target`` holds the whole log (SCHEDULEs accepted before the stop included)."""
         self.accepting = False
-        assert self.dispatcher is not None
+        assert self.dispatcher is not None and self.member.writer is not None
         await self.dispatcher.drain()
-        # SCHEDULEs accepted before the stop: written and durable before the target is asked to hold them.
-        while (member.writer is not None and member.writer.statistics().pending) or (
-            member.log.flushed_offset < member.log.end_offset
-        ):
-            await member.clock.sleep_ms(5)
-        self.source.poke()  # the last tick and records go out now
-        await self.source.wait_holds_all(target)
+        await finish_handover(self.member.writer, self.source, target)
 
     def _resume(self) -> None:
         assert self.dispatcher is not None

@@ -84,7 +84,7 @@ class ScheduleHandler:
 
     async def handle(self, request: Request) -> dict[str, Any]:
         current = self._current
-        session = current.master("SCHEDULE")
+        session = current.taking_requests("SCHEDULE")
         body = request.batch_body()
         batch = scan_batch(body, self._limits, now_ms=self._clock.now_ms())  # refuses deliver_at beyond the horizon
         await self._filing_room(session)

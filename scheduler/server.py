@@ -6,8 +6,9 @@ docs/scheduler-storage.md) and runs one member of a scheduler group until its bl
 ends. The metaserver says whether the member is master or slave
 (``delaymq.scheduler.roles``: a slave fetches the master's log and files it, a promoted
 one takes over; docs/replication.md); a scheduler without a metaserver is master for
-good. This module is the member's shell: its roles and epochs, FETCH, registration,
-and the crash scope. As master, each part in a module of its own:
+good. The member runs in the shell every replicated server shares
+(``delaymq.replication.shell.ReplicatedServer``: its role and epoch, FETCH,
+registration, the crash scope). As master, each part in a module of its own:
 
 - **SCHEDULE** (``schedule.ScheduleHandler``) checks a batch and appends it to the
   message log; **CANCEL**, **MOVE** and **QUERY** (``changes.ChangeHandler``).
@@ -37,20 +38,19 @@ from typing import Any
 
 import trio
 
-from delaymq.client.registration import MembershipView, Registration, start_registration
+from delaymq.client.registration import Registration
 from delaymq.client.routes import CLIENT_PEERS_OPTIONS, RouteClient
 from delaymq.clock import Clock
-from delaymq.net.auth import require_server
 from delaymq.net.peers import AsyncCaller, open_peers
 from delaymq.net.requests import Request
 from delaymq.net.server import FrameServer
 from delaymq.net.serving import Task, serve_frames
 from delaymq.protocol.commands import Command
-from delaymq.protocol.errors import RemoteProtocolError
 from delaymq.protocol.routes import ServerKind
 from delaymq.replication.membership import member_identity
-from delaymq.replication.roles import Mastership, NotMaster, RoleLoop
-from delaymq.replication.wire import FetchRequest
+from delaymq.replication.roles import Mastership, Role, RoleLoop
+from delaymq.replication.shell import ReplicatedServer
+from delaymq.replication.statistics import CutCounts, ReplicationStatistics
 from delaymq.scheduler.cancels import RecentDispatches
 from delaymq.scheduler.changes import ChangeHandler
 from delaymq.scheduler.counters import SchedulerCounters, dispatch_counters
@@ -64,7 +64,13 @@ from delaymq.scheduler.roles import MasterSession, Member, SlaveSession
 from delaymq.scheduler.schedule import ScheduleHandler
 from delaymq.scheduler.schedulelog import ScheduleStore
 from delaymq.scheduler.settings import SCHEDULER_SEGMENT_SIZE, SchedulerSettings
-from delaymq.scheduler.status import SchedulerStatistics, parse_status_request, status_answer, take_statistics
+from delaymq.scheduler.status import (
+    SchedulerStatistics,
+    parse_status_request,
+    status_answer,
+    take_statistics,
+    tick_lag,
+)
 from delaymq.scheduler.store import CutBack, SchedulerStorage
 from delaymq.scheduler.wheelset import WheelSet
 from delaymq.storage.errors import StorageError
@@ -75,7 +81,11 @@ log = logging.getLogger(__name__)
 
 
 class Scheduler:
-    """One scheduler member. Build it with ``open_scheduler``."""
+    """One scheduler member. Build it with ``open_scheduler``.
+
+    Its role, epoch, FETCH, heartbeat report and crash hook are the shell's
+    (``delaymq.replication.shell.ReplicatedServer``); the requests of a master,
+    dispatch and STATUS are its own."""
 
     def __init__(
         self,
@@ -90,9 +100,6 @@ class Scheduler:
         self.group = member.group
         self.storage = storage
         self.settings = settings
-        self.registration: Registration | None = None
-        self.crashed = False
-        self._life: trio.CancelScope | None = None
         self._routes = routes  # where delivery finds realtime groups (None: no metaserver)
         self._fenced_epoch: int | None = None
         #: Totals saved in lmdb when this process started; ``counters()`` adds this process's.
@@ -100,15 +107,24 @@ class Scheduler:
         self._ended_sessions = SchedulerCounters()  # dispatch counts of ended master sessions
         #: When realtime accepted the latest dispatches (QUERY's and CANCEL's ``dispatched_at``).
         self.recent = RecentDispatches()
-        self.roles: RoleLoop[Session] = RoleLoop(
-            session_for=self._session_for,
-            standalone=lambda: self._master_session(0),
-            between=self._between_sessions,
+        self.shell: ReplicatedServer[MasterSession, SlaveSession] = ReplicatedServer(
+            member,
+            kind=ServerKind.SCHEDULER,
+            name="scheduler",
+            log=member.log,
+            master_type=MasterSession,
+            slave_type=SlaveSession,
+            make_master=self._master_session,
+            make_slave=lambda master, epoch: SlaveSession(member, master=master, epoch=epoch, on_cut=self._cut_back),
+            # A realtime server has seen a newer epoch than one it was fenced at: wait for the metaserver to catch up.
+            may_lead=lambda epoch: self._fenced_epoch is None or epoch > self._fenced_epoch,
+            session_ended=self._between_sessions,
+            not_accepting="is handing over to another member",
         )
         idle_wheels = settings.make_wheels([])
         self.current = CurrentSession(
             member,
-            self.roles,
+            self.shell,
             idle_wheels=idle_wheels,
             idle_dispatcher=self._make_dispatcher(idle_wheels, no_delivery, lambda rounds: None),
             replication_timeout_ms=settings.replication_timeout_ms,
@@ -144,7 +160,7 @@ class Scheduler:
             {
                 Command.SCHEDULE: self.schedule_handler.handle,
                 Command.STATUS: self._status,
-                Command.FETCH: self._fetch,
+                Command.FETCH: self.shell.serve_fetch,
                 Command.CANCEL: changes.cancel,
                 Command.MOVE: changes.move,
                 Command.QUERY: changes.query,
@@ -163,17 +179,30 @@ class Scheduler:
         return self.member.store
 
     @property
-    def session(self) -> Session | None:
-        return self.roles.session
+    def registration(self) -> Registration | None:
+        """The metaserver's latest word (None without a meta_address, or before registering)."""
+        return self.member.registration
 
     @property
-    def role(self) -> str:
-        """ "master", "slave", or "waiting" (for the metaserver's word, or after being fenced)."""
-        return self.current.role.name
+    def roles(self) -> RoleLoop[Session]:
+        return self.shell.roles
+
+    @property
+    def session(self) -> Session | None:
+        return self.shell.session
+
+    @property
+    def role(self) -> Role:
+        """What the member does now: ``master`` only while it takes requests (``Role``)."""
+        return self.shell.role
 
     @property
     def epoch(self) -> int:
-        return self.current.role.epoch
+        return self.shell.epoch
+
+    @property
+    def crashed(self) -> bool:
+        return self.shell.crashed
 
     @property
     def wheels(self) -> WheelSet:
@@ -190,14 +219,26 @@ class Scheduler:
     def statistics(self) -> SchedulerStatistics:
         """A snapshot; ``unfiled_records`` is -1 (counting reads the log: ``unfiled()``, STATUS)."""
         dispatch = self.current.dispatcher.statistics()
+        totals = self._totals(dispatch_counters(dispatch))
         return take_statistics(
             member=self.member,
-            role=self.current.role,
+            session=self.current.role,
+            role=self.role,
+            replication=self._replication_statistics(totals),
             wheels=self.current.wheels,
             dispatch=dispatch,
-            totals=self._totals(dispatch_counters(dispatch)),
+            totals=totals,
             master_address=self.registration.master if self.registration is not None else self.address,
             schedule_waits=self.schedule_handler.waits,
+        )
+
+    def _replication_statistics(self, totals: SchedulerCounters) -> ReplicationStatistics:
+        """The shell's, with the scheduler's own parts: the cut-backs (totals kept across
+        restarts) and, as a slave, the master's tick."""
+        slave = self.shell.slave_session
+        return self.shell.replication_statistics(
+            cut=CutCounts(records=totals.cut_records, bytes=totals.cut_bytes),
+            tick=tick_lag(self.member, slave) if slave is not None else None,
         )
 
     def counters(self) -> SchedulerCounters:
@@ -225,13 +266,7 @@ class Scheduler:
 
     def replica_info(self) -> dict[str, Any]:
         """The ``replica`` field of each heartbeat (metaserver contract)."""
-        info: dict[str, Any] = {"offset": self.member.log.flushed_offset, "epoch": self.epoch, "mode": self.member.mode}
-        master = self.current.role.master
-        if master is not None:
-            info["in_sync"] = master.source.in_sync()
-            if master.handover.handed_over is not None:
-                info["handed_over"] = master.handover.handed_over
-        return info
+        return self.shell.replica_info()
 
     def crash(self) -> None:
         """Test hook: stop now, as a killed process would.
@@ -242,28 +277,9 @@ class Scheduler:
         (closing flushes nothing a killed process would not have left in the page
         cache), so the data folder can be opened again in the same process.
         """
-        self.crashed = True
-        if self._life is not None:
-            self._life.cancel()
+        self.shell.crash()
 
-    # --------------------------------------------------------------- FETCH, STATUS
-
-    async def _fetch(self, request: Request) -> tuple[dict[str, Any], bytes]:
-        # Before anything else: the answer holds this group's whole message log, and the
-        # fetcher's offset holds back its deletion (``ReplicationSource.retain_from``).
-        require_server(request.identity, "FETCH", ServerKind.SCHEDULER, self.group)
-        fetch = FetchRequest.from_metadata(request.metadata)
-        master = self.current.role.master
-        if master is None:
-            raise NotMaster(f"FETCH: scheduler {self.address or '-'} of group {self.group} is not master now")
-        if fetch.group != self.group:
-            raise RemoteProtocolError(
-                f"FETCH for group {fetch.group!r} at a member of group {self.group!r}",
-                code="bad_request",
-                field="group",
-            )
-        answer, body = await master.source.serve_fetch(fetch)
-        return answer.as_metadata(), body
+    # --------------------------------------------------------------- STATUS
 
     async def _status(self, request: Request) -> dict[str, Any]:
         wanted = parse_status_request(request.metadata)
@@ -284,10 +300,6 @@ class Scheduler:
 
     # --------------------------------------------------------------- roles
 
-    async def _role_loop(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Run the session the metaserver's word calls for (``RoleLoop``)."""
-        await self.roles.run(self.registration, task_status=task_status)
-
     async def _between_sessions(self, ended: Session | None) -> None:
         master = SessionRole.of(ended).master
         if master is not None and master.dispatcher is not None:
@@ -296,18 +308,6 @@ class Scheduler:
         self.housekeeping.wake()
         if master is not None:
             log.warning("scheduler %s: no longer master of epoch %d: dispatch stopped", self.group, master.epoch)
-        writer = self.member.writer  # SCHEDULEs queued by the old master land before a fetcher appends
-        while writer is not None and writer.statistics().pending:
-            await self.member.clock.sleep_ms(5)
-
-    def _session_for(self, view: MembershipView) -> Session | None:
-        if view.role == "master":
-            if self._fenced_epoch is not None and view.epoch <= self._fenced_epoch:
-                return None  # a realtime server has seen a newer epoch: wait for the metaserver to catch up
-            return self._master_session(view.epoch)
-        if view.role == "slave" and view.master and view.master != self.address:
-            return SlaveSession(self.member, master=view.master, epoch=view.epoch, on_cut=self._cut_back)
-        return None
 
     def _master_session(self, epoch: int) -> MasterSession:
         session = MasterSession(
@@ -354,12 +354,12 @@ class Scheduler:
             "dispatch stops, rejoining as a slave",
             self.group, highest, epoch,
         )  # fmt: skip
-        master = self.current.role.master
+        master = self.shell.master_session
         if master is not None and master.epoch <= epoch:
             master.accepting = False
             if self.registration is not None:
                 self.registration.heartbeat_now()
-        self.roles.kick()
+        self.shell.roles.kick()
 
     def _stale(self, epoch: int) -> None:
         if self.registration is not None:
@@ -392,33 +392,20 @@ class Scheduler:
     # --------------------------------------------------------------- serving
 
     @asynccontextmanager
-    async def _serving(self, member_id: str, peers: AsyncCaller) -> AsyncIterator[str]:
+    async def _serving(self, member_id: str) -> AsyncIterator[str]:
         """Open the log writer, serve frames and run the tasks (and registration, with a
         metaserver) until the block ends; yields the address served at."""
         settings, member = self.settings, self.member
 
         async def register(nursery: trio.Nursery, address: str) -> None:
             assert settings.meta_address is not None
-            member.address = address
-            member.registration = self.registration = await start_registration(
-                nursery,
-                peers,
-                group=self.group,
-                kind=ServerKind.SCHEDULER,
-                address=address,
-                meta_address=settings.meta_address,
-                clock=member.clock,
-                member=member_id,
-                replica=self.replica_info,
-            )
-            await nursery.start(self._role_loop)
+            await self.shell.register(nursery, address, meta_address=settings.meta_address, member_id=member_id)
 
         tasks: list[Task] = [self.housekeeping.run]
         if settings.meta_address is None:
-            tasks.insert(0, self._role_loop)  # standalone: master at once
+            tasks.insert(0, self.shell.run_roles)  # standalone: master at once
         # The crash scope holds the writer too: nothing more is written on the way out.
-        with trio.CancelScope() as life:
-            self._life = life
+        with self.shell.crash_scope():
             async with open_log_writer(member.log, flush=settings.flush, run_blocking=member.run_blocking) as writer:
                 member.writer = writer
                 async with serve_frames(
@@ -486,7 +473,7 @@ async def open_scheduler(
             meta = settings.meta_addresses
             routes = RouteClient(peers, meta, clock=clock) if meta is not None else None
             scheduler = Scheduler(member=member, storage=storage, settings=settings, counters=counters, routes=routes)
-            async with scheduler._serving(member_id, peers) as address:
+            async with scheduler._serving(member_id) as address:
                 log.info("scheduler %s serving on %s (data %s)", settings.group, address or "-", root)
                 yield scheduler
 

@@ -1,8 +1,10 @@
 """What a scheduler tells about itself: ``statistics()`` and the STATUS command's answer.
 
 ``take_statistics`` assembles a ``SchedulerStatistics`` snapshot from a member and its
-session; its nested parts (``ReplicationStatistics``, ``FsyncDurations``, ``LogBytes``)
-are typed, and read as the maps they are on the wire (``WireMap``).
+session; its nested parts are typed, and read as the maps they are on the wire:
+``replication`` is the ``ReplicationStatistics`` every replicated server reports (built by
+the shell, ``ReplicatedServer.replication_statistics``; the slave's tick from
+``tick_lag``), ``FsyncDurations`` and ``LogBytes`` are ``WireMap``s.
 
 STATUS (command 14, the code the metaserver's STATUS uses) takes ``{hours?}`` (how
 many hours to list, default 48) and answers::
@@ -30,12 +32,13 @@ from dataclasses import asdict, dataclass, fields, is_dataclass
 from typing import Any
 
 from delaymq.protocol.errors import RemoteProtocolError
-from delaymq.replication.source import ReplicaProgress
+from delaymq.replication.roles import Role
+from delaymq.replication.statistics import ReplicationStatistics, TickLag
 from delaymq.scheduler.counters import COUNTERS_DB, COUNTERS_KEY, SchedulerCounters
 from delaymq.scheduler.current import SessionRole
 from delaymq.scheduler.dispatcher import DispatcherStatistics
 from delaymq.scheduler.hours import hour_name
-from delaymq.scheduler.roles import Member
+from delaymq.scheduler.roles import Member, SlaveSession
 from delaymq.scheduler.schedulelog import ScheduleStore
 from delaymq.scheduler.wheelset import WheelSet
 from delaymq.storage.writer import LogWriter
@@ -67,67 +70,6 @@ class WireMap(Mapping[str, Any]):
 
 
 # eq=False: equal to a map with the same items (``Mapping.__eq__``), as the dict it was.
-@dataclass(frozen=True, slots=True, eq=False)
-class MasterReplication(WireMap):
-    """A master's part of ``ReplicationStatistics``."""
-
-    high_watermark: int  # message-log offset every in-sync slave holds
-    replicas: tuple[ReplicaProgress, ...]
-    accepting: bool  # False while handing over
-
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "high_watermark": self.high_watermark,
-            "replicas": [asdict(replica) for replica in self.replicas],
-            "accepting": self.accepting,
-        }
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class SlaveReplication(WireMap):
-    """A slave's part of ``ReplicationStatistics``."""
-
-    master_durable_end: int
-    lag_bytes: int  # of the master's durable log, not held here yet
-    tick_age_ms: int | None  # since the master's last tick came (None: none yet)
-    tick_behind_ms: int | None  # the held tick behind this member's clock
-    held_dispatch_entries: int  # the master's dispatch records waiting for their entries to be filed
-    fetches: int
-    fetch_failures: int
-
-    def to_wire(self) -> dict[str, Any]:
-        return {item.name: getattr(self, item.name) for item in fields(self)}
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class ReplicationStatistics(WireMap):
-    """A member's replication state; on the wire one map, the master's or slave's keys after the common ones."""
-
-    mode: str  # "sync" | "async"
-    min_insync: int
-    durable_end: int
-    history: tuple[tuple[int, int], ...]  # (epoch, start offset) of each epoch
-    cut_records: int
-    cut_bytes: int
-    master: MasterReplication | None = None
-    slave: SlaveReplication | None = None
-
-    def to_wire(self) -> dict[str, Any]:
-        wire: dict[str, Any] = {
-            "mode": self.mode,
-            "min_insync": self.min_insync,
-            "durable_end": self.durable_end,
-            "history": list(self.history),
-            "cut_records": self.cut_records,
-            "cut_bytes": self.cut_bytes,
-        }
-        if self.master is not None:
-            wire.update(self.master.to_wire())
-        if self.slave is not None:
-            wire.update(self.slave.to_wire())
-        return wire
-
-
 @dataclass(frozen=True, slots=True, eq=False)
 class LogBytes(WireMap):
     """Bytes on disk besides the message log's, counted (not walked per snapshot)."""
@@ -170,10 +112,10 @@ class SchedulerStatistics:
 
     address: str
     group: str
-    role: str  # "master", "slave" or "waiting"
+    role: str  # a ``Role``'s value: "master" only while it takes requests
     epoch: int  # the group epoch of the member's session (0: standalone)
     master: str | None  # the group's master as the metaserver names it
-    replication: ReplicationStatistics
+    replication: ReplicationStatistics  # the shared one (``delaymq.replication.statistics``): read as its wire map
     # Counters: totals since the data folder was created (``SchedulerCounters``).
     schedule_requests: int  # SCHEDULE requests answered
     scheduled: int  # records accepted into the message log
@@ -225,7 +167,7 @@ class SchedulerStatistics:
 
 
 def _wire(value: Any) -> Any:
-    if isinstance(value, WireMap):
+    if isinstance(value, WireMap | ReplicationStatistics):
         return value.to_wire()
     if is_dataclass(value) and not isinstance(value, type):
         return asdict(value)
@@ -235,29 +177,31 @@ def _wire(value: Any) -> Any:
 def take_statistics(
     *,
     member: Member,
-    role: SessionRole,
+    session: SessionRole,
+    role: Role,
+    replication: ReplicationStatistics,
     wheels: WheelSet,
     dispatch: DispatcherStatistics,
     totals: SchedulerCounters,
     master_address: str | None,
     schedule_waits: int,
 ) -> SchedulerStatistics:
-    """A snapshot of ``member`` in ``role``; ``unfiled_records`` is -1 (counting reads the log:
-    ``Scheduler.unfiled()``, STATUS). ``totals``: ``Scheduler.counters()``."""
-    message_log, store, writer, master = member.log, member.store, member.writer, role.master
+    """A snapshot of ``member`` running ``session`` (reported as ``role``); ``unfiled_records``
+    is -1 (counting reads the log: ``Scheduler.unfiled()``, STATUS). ``totals``: ``Scheduler.counters()``."""
+    message_log, store, writer, master = member.log, member.store, member.writer, session.master
     segments = message_log.segments()
     counts = wheels.counts()
     filing = store.statistics()
     tick = wheels.tick(member.clock.now_ms())
-    if role.slave is not None and role.slave.held_tick is not None:
-        tick = role.slave.held_tick.tick  # a slave's wheels are idle: the master's tick says where it is
+    if session.slave is not None and session.slave.held_tick is not None:
+        tick = session.slave.held_tick.tick  # a slave's wheels are idle: the master's tick says where it is
     return SchedulerStatistics(
         address=member.address,
         group=member.group,
-        role=role.name,
-        epoch=role.epoch,
+        role=role.value,
+        epoch=session.epoch,
         master=master_address,
-        replication=_replication(member, role, totals),
+        replication=replication,
         schedule_requests=totals.schedule_requests,
         scheduled=totals.scheduled,
         rewritten=totals.rewritten,
@@ -299,33 +243,13 @@ def take_statistics(
     )
 
 
-def _replication(member: Member, role: SessionRole, totals: SchedulerCounters) -> ReplicationStatistics:
-    master = slave = None
-    if role.master is not None:
-        source = role.master.source.statistics()
-        master = MasterReplication(source.high_watermark, source.replicas, role.master.accepting)
-    if role.slave is not None:
-        fetched = role.slave.fetcher.statistics()
-        held = role.slave.held_tick
-        clock = member.clock
-        slave = SlaveReplication(
-            master_durable_end=fetched.master_durable_end,
-            lag_bytes=max(0, fetched.master_durable_end - member.log.flushed_offset),
-            tick_age_ms=None if held is None else clock.monotonic_ms() - held.received_ms,
-            tick_behind_ms=None if held is None else max(0, clock.now_ms() - held.master_now_ms),
-            held_dispatch_entries=member.records.held,
-            fetches=fetched.fetches,
-            fetch_failures=fetched.failures,
-        )
-    return ReplicationStatistics(
-        mode=member.mode,
-        min_insync=member.min_insync,
-        durable_end=member.log.flushed_offset,
-        history=tuple(member.history.entries),
-        cut_records=totals.cut_records,
-        cut_bytes=totals.cut_bytes,
-        master=master,
-        slave=slave,
+def tick_lag(member: Member, slave: SlaveSession) -> TickLag:
+    """A slave's view of its master's tick stream (its part of ``ReplicationStatistics``)."""
+    held, clock = slave.held_tick, member.clock
+    return TickLag(
+        age_ms=None if held is None else clock.monotonic_ms() - held.received_ms,
+        behind_ms=None if held is None else max(0, clock.now_ms() - held.master_now_ms),
+        held_dispatch_entries=member.records.held,
     )
 
 
@@ -385,13 +309,11 @@ __all__ = [
     "MAX_STATUS_HOURS",
     "FsyncDurations",
     "LogBytes",
-    "MasterReplication",
-    "ReplicationStatistics",
     "SchedulerCounters",
     "SchedulerStatistics",
-    "SlaveReplication",
     "WireMap",
     "parse_status_request",
     "status_answer",
     "take_statistics",
+    "tick_lag",
 ]

@@ -98,6 +98,15 @@ async def test_a_slave_holds_the_masters_log_and_hour_files_byte_for_byte(
         assert f"slave {B}: in sync, lag 0 bytes / 0 ms" in shown[A]
         assert f"{B}: slave (epoch {master.epoch})" in shown[B]
         assert "behind the master by 0 bytes; tick held" in shown[B]
+        # The replication map of STATUS: its keys in the order the scheduler has always sent them.
+        common = ["mode", "min_insync", "durable_end", "history", "cut_records", "cut_bytes"]
+        for address, own in (
+            (A, ["high_watermark", "replicas", "accepting"]),
+            (B, ["master_durable_end", "lag_bytes", "tick_age_ms", "tick_behind_ms", "held_dispatch_entries",
+                 "fetches", "fetch_failures"]),
+        ):  # fmt: skip
+            answer = (await cluster.net.call(address, Command.STATUS, {})).metadata
+            assert list(answer["statistics"]["replication"]) == common + own
 
 
 async def test_the_tick_and_dispatch_records_reach_the_slave(sched: Any, tmp_path: Path, autojump_clock: Any) -> None:
@@ -275,6 +284,8 @@ async def test_a_handover_the_metaserver_drops_leaves_the_master_serving(
         await schedule(cluster, sched, ["before"], cluster.clock.now_ms() + 30 * SECOND, A)  # B never gets it
         await cluster.net.call("meta.test:1", Command.HANDOVER, {"group": "scheduler-1", "to": B})
         await wait_until(lambda: not master.session.accepting)  # type: ignore[union-attr]
+        # Handing over, the master session takes no requests: the member reports ``waiting``.
+        assert master.role == "waiting" and master.statistics().role == "waiting"
         await wait_until(lambda: master.session.accepting, timeout=60)  # type: ignore[union-attr]
         assert master.role == "master" and master.replica_info().get("handed_over") is None
         now = cluster.clock.now_ms()
