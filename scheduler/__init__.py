@@ -10,11 +10,14 @@
 - ``dispatcher``: ``Dispatcher``: loads hours and seconds, fires due messages, sends
   them to realtime servers, records them in the dispatch logs.
 - ``wheelset``: ``WheelSet``: the pure rules of what to open, load and fire next.
-- ``schedulelog``: ``ScheduleStore``, the storage's one entry point, over ``staging``
-  (filing a replay step in memory), ``schedulefiles`` (the commit's writes),
-  ``recovery`` (on open), ``hourlog`` (reading an hour), ``dispatchlog``, and the formats
-  ``delayindex``, ``headstable``, ``hours``; ``replay`` drives the filing
-  (docs/scheduler-storage.md).
+- ``schedulelog``: ``ScheduleStore``, the storage's one entry point, extending
+  ``committedschedule`` (what readers see), over ``schedulefolder`` (the folder's format,
+  opened), ``staging`` and ``replaystep`` (filing a replay step in memory),
+  ``schedulefiles`` (the commit's writes), ``recovery`` (on open), ``hourlog`` (reading an
+  hour), ``dispatchlog``, and the formats ``delayindex``, ``headstable``, ``hours``;
+  ``replay`` drives the filing (docs/scheduler-storage.md).
+- ``idindex`` (lmdb) and ``indexrecords`` (what it reads from the message log): the id and
+  business-key index; ``cancels``: what a master keeps in memory for CANCEL, MOVE, QUERY.
 
 Nothing is imported here, so the storage modules load without the server's imports.
 """
