@@ -69,7 +69,7 @@ class RegistrationRefused(Exception):
 class RegistrationStatistics:
     registered: bool  # the latest attempt was answered
     state: str | None  # the group's state: "RW", "R" or "NRW"; None before any answer
-    master: str | None  # the group's master address, as the metaserver sees it
+    master_address: str | None  # the group's master, as the metaserver sees it
     route_version: int | None
     heartbeat_interval_ms: int
     meta_address: str  # the metaserver asked last
@@ -88,7 +88,7 @@ class MembershipView:
 
     role: str | None  # "master" or "slave"; None before an answer, or in a group that is not managed
     epoch: int  # the group's epoch (0 before one is known)
-    master: str | None  # the group's master address
+    master_address: str | None  # the group's master
     handover_to: str | None  # to the master: the server to hand over to, while a handover is pending
 
 
@@ -101,7 +101,7 @@ class Registration:
             raise ValueError(f"info lacks {', '.join(missing)}; a server registers with {', '.join(INFO_FIELDS)}")
         self.info = dict(info)
         self.state: str | None = None
-        self.master: str | None = None
+        self.master_address: str | None = None
         self.route_version: int | None = None
         self.heartbeat_interval_ms = interval_ms
         self.meta_address = ""
@@ -126,7 +126,7 @@ class Registration:
         group: whether the metaserver last said it is the master)."""
         if self.role is not None:
             return self.role == ROLE_MASTER
-        return not self.superseded and self.master == self.info["address"]
+        return not self.superseded and self.master_address == self.info["address"]
 
     async def wait_registered(self) -> None:
         """Return once the metaserver has answered a registration."""
@@ -134,7 +134,7 @@ class Registration:
 
     def view(self) -> MembershipView:
         """The latest answer's role, epoch, master and pending handover."""
-        return MembershipView(self.role, self.epoch, self.master, self.handover_to)
+        return MembershipView(self.role, self.epoch, self.master_address, self.handover_to)
 
     async def wait_view_change(self, old: MembershipView) -> MembershipView:
         """Return the latest view once it differs from ``old`` (at once if it already does)."""
@@ -175,12 +175,12 @@ class Registration:
         group = self.info["group"]
         if self.state is not None and state != self.state:
             log.info("group %s state changed %s -> %s", group, self.state, state)
-        if self.state is not None and master != self.master:
-            log.info("group %s master is now %s (was %s)", group, master, self.master)
+        if self.state is not None and master != self.master_address:
+            log.info("group %s master is now %s (was %s)", group, master, self.master_address)
         if role is not None and (role, epoch) != (self.role, self.epoch):
             log.info("%s is %s of group %s at epoch %d (master %s)", self.info["address"], role, group, epoch, master)
         before = self.view()
-        self.state, self.master, self.route_version = state, master, version
+        self.state, self.master_address, self.route_version = state, master, version
         self.role, self.epoch, self.handover_to = role, epoch if role is not None else self.epoch, handover_to
         if self.view() != before:
             self._view_changed.set()
@@ -200,7 +200,7 @@ class Registration:
         return RegistrationStatistics(
             registered=self.registered,
             state=self.state,
-            master=self.master,
+            master_address=self.master_address,
             route_version=self.route_version,
             heartbeat_interval_ms=self.heartbeat_interval_ms,
             meta_address=self.meta_address,
@@ -378,7 +378,7 @@ class _Attempts:
                 self._where,
                 address,
                 registration.state,
-                registration.master,
+                registration.master_address,
                 "" if registration.role is None else f", {registration.role} at epoch {registration.epoch}",
             )
         self._outage_since = None

@@ -236,7 +236,7 @@ class SlaveSession:
     def __init__(self, member: Member, *, master: str, epoch: int) -> None:
         assert member.peers is not None
         self.member = member
-        self.master = master
+        self.master_address = master
         self.epoch = epoch
         self.state: ReplicaState | None = None
         #: Applying stops here until the master has answered (see the module docstring).
@@ -265,7 +265,9 @@ class SlaveSession:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         member = self.member
-        log.info("realtime %s: slave of %s (epoch %d) at %s", member.group, self.master, self.epoch, member.address)
+        log.info(
+            "realtime %s: slave of %s (epoch %d) at %s", member.group, self.master_address, self.epoch, member.address
+        )
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.fetcher.run)

@@ -185,7 +185,7 @@ class RealtimeServer:
             message_log_end=self.member.storage.message_log.end_offset,
             role=self.role.value,
             epoch=self.epoch,
-            master=(self.registration.master if self.registration is not None else None) or self.address,
+            master=(self.registration.master_address if self.registration is not None else None) or self.address,
             replication=self._replication_statistics(),
             lateness_accepted=master.send_handler.lateness.to_wire() if master is not None else {},
             lateness_handed_out=master.pull_handler.lateness.to_wire() if master is not None else {},

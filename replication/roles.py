@@ -140,7 +140,7 @@ class RoleLoop(Generic[S]):
             if changed is None:
                 self._kick = trio.Event()
                 return registration.view()
-            if (changed.role, changed.epoch, changed.master) != (view.role, view.epoch, view.master):
+            if (changed.role, changed.epoch, changed.master_address) != (view.role, view.epoch, view.master_address):
                 return changed
             current = changed
 

@@ -102,7 +102,7 @@ class SlaveRole(Protocol):
     def epoch(self) -> int: ...
 
     @property
-    def master(self) -> str:
+    def master_address(self) -> str:
         """The address of the master it fetches from."""
 
     @property
@@ -202,7 +202,7 @@ class ReplicatedServer(Generic[M, S]):
         if self.master_session is not None:
             state = self._not_accepting
         elif slave is not None:
-            state = f"is a slave (its master is {slave.master})"
+            state = f"is a slave (its master is {slave.master_address})"
         else:
             state = NOT_ACCEPTING
         member = self.member
@@ -219,8 +219,8 @@ class ReplicatedServer(Generic[M, S]):
     def _session_for(self, view: MembershipView) -> M | S | None:
         if view.role == "master":  # the metaserver's word (``MembershipView``), not a ``Role``
             return self._make_master(view.epoch) if self._may_lead(view.epoch) else None
-        if view.role == "slave" and view.master and view.master != self.member.address:
-            return self._make_slave(view.master, view.epoch)
+        if view.role == "slave" and view.master_address and view.master_address != self.member.address:
+            return self._make_slave(view.master_address, view.epoch)
         return None
 
     async def _between(self, ended: M | S | None) -> None:

@@ -231,7 +231,7 @@ class SlaveSession:
     def __init__(self, member: Member, *, master: str, epoch: int, on_cut: Callable[[int], Awaitable[None]]) -> None:
         assert member.peers is not None
         self.member = member
-        self.master = master
+        self.master_address = master
         self.epoch = epoch
         self.held_tick: HeldTick | None = None
         self.filed = 0
@@ -258,7 +258,7 @@ class SlaveSession:
         log.info(
             "scheduler %s: slave of %s (epoch %d) at %s",
             self.member.group,
-            self.master,
+            self.master_address,
             self.epoch,
             self.member.address,
         )

@@ -228,7 +228,7 @@ class Scheduler:
             wheels=self.current.wheels,
             dispatch=dispatch,
             totals=totals,
-            master_address=self.registration.master if self.registration is not None else self.address,
+            master_address=self.registration.master_address if self.registration is not None else self.address,
             schedule_waits=self.schedule_handler.waits,
         )
 

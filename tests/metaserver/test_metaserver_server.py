@@ -64,7 +64,11 @@ async def test_agent_registers_and_heartbeats_keep_its_group_routed(
 ) -> None:
     async with metaservers.on_network() as (meta, network, nursery):
         registration: Registration = await metaservers.start_agent(nursery, network, server_info())
-        assert (registration.state, registration.master, registration.is_master) == ("RW", "10.0.0.1:20881", True)
+        assert (registration.state, registration.master_address, registration.is_master) == (
+            "RW",
+            "10.0.0.1:20881",
+            True,
+        )
         assert registration.heartbeat_interval_ms == 5_000
         answer = await route(network, "immediate-producer")
         assert answer["groups"] == [
@@ -151,7 +155,7 @@ async def test_read_only_group_is_left_out_for_producers_and_kept_for_consumers(
         ]
         await trio.sleep(6)  # the next heartbeat tells the servers of rt2
         assert agents["r2:1"].state == "R" and agents["r2b:1"].state == "R"
-        assert agents["r2b:1"].master == "r2:1" and not agents["r2b:1"].is_master
+        assert agents["r2b:1"].master_address == "r2:1" and not agents["r2b:1"].is_master
         assert agents["r1:1"].state == "RW"
 
 

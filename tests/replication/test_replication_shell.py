@@ -149,7 +149,7 @@ class Slave:
     fetcher: Any = None
 
     def __init__(self, master: str, epoch: int) -> None:
-        self.master, self.epoch = master, epoch
+        self.master_address, self.epoch = master, epoch
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None: ...
 
