@@ -121,7 +121,7 @@ class DispatchRecords:
 
 
 @dataclass(frozen=True, slots=True)
-class HeldTick:
+class MasterTick:
     """The master's tick as a slave last heard it."""
 
     tick: Tick
@@ -130,4 +130,4 @@ class HeldTick:
     master_durable_end: int
 
 
-__all__ = ["DispatchRecords", "HeldTick", "decode_record", "dispatch_record", "finished_record", "snapshot_records"]
+__all__ = ["DispatchRecords", "MasterTick", "decode_record", "dispatch_record", "finished_record", "snapshot_records"]

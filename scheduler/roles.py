@@ -41,7 +41,7 @@ from delaymq.replication.source import ReplicationSource
 from delaymq.scheduler.cancels import Holds, Tail
 from delaymq.scheduler.dispatcher import Deliver, Dispatcher
 from delaymq.scheduler.replay import replay_step, replay_until_caught_up
-from delaymq.scheduler.replica import DispatchRecords, HeldTick, dispatch_record, snapshot_records
+from delaymq.scheduler.replica import DispatchRecords, MasterTick, dispatch_record, snapshot_records
 from delaymq.scheduler.schedulelog import ScheduleStore
 from delaymq.scheduler.staging import ReplayStep
 from delaymq.scheduler.wheelset import WheelSet
@@ -233,7 +233,7 @@ class SlaveSession:
         self.member = member
         self.master_address = master
         self.epoch = epoch
-        self.held_tick: HeldTick | None = None
+        self.master_tick: MasterTick | None = None
         self.filed = 0
         #: Filing stops here until the master has answered: a deposed master's own tail
         #: past it may be one the new master never had (and is cut, unfiled).
@@ -285,7 +285,7 @@ class SlaveSession:
 
     def take_tick(self, tick: bytes, *, master_now_ms: int, master_durable_end: int) -> None:
         if tick:
-            self.held_tick = HeldTick(
+            self.master_tick = MasterTick(
                 Tick.decode(tick), master_now_ms, self.member.clock.monotonic_ms(), master_durable_end
             )
 

@@ -193,8 +193,8 @@ def take_statistics(
     counts = wheels.counts()
     filing = store.statistics()
     tick = wheels.tick(member.clock.now_ms())
-    if session.slave is not None and session.slave.held_tick is not None:
-        tick = session.slave.held_tick.tick  # a slave's wheels are idle: the master's tick says where it is
+    if session.slave is not None and session.slave.master_tick is not None:
+        tick = session.slave.master_tick.tick  # a slave's wheels are idle: the master's tick says where it is
     return SchedulerStatistics(
         address=member.address,
         group=member.group,
@@ -245,10 +245,10 @@ def take_statistics(
 
 def tick_lag(member: Member, slave: SlaveSession) -> TickLag:
     """A slave's view of its master's tick stream (its part of ``ReplicationStatistics``)."""
-    held, clock = slave.held_tick, member.clock
+    received, clock = slave.master_tick, member.clock
     return TickLag(
-        age_ms=None if held is None else clock.monotonic_ms() - held.received_ms,
-        behind_ms=None if held is None else max(0, clock.now_ms() - held.master_now_ms),
+        age_ms=None if received is None else clock.monotonic_ms() - received.received_ms,
+        behind_ms=None if received is None else max(0, clock.now_ms() - received.master_now_ms),
         held_dispatch_entries=member.records.held,
     )
 
