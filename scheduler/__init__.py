@@ -7,8 +7,10 @@
   ``schedule`` (SCHEDULE), ``changes`` (CANCEL, MOVE, QUERY), ``housekeeping``
   (cleanup, counters saved), ``status`` and ``counters`` (statistics, STATUS),
   ``delivery`` (SEND to realtime); ``roles``: the master and slave sessions.
-- ``dispatcher``: ``Dispatcher``: loads hours and seconds, fires due messages, sends
-  them to realtime servers, records them in the dispatch logs.
+- ``dispatcher``: ``Dispatcher``: loads hours and seconds (``dispatchloader``, over
+  ``readahead``), fires due messages (``dispatchfirer``), sends them to realtime servers
+  in a lane per subject (``dispatchlanes``), records them in the dispatch logs
+  (``dispatchconfirmer``); ``dispatchcontext`` is what those tasks share.
 - ``wheelset``: ``WheelSet``: the pure rules of what to open, load and fire next.
 - ``schedulelog``: ``ScheduleStore``, the storage's one entry point, extending
   ``committedschedule`` (what readers see), over ``schedulefolder`` (the folder's format,
