@@ -96,7 +96,7 @@ class RoleLoop(Generic[S]):
     async def run(
         self, registration: Registration | None, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        """Reports started once the first session runs (or after ``FIRST_ROLE_WAIT_S`` without a
+        """Reports started once the first role (master or slave) runs (or after ``FIRST_ROLE_WAIT_S`` without a
         word from the metaserver: the member then serves, refusing, until it comes)."""
         if registration is None:
             session = self._standalone()
@@ -210,10 +210,10 @@ class Handover:
                     self.handed_over = self._epoch
                     log.warning("%s: %s holds everything; handed over", self._what, target)
                     registration.heartbeat_now()
-                    await trio.sleep_forever()  # the role loop ends this session when the target is promoted
+                    await trio.sleep_forever()  # the role loop ends this master role when the target is promoted
             view = registration.view()
             if view.role != "master" or view.epoch != self._epoch:
-                await trio.sleep_forever()  # promoted the target: the role loop ends this session
+                await trio.sleep_forever()  # promoted the target: the role loop ends this master role
             log.warning("%s: handover to %s did not happen; serving again", self._what, target)
             self.handed_over = None
             self._resume()

@@ -119,7 +119,7 @@ class ReplicationSource:
         self._journal: list[bytes] = []
         self._journal_first = 0
         self._journal_entries = journal_entries
-        self._seq = 0  # entries ever added this session
+        self._seq = 0  # entries ever added since this master's term began
         self._retain_for_ms = retain_for_ms
         self._replicas: dict[str, _Replica] = {}
         self._news = trio.Event()  # set when the log or the journal grew: wakes waiting fetches

@@ -125,7 +125,7 @@ class MasterSession:
             self.source.on_joined_in_sync = lambda address: registration.heartbeat_now()
         self.pending = 0
         self.filed = 0
-        self.cancelled = 0  # entries cancelled by filing CANCEL and MOVE records in this session
+        self.cancelled = 0  # entries cancelled by filing CANCEL and MOVE records in this master term
         #: CANCEL / MOVE / QUERY / duplicates (``delaymq.scheduler.cancels``): the unfiled tail's
         #: word on ids, the ids being appended or cancelled now, the entries held back.
         self.tail = Tail()

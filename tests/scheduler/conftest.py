@@ -270,3 +270,16 @@ def sched() -> SimpleNamespace:
         open_cluster=open_cluster, folder=schedule_folder, message=message,
         EPOCH_MS=EPOCH_MS, DAY_MS=DAY_MS, SCHEDULER=SCHEDULER,
     )  # fmt: skip
+
+
+#: Meta heartbeats, cleanup and checkpoints a day apart: tests that jump the clock far see only what they ask for.
+QUIET = {
+    "meta": {
+        "heartbeat_interval_ms": 86_400_000,
+        "evict_after_ms": 3 * 86_400_000,
+        "check_interval_ms": 86_400_000,
+        "failover_after_ms": 5 * 86_400_000,
+    },
+    "scheduler": {"cleanup_interval_ms": 86_400_000},
+    "rt_checkpoint_ms": 86_400_000,
+}

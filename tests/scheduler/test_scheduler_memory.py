@@ -14,16 +14,8 @@ import trio
 from delaymq.scheduler.server import Scheduler
 from delaymq.wheel import HOUR_MS
 
-QUIET = {
-    "meta": {
-        "heartbeat_interval_ms": 86_400_000,
-        "evict_after_ms": 3 * 86_400_000,
-        "check_interval_ms": 86_400_000,
-        "failover_after_ms": 5 * 86_400_000,
-    },
-    "scheduler": {"cleanup_interval_ms": 86_400_000},
-    "rt_checkpoint_ms": 86_400_000,
-}
+from .conftest import QUIET
+
 COUNT = 4_000
 STEP_BYTES = 16 << 10  # about a hundred records per replay step
 

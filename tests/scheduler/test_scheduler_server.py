@@ -15,17 +15,7 @@ from delaymq.protocol.errors import PeerError
 from delaymq.protocol.limits import TWO_YEARS_MS
 from delaymq.wheel import HOUR_MS
 
-# Quiet periodic tasks, so the clock can jump two years in a few thousand steps.
-QUIET = {
-    "meta": {
-        "heartbeat_interval_ms": 86_400_000,
-        "evict_after_ms": 3 * 86_400_000,
-        "check_interval_ms": 86_400_000,
-        "failover_after_ms": 5 * 86_400_000,
-    },
-    "scheduler": {"cleanup_interval_ms": 86_400_000},
-    "rt_checkpoint_ms": 86_400_000,
-}
+from .conftest import QUIET
 
 
 async def test_each_message_arrives_at_its_millisecond_never_early_in_order(

@@ -52,6 +52,8 @@ from delaymq.scheduler.staging import ReplayStep
 from delaymq.storage.log import SegmentedLog
 from delaymq.storage.state import StateStore
 
+from .conftest import QUIET
+
 NOW = 1_749_996_000_000  # an hour boundary
 SECOND = 1_000
 INDEX_DBS = (IDS_DB, DISPLACED_DB, KEYS_DB, CANCELLED_DB)
@@ -272,16 +274,6 @@ def test_entries_rolled_forward_after_a_crash_are_indexed_as_filing_would(
 
 # ------------------------------------------------------------------ end to end
 
-QUIET = {
-    "meta": {
-        "heartbeat_interval_ms": 86_400_000,
-        "evict_after_ms": 3 * 86_400_000,
-        "check_interval_ms": 86_400_000,
-        "failover_after_ms": 5 * 86_400_000,
-    },
-    "scheduler": {"cleanup_interval_ms": 86_400_000},
-    "rt_checkpoint_ms": 86_400_000,
-}
 TENANT_A, TENANT_B = "tenant-a.orders", "tenant-b.orders"
 
 
