@@ -286,10 +286,13 @@ class ReplicationSource:
 
     async def serve_fetch(self, request: FetchRequest) -> tuple[FetchAnswer, bytes]:
         """Answer one FETCH: acknowledge, check where the logs part, wait for news, send it."""
-        if request.epoch > self.epoch:
-            self.on_stale_epoch(request.epoch)
+        # A slave whose log holds a later epoch than this master's followed a newer master: its offsets
+        # are that master's, and reading this log there would start mid-record.
+        newest = max(request.epoch, request.last_epoch)
+        if newest > self.epoch:
+            self.on_stale_epoch(newest)
             raise RemoteProtocolError(
-                f"FETCH from {request.address} knows epoch {request.epoch} of group {request.group}; this master "
+                f"FETCH from {request.address} knows epoch {newest} of group {request.group}; this master "
                 f"holds epoch {self.epoch}: it was replaced, ask the metaserver for the master",
                 code=STALE_EPOCH,
                 field="epoch",
