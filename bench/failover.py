@@ -1,25 +1,27 @@
 """``delaymq bench failover``: a replicated scheduler (or, ``--realtime``, realtime) group whose
-master is SIGKILLed.
+master is SIGKILLed, then one whose master hands over.
 
-Every server is its own ``delaymq`` process, as in production: a metaserver, a
-realtime server, a scheduler master and a slave (``ReplicatedGroup``; the fault
-tests in tests/faults/test_faults_scheduler_failover.py use it too). One producer
-schedules N messages due over the next ~20 s, one consumer takes them; the master
-is killed at a chosen moment and the slave takes over. Printed, never asserted:
+Every server is its own ``delaymq`` process, as in production, with the commands'
+defaults (the metaserver's 1 s ``--failover-after``, sync replication, ``--min-insync
+0``): a metaserver, a realtime server, a scheduler master and a slave
+(``ReplicatedGroup``; the fault tests in tests/faults/test_faults_scheduler_failover.py
+use it too). One producer schedules N messages due over the next ~20 s, one consumer
+takes them; the master is killed at a chosen moment and the slave takes over; then the
+same with ``delaymq admin handover`` instead of the kill. Printed, never asserted:
 
-- the time from the kill to the new master's promotion and to its first dispatch
-  (its STATUS, polled every 10 ms);
-- lateness p50/p99/max of the messages due while the group had no master;
+- the time from the kill (or the handover asked) to the new master's promotion and to
+  its first dispatch (its STATUS, polled every 10 ms);
+- lateness p50/p99/max of the messages due while the group changed master;
+- the producer's error time: from its first failed send to its last (0: none failed);
 - re-sends absorbed by the realtime server's id dedup (its ``duplicates``);
 - lost / early / duplicated at the consumer;
 - the accept rate of one producer (batches of 100, four in flight) into a fresh group
-  with sync replication to one slave beside the same into a group of one member
-  (``--min-insync 0``, no slave), as a ratio (the goal is >= 0.9: docs/performance.md, "Goals").
+  with sync replication to one slave beside the same into a group of one member, as a
+  ratio (the goal is >= 0.9: docs/performance.md, "Goals").
 
-``--realtime``: a metaserver and a realtime group of a master and two sync slaves
-(``--min-insync 1``, so the group still takes messages with one slave gone). One
-producer sends immediate messages at a steady rate, one consumer takes and acks them;
-the master is SIGKILLed under that load. Printed: the time from the kill to the
+``--realtime``: a metaserver and a realtime group of a master and two sync slaves.
+One producer sends immediate messages at a steady rate, one consumer takes and acks
+them; the master is SIGKILLed under that load. Printed: the time from the kill to the
 promotion, to the first SEND the new master stored and to the first message it handed
 out (its STATUS, polled every 10 ms), and what the consumer saw: lost, handed out again
 with a raised ``attempts`` (marked: a hand-out whose ack the old master had not
@@ -134,7 +136,7 @@ class ReplicatedGroup:
     meta: ServerChild
     realtime: ServerChild | None  # the realtime server a scheduler group delivers to; None for a realtime group
     members: list[ServerChild]
-    failover_after_ms: int
+    failover_after_ms: int | None  # None: the metaserver's default
     min_insync: int
     kind: str = "scheduler"
     member_options: Sequence[str] = ()  # more options of every member's command
@@ -206,9 +208,9 @@ async def open_replicated_group(
     root: Path,
     *,
     kind: str = "scheduler",
-    failover_after_ms: int = 5_000,
+    failover_after_ms: int | None = None,
     slaves: int = 1,
-    min_insync: int = 1,
+    min_insync: int = 0,
     replication: str = "sync",
     member_options: Sequence[str] = (),
 ) -> AsyncIterator[ReplicatedGroup]:
@@ -219,7 +221,9 @@ async def open_replicated_group(
     if kind not in ("scheduler", "realtime"):
         raise ValueError(f"kind: {kind!r} is not scheduler or realtime")
     async with open_peers(request_timeout=5.0) as peers:
-        meta_arguments = ["metaserver", "--data", str(root / "meta"), "--failover-after", f"{failover_after_ms}ms"]
+        meta_arguments = ["metaserver", "--data", str(root / "meta")]
+        if failover_after_ms is not None:  # else the metaserver's default
+            meta_arguments += ["--failover-after", f"{failover_after_ms}ms"]
         meta = ServerChild("meta", meta_arguments, root / "meta.log")
         realtime = None
         if kind == "scheduler":
@@ -257,6 +261,7 @@ class Tally:
     attempts: dict[str, list[int]] = field(default_factory=dict)  # the attempts count of each delivery
     received_due: dict[str, int] = field(default_factory=dict)  # deliver_at as delivered (rewritten if it was past)
     send_errors: int = 0
+    error_ms: list[int] = field(default_factory=list)  # when each failed send failed
     changed: trio.Event = field(default_factory=trio.Event)
 
     def missing(self) -> set[str]:
@@ -282,6 +287,10 @@ class Tally:
             i for i, times in self.received.items()
             if min(times) < max(self.received_due[i], self.acked[i].deliver_at if i in self.acked else 0)
         ]  # fmt: skip
+
+    def error_window_ms(self) -> int:
+        """From the producer's first failed send to its last (0: none failed)."""
+        return max(self.error_ms) - min(self.error_ms) if self.error_ms else 0
 
     def duplicated(self) -> int:
         return sum(len(times) - 1 for times in self.received.values())
@@ -316,6 +325,7 @@ async def send_until_stored(producer: Producer, batch: Sequence[Message], tally:
             break
         except Exception:  # no master right now (failover): the same batch again
             tally.send_errors += 1
+            tally.error_ms.append(wall_ms())
             await trio.sleep(0.05)  # a retry backoff, not a synchronisation
     now = wall_ms()
     for message in batch:
@@ -387,14 +397,22 @@ class Takeover:
 
 
 async def kill_master_and_time_takeover(
-    group: ReplicatedGroup, master: ServerChild, slaves: Sequence[ServerChild], counters: Sequence[str]
+    group: ReplicatedGroup,
+    master: ServerChild,
+    slaves: Sequence[ServerChild],
+    counters: Sequence[str],
+    *,
+    handover: bool = False,
 ) -> Takeover:
-    """SIGKILL ``master``; poll the ``slaves``' STATUS every 10 ms until one is master, then until it has
-    raised each of its statistics ``counters`` (``dispatched``, ``messages_stored``...) above where
-    they stood at its promotion."""
+    """SIGKILL ``master`` (``handover``: ask the metaserver to hand its group over instead); poll the
+    ``slaves``' STATUS every 10 ms until one is master, then until it has raised each of its statistics
+    ``counters`` (``dispatched``, ``messages_stored``...) above where they stood at its promotion."""
     killed = wall_ms()
-    await master.kill()
-    timeout = group.failover_after_ms / 1000 + 30
+    if handover:
+        await group.peers.call(group.meta.address, Command.HANDOVER, {"group": group.name}, timeout=5.0)
+    else:
+        await master.kill()
+    timeout = (group.failover_after_ms or 0) / 1000 + 30
     try:
         with trio.fail_after(timeout):
             new_master, answer = await _wait_promoted(group, slaves)
@@ -435,7 +453,7 @@ async def _wait_promoted(group: ReplicatedGroup, slaves: Sequence[ServerChild]) 
         await trio.sleep(0.01)  # the poll interval of a bounded wait
 
 
-async def _failover_run(root: Path, count: int, kill_after: float) -> list[Row]:
+async def _failover_run(root: Path, count: int, kill_after: float, *, handover: bool = False) -> list[Row]:
     tally = Tally()
     async with open_replicated_group(root) as group:
         master, slave = group.members
@@ -443,10 +461,17 @@ async def _failover_run(root: Path, count: int, kill_after: float) -> list[Row]:
         async with trio.open_nursery() as nursery:
             await nursery.start(consume, group.meta.address, tally)
             started = trio.current_time()
-            accepted = await send_all(group.meta.address, count, tally, delay=(2.0, 20.0))
+            accepted = 0.0
+
+            async def produce() -> None:
+                nonlocal accepted
+                accepted = await send_all(group.meta.address, count, tally, delay=(2.0, 20.0), rate=count / 10)
+
+            nursery.start_soon(produce)  # still sending when the master changes: the producer's errors show
             await trio.sleep_until(started + kill_after)  # the chosen moment of the kill, not a synchronisation
-            takeover = await kill_master_and_time_takeover(group, master, [slave], ["dispatched"])
+            takeover = await kill_master_and_time_takeover(group, master, [slave], ["dispatched"], handover=handover)
             try:
+                await tally.wait_acked(count, timeout=60)
                 await tally.wait_all_in(timeout=60)
             except trio.TooSlowError:
                 pass  # reported as lost
@@ -456,17 +481,20 @@ async def _failover_run(root: Path, count: int, kill_after: float) -> list[Row]:
     during = tally.lateness_ms(due_from=takeover.killed_ms, due_until=first_dispatch_ms)
     p50, p99, worst = percentiles(during)
     after_p50, after_p99, after_worst = percentiles(tally.lateness_ms(due_from=first_dispatch_ms))
+    change = "handover asked" if handover else "kill"
     return [
-        (f"{count:,} scheduled, sync to 1 slave: accepted", accepted, "msg/s"),
-        ("kill to promotion", takeover.promoted_ms - takeover.killed_ms, "ms"),
-        ("kill to the new master's first dispatch", first_dispatch_ms - takeover.killed_ms, "ms"),
-        ("messages due during the failover", len(during), "msgs"),
+        (f"{count:,} scheduled at {count / 10:,.0f} msg/s, sync to 1 slave: accepted", accepted, "msg/s"),
+        (f"{change} to promotion", takeover.promoted_ms - takeover.killed_ms, "ms"),
+        (f"{change} to the new master's first dispatch", first_dispatch_ms - takeover.killed_ms, "ms"),
+        ("messages due meanwhile", len(during), "msgs"),
         ("  their lateness p50", p50, "ms"),
         ("  their lateness p99", p99, "ms"),
         ("  their lateness max", worst, "ms"),
         ("due after the takeover: lateness p50", after_p50, "ms"),
         ("due after the takeover: lateness p99", after_p99, "ms"),
         ("due after the takeover: lateness max", after_worst, "ms"),
+        ("producer: failed sends (retried)", tally.send_errors, ""),
+        ("producer: first to last failed send", tally.error_window_ms(), "ms"),
         ("re-sends absorbed by dedup (realtime duplicates)", realtime["statistics"]["duplicates"], "msgs"),
         ("SENDs refused by fencing", realtime["statistics"]["fenced"], ""),
         ("lost", len(tally.missing()), "msgs"),
@@ -476,9 +504,9 @@ async def _failover_run(root: Path, count: int, kill_after: float) -> list[Row]:
 
 
 async def _accept_rate(root: Path, count: int, *, slaves: int) -> float:
-    """SCHEDULE msg/s of one producer into a fresh group: sync replication to ``slaves`` slaves
-    (``--min-insync`` as many), or one member alone. Due in 60-120 s: nothing is delivered meanwhile."""
-    async with open_replicated_group(root, slaves=slaves, min_insync=slaves) as group:
+    """SCHEDULE msg/s of one producer into a fresh group: sync replication to ``slaves`` slaves,
+    or one member alone. Due in 60-120 s: nothing is delivered meanwhile."""
+    async with open_replicated_group(root, slaves=slaves) as group:
         return await send_all(group.meta.address, count, Tally(), delay=(60.0, 120.0))
 
 
@@ -517,7 +545,7 @@ async def _realtime_failover_run(root: Path, count: int, kill_after: float, rate
     marked, unmarked = tally.handed_out_again()
     stats = new_master["statistics"]
     return [
-        (f"sent at {rate:,.0f} msg/s, sync to 2 slaves (min-insync 1): acknowledged", len(tally.acked), "msgs"),
+        (f"sent at {rate:,.0f} msg/s, sync to 2 slaves: acknowledged", len(tally.acked), "msgs"),
         ("slaves' lag just before the kill (most)", lag, "bytes"),
         ("kill to promotion", takeover.promoted_ms - takeover.killed_ms, "ms"),
         (
@@ -568,12 +596,13 @@ def bench_failover(
             _realtime_failover_run, scratch / "failover-realtime", realtime_count, kill_after, realtime_rate
         )
     rows = trio.run(_failover_run, scratch / "failover", count, kill_after)
+    rows += trio.run(partial(_failover_run, scratch / "handover", count, kill_after, handover=True))
     replicated = trio.run(partial(_accept_rate, scratch / "accept-sync", accept_count, slaves=1))
     single = trio.run(partial(_accept_rate, scratch / "accept-single", accept_count, slaves=0))
     return [
         *rows,
         (f"{accept_count:,} scheduled, sync to 1 slave: accepted", replicated, "msg/s"),
-        (f"{accept_count:,} scheduled, no slave (min-insync 0): accepted", single, "msg/s"),
+        (f"{accept_count:,} scheduled, no slave: accepted", single, "msg/s"),
         ("accept rate, sync slave / no slave", 100 * replicated / single if single else 0.0, "%"),
     ]
 

@@ -4,7 +4,8 @@ A metaserver, a realtime server and a scheduler, each with its own folder under
 ``--data``; the embedded default a new user starts with (``make run``).
 ``--replicas N`` gives the realtime group and the scheduler group N slaves each
 (``DATA/realtime-1-replica-K``, ``DATA/scheduler-1-replica-K``) with sync
-replication and min-insync 1.
+replication: a write waits for every in-sync slave, and a group keeps serving
+through the death of any one member.
 
 Each server runs as its own child process, the ``delaymq metaserver|realtime|scheduler``
 command a production deployment runs, supervised (``delaymq.cli.supervisor``): one
@@ -121,8 +122,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=0,
         metavar="N",
         help="slaves to run beside the realtime master and beside the scheduler master (data in "
-        "DATA/realtime-1-replica-K and DATA/scheduler-1-replica-K); with one or more, replication is sync with "
-        "min-insync 1 and the metaserver fails over to a slave (default: %(default)s)",
+        "DATA/realtime-1-replica-K and DATA/scheduler-1-replica-K); with one or more, replication is sync (a write "
+        "waits for every in-sync slave) and the metaserver fails over to a slave within about a second "
+        "(default: %(default)s)",
     )
     add_tls_options(parser, server=True)  # passed on to every server; the certificate must name 127.0.0.1
     parser.set_defaults(func=run)
@@ -275,7 +277,6 @@ async def _start_servers(
     data: Path = args.data
     meta_listen = _listen_for("metaserver", args.meta_listen, remembered.get("metaserver"))
     meta = meta_listen
-    min_insync = str(min(1, args.replicas))
     tls = tls_options(args)
     env = server_environment(args)
 
@@ -300,7 +301,7 @@ async def _start_servers(
         given = ("--meta", meta, "--data", str(data / folder), "--group", f"{kind}-1", "--flush", args.flush, *tls)
         if kind == "scheduler":
             given += dispatch_options
-        return lambda listen: server_command(child_level, kind, "--listen", listen, *given, "--min-insync", min_insync)
+        return lambda listen: server_command(child_level, kind, "--listen", listen, *given)
 
     masters: dict[str, str] = {}
 

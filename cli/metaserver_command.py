@@ -63,8 +63,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     options.add_duration(
         parser,
         "--failover-after",
-        "5s",
-        "promote a replicated group's best in-sync slave after its master is silent this long; "
+        "1s",
+        "promote a replicated group's best in-sync slave after its master is silent this long (its lease); "
         "its servers heartbeat five times as often",
     )
     add_connection_options(parser)

@@ -26,9 +26,11 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from delaymq.cli.status_command import slave_sync
 from delaymq.client.registration import software_version
 from delaymq.metaserver.registry import StatusRow
 from delaymq.metaserver.server import Metaserver, MetaserverStatistics
+from delaymq.metaserver.wire import status_answer_row
 from delaymq.net.server import ServerStatistics
 from delaymq.protocol.histogram import LatencyHistogram, bucket_bounds
 from delaymq.realtime.server import RealtimeServer, RealtimeStatistics
@@ -198,6 +200,12 @@ def replication_families(role: str, epoch: int, replication: Mapping[str, Any]) 
             "Message-log offset every in-sync slave holds (master)",
             replication["high_watermark"],
         )
+    if "in_sync_recorded" in replication:
+        yield gauge(
+            "delaymq_replication_in_sync_slaves",
+            "Slaves in the in-sync set the metaserver recorded: every write waits for each of them (master)",
+            len(replication["in_sync_recorded"]),
+        )
     replicas = replication.get("replicas")
     if replicas is not None:
         by_address = {str(replica["address"]): replica for replica in replicas}
@@ -362,7 +370,7 @@ def scheduler_families(
     for key, name, documentation in (
         ("schedule_requests", "schedule_requests", "SCHEDULE requests answered"),
         ("scheduled", "messages_scheduled", "Messages accepted into the message log (durable)"),
-        ("rewritten", "messages_rewritten", "Accepted messages whose past deliver_at was set to the time of receipt"),
+        ("rewritten", "messages_rewritten", "Accepted messages already due when received: dispatched at once"),
         ("filed", "messages_filed", "Messages filed into hourly schedule logs"),
         ("dispatched", "messages_dispatched", "Messages a realtime server accepted"),
         ("dispatch_batches", "dispatch_batches", "SEND batches to realtime servers"),
@@ -377,6 +385,16 @@ def scheduler_families(
             "schedule_waits",
             "schedule_waits",
             "SCHEDULE requests that waited for filing to catch up (max_unfiled_bytes)",
+        ),
+        (
+            "damaged_records",
+            "damaged_records",
+            "Schedule-log records that did not check when read to be sent (damage on disk): skipped",
+        ),
+        (
+            "lost_log_bytes",
+            "lost_log_bytes",
+            "Message-log bytes found lost below the filed offset on open (filed already: no message lost)",
         ),
     ):
         yield counter(prefix + name, documentation, getattr(stats, key))
@@ -465,6 +483,24 @@ def metaserver_families(stats: MetaserverStatistics, rows: Sequence[StatusRow]) 
     for group, epoch in sorted({row.group: row.epoch for row in rows}.items()):
         epochs.add_metric([group], epoch)
     yield from (age, up, master, lag, epochs)
+    yield from _replica_sets(rows)
+
+
+def _replica_sets(rows: Sequence[StatusRow]) -> Iterator[Metric]:
+    """Per replicated group: its slaves in the recorded in-sync set, and whether one is outside it."""
+    prefix = "delaymq_metaserver_"
+    in_sync = GaugeMetricFamily(
+        prefix + "group_in_sync_slaves", "Slaves in a replicated group's recorded in-sync set", labels=["group"]
+    )
+    under = GaugeMetricFamily(
+        prefix + "group_under_replicated",
+        "1 while a replicated group has a slave outside its in-sync set (a dead or lagging member)",
+        labels=["group"],
+    )
+    for group, (members, out) in sorted(slave_sync(status_answer_row(row) for row in rows).items()):
+        in_sync.add_metric([group], len(members))
+        under.add_metric([group], int(bool(out)))
+    yield from (in_sync, under)
 
 
 # --------------------------------------------------------------------------- scraping

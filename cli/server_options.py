@@ -60,16 +60,17 @@ def add_replication_options(parser: argparse.ArgumentParser, *, writes: str) -> 
         "--replication",
         choices=("sync", "async"),
         default="sync",
-        help=f"as master: answer {writes} only once --min-insync slaves hold it (sync), or at once (async) "
-        "(default: %(default)s)",
+        help=f"as master: answer {writes} only once every slave of the group's in-sync set holds it (sync), "
+        "or at once (async); a slave that falls behind leaves the set within seconds (default: %(default)s)",
     )
     parser.add_argument(
         "--min-insync",
         type=_count,
-        default=1,
+        default=0,
         metavar="N",
-        help=f"in-sync slaves that must hold {writes} under sync replication; with fewer in sync it "
-        "is refused (retryable) and nothing is stored. 0: none needed (default: %(default)s)",
+        help=f"the floor of the in-sync set under sync replication: with fewer than N slaves in sync, {writes} "
+        "is refused (retryable) and nothing is stored. 0: a member alone serves, and a group of two keeps "
+        "serving through either member's death (default: %(default)s)",
     )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from delaymq.cli import options
@@ -180,8 +181,15 @@ def format_filing(stats: dict[str, Any]) -> list[str]:
         filing = f"  NOT YET FILED: {count} record(s), {unfiled} bytes; {held}"
     if stats.get("schedule_waits"):
         filing += f"; {stats['schedule_waits']} SCHEDULE(s) waited for filing to catch up since start"
+    damage: list[str] = []
+    if stats.get("damaged_records") or stats.get("lost_log_bytes"):
+        damage = [
+            f"  DAMAGE ON DISK since created: {stats.get('damaged_records', 0)} schedule-log record(s) skipped, "
+            f"{stats.get('lost_log_bytes', 0)} filed message-log byte(s) lost (no message)"
+        ]
     return [
         filing,
+        *damage,
         f"  since created: {stats.get('scheduled', '?')} scheduled ({stats.get('rewritten', '?')} due at once), "
         f"{stats.get('filed', '?')} filed, {stats.get('dispatched', '?')} dispatched in "
         f"{stats.get('dispatch_batches', '?')} batches ({stats.get('dispatch_failures', '?')} failed sends), "
@@ -218,6 +226,9 @@ def format_replication(replication: dict[str, Any]) -> list[str]:
         f"  replication {replication.get('mode')}, min-insync {replication.get('min_insync')}, "
         f"durable log end {replication.get('durable_end')}"
     ]
+    if "in_sync_recorded" in replication:
+        recorded = replication["in_sync_recorded"]
+        lines.append(f"  in-sync set recorded by the metaserver: {', '.join(recorded) or 'none'}")
     for replica in replication.get("replicas") or []:
         lag_ms = replica.get("lag_ms")
         lines.append(
@@ -237,6 +248,32 @@ def format_replication(replication: dict[str, Any]) -> list[str]:
         lines.append(line)
     if replication.get("cut_records"):
         lines.append(f"  cut {replication['cut_records']} record(s) the master never had")
+    return lines
+
+
+def slave_sync(rows: Iterable[Mapping[str, Any]]) -> dict[str, tuple[list[str], list[str]]]:
+    """Per replicated group (one with an epoch): its slaves in the in-sync set the metaserver
+    recorded, and those outside it. A group with one outside it is *under-replicated*: a
+    master's death may then only be taken over by the slaves in the set."""
+    groups: dict[str, tuple[list[str], list[str]]] = {}
+    for row in rows:
+        if not row.get("epoch"):
+            continue
+        in_sync, out = groups.setdefault(row["group"], ([], []))
+        if row["role"] == "slave":
+            (in_sync if row.get("in_sync") else out).append(row["address"])
+    return groups
+
+
+def format_under_replicated(rows: Iterable[Mapping[str, Any]]) -> list[str]:
+    """A line per under-replicated group."""
+    lines = []
+    for group, (in_sync, out) in sorted(slave_sync(rows).items()):
+        if out:
+            lines.append(
+                f"group {group} is under-replicated: {len(in_sync)} of {len(in_sync) + len(out)} slave(s) in sync "
+                f"(not in sync: {', '.join(sorted(out))})"
+            )
     return lines
 
 
@@ -269,4 +306,5 @@ def format_table(meta: str, answer: dict[str, Any]) -> str:
     widths = [max(len(str(line[i])) for line in table) for i in range(len(COLUMNS))]
     for line in table:
         lines.append("  ".join(str(cell).ljust(width) for cell, width in zip(line, widths)).rstrip())
+    lines.extend(format_under_replicated(rows))
     return "\n".join(lines)

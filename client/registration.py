@@ -55,6 +55,11 @@ log = logging.getLogger(__name__)
 INFO_FIELDS = ("group", "kind", "role", "address", "version")
 #: The interval used until the metaserver names one.
 DEFAULT_INTERVAL_MS = 5_000
+#: The heartbeat interval while this member is in a hurry to hear the metaserver's next word
+#: (``hurry``: its master is unreachable, or a handover to it is under way), for at most
+#: ``HURRY_INTERVALS`` ordinary intervals: it learns of its promotion within this much.
+HURRY_INTERVAL_MS = 25
+HURRY_INTERVALS = 10
 
 #: Reads a server's replica state (``offset``, ``epoch``, ``mode``, ``in_sync``,
 #: ``handed_over``) right before each REGISTER and HEARTBEAT.
@@ -89,7 +94,7 @@ class MembershipView:
     role: str | None  # "master" or "slave"; None before an answer, or in a group that is not managed
     epoch: int  # the group's epoch (0 before one is known)
     master_address: str | None  # the group's master
-    handover_to: str | None  # to the master: the server to hand over to, while a handover is pending
+    handover_to: str | None  # to the master and the target: the server to hand over to, while one is pending
 
 
 class Registration:
@@ -110,7 +115,11 @@ class Registration:
         self.superseded = False  # another server registered as this group's master since
         self.role: str | None = None  # managed groups: what the metaserver says this server is
         self.epoch = 0  # managed groups: the group's epoch, the current master's term
-        self.handover_to: str | None = None  # to the master, while a handover is pending
+        self.handover_to: str | None = None  # to the master and the target, while a handover is pending
+        #: To the master: the group's in-sync set as the metaserver recorded it at ``epoch``.
+        self.in_sync: tuple[str, ...] | None = None
+        self._in_sync_changed = trio.Event()
+        self._hurry_until_ms: int | None = None
         self._first_answer = trio.Event()
         self._view_changed = trio.Event()
         self._send_now = False
@@ -141,6 +150,29 @@ class Registration:
         while (view := self.view()) == old:
             await self._view_changed.wait()
         return view
+
+    async def wait_in_sync_change(self, old: tuple[int, tuple[str, ...] | None]) -> tuple[int, tuple[str, ...]]:
+        """The (epoch, recorded in-sync set) of the latest answer once it differs from ``old``."""
+        while (self.epoch, self.in_sync) == old or self.in_sync is None:
+            await self._in_sync_changed.wait()
+        return self.epoch, self.in_sync
+
+    def hurry(self, now_ms: int) -> None:
+        """Heartbeat every ``HURRY_INTERVAL_MS`` until the role, epoch or master changes (or
+        ``HURRY_INTERVALS`` ordinary intervals pass): this member expects the metaserver's word
+        to change soon and should hear it at once (its master stopped answering)."""
+        if self._hurry_until_ms is None:
+            self._hurry_until_ms = now_ms + HURRY_INTERVALS * self.heartbeat_interval_ms
+            self.heartbeat_now()
+
+    def next_interval_ms(self, interval_ms: int, now_ms: int) -> int:
+        """The wait until the next heartbeat: ``interval_ms``, or less while in a hurry."""
+        if self._hurry_until_ms is not None and now_ms >= self._hurry_until_ms:
+            self._hurry_until_ms = None
+        hurried = self._hurry_until_ms is not None or (
+            self.handover_to is not None and self.handover_to == self.info["address"]
+        )
+        return min(interval_ms, HURRY_INTERVAL_MS) if hurried else interval_ms
 
     def heartbeat_now(self) -> None:
         """Send the next heartbeat at once rather than at the interval (the replica state
@@ -179,12 +211,18 @@ class Registration:
             log.info("group %s master is now %s (was %s)", group, master, self.master_address)
         if role is not None and (role, epoch) != (self.role, self.epoch):
             log.info("%s is %s of group %s at epoch %d (master %s)", self.info["address"], role, group, epoch, master)
-        before = self.view()
+        before, in_sync_before = self.view(), (self.epoch, self.in_sync)
         self.state, self.master_address, self.route_version = state, master, version
         self.role, self.epoch, self.handover_to = role, epoch if role is not None else self.epoch, handover_to
+        self.in_sync = _recorded_in_sync(metadata)
         if self.view() != before:
+            if (before.role, before.epoch, before.master_address) != (role, self.epoch, master):
+                self._hurry_until_ms = None  # the word it hurried for came
             self._view_changed.set()
             self._view_changed = trio.Event()
+        if (self.epoch, self.in_sync) != in_sync_before:
+            self._in_sync_changed.set()
+            self._in_sync_changed = trio.Event()
         if interval > 0:
             self.heartbeat_interval_ms = interval
         self.registered = True
@@ -228,6 +266,18 @@ def _membership(metadata: Mapping[str, Any]) -> tuple[str | None, int, str | Non
             "heartbeat answer 'handover_to' is not a string", code="bad_metadata", field="handover_to"
         )
     return role, epoch, handover_to
+
+
+def _recorded_in_sync(metadata: Mapping[str, Any]) -> tuple[str, ...] | None:
+    """The master's ``in_sync`` of a heartbeat answer: the set the metaserver recorded."""
+    in_sync = metadata.get("in_sync")
+    if in_sync is None:
+        return None
+    if not isinstance(in_sync, list) or not all(isinstance(address, str) for address in in_sync):
+        raise RemoteProtocolError(
+            "heartbeat answer 'in_sync' is not a list of addresses", code="bad_metadata", field="in_sync"
+        )
+    return tuple(in_sync)
 
 
 async def run_registration(
@@ -387,7 +437,8 @@ class _Attempts:
         self._backoff.reset()
         # At the interval this answer named, from the first one on: a replicated group's
         # master must not wait the default 5 s (its failover time) before its first heartbeat.
-        return sent_at + (self._interval_ms or registration.heartbeat_interval_ms)
+        interval = self._interval_ms or registration.heartbeat_interval_ms
+        return sent_at + registration.next_interval_ms(interval, self._clock.monotonic_ms())
 
 
 def _retry_policy(initial_ms: int, interval_ms: int) -> Backoff:

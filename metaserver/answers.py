@@ -11,8 +11,8 @@ from delaymq.protocol.routes import GroupState, ServerKind
 
 @dataclass(frozen=True, slots=True)
 class HeartbeatReply:
-    """What a server learns at each heartbeat. ``role``, ``epoch`` and ``handover_to``
-    are for the servers of managed groups (None otherwise)."""
+    """What a server learns at each heartbeat. ``role``, ``epoch``, ``handover_to`` and
+    ``in_sync`` are for the servers of managed groups (None otherwise)."""
 
     state: GroupState
     master: str | None  # address of the group's master, None if it has none
@@ -20,7 +20,8 @@ class HeartbeatReply:
     heartbeat_interval_ms: int
     role: Role | None = None  # what the metaserver says this server is
     epoch: int | None = None  # the group's epoch: the current master's term
-    handover_to: str | None = None  # to the master only, while a handover is pending
+    handover_to: str | None = None  # to the master and the target, while a handover is pending
+    in_sync: tuple[str, ...] | None = None  # to the master only: the in-sync set recorded at ``epoch``
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,9 @@ from delaymq.protocol.routes import GroupState, ServerKind
 
 DEFAULT_EVICT_AFTER_MS = 30_000
 DEFAULT_HEARTBEAT_INTERVAL_MS = 5_000
-DEFAULT_FAILOVER_AFTER_MS = 5_000
+#: A replicated group's master holds a lease this long from its last heartbeat (sent every
+#: fifth of it): a 500 ms stall keeps it, a death costs about a second.
+DEFAULT_FAILOVER_AFTER_MS = 1_000
 #: A managed group's servers heartbeat at most every ``failover_after_ms // this``,
 #: so a healthy master is never taken for dead.
 HEARTBEATS_PER_FAILOVER = 5

@@ -16,9 +16,12 @@ because there the metaserver, not the servers, decides who is master:
   is live: another run claiming it from another address is refused (``MemberTaken``)
   until the old address is evicted, since the id is no secret (STATUS shows it). The
   same run may move, and a new run at the same address is a restart.
+- The group's *in-sync set* is what its master reported at the group's epoch (a report
+  of another epoch records nothing); the master learns the recorded set in each
+  heartbeat answer and stops waiting for a slave only once it is recorded without it.
 - The master silent for ``failover_after_ms`` is replaced by the live slave that is in
-  its last reported ``in_sync`` list and holds the highest offset (tie: the lowest
-  address); with none eligible the group waits for its master. The deposed master is
+  the recorded in-sync set and holds the highest offset (tie: the lowest address); with
+  none eligible the group waits for its master. The deposed master is
   kept as a slave: its next heartbeat is answered "you are a slave", not refused.
 - ``handover`` asks the master to hand the group to an in-sync slave; the slave is
   promoted when the master reports ``handed_over`` equal to the epoch.
@@ -133,11 +136,15 @@ class Mastership:
         return restarted
 
     def _report(self, name: str, group: ServerGroup, address: str, report: ReplicaReport, now: int) -> None:
-        """Take in a server's replica report; a master's may complete a handover."""
+        """Take in a server's replica report; a master's may complete a handover.
+
+        The in-sync set is recorded only from the master, and only at the group's epoch: a
+        report of an earlier term (a deposed master, or the new one before its term began)
+        changes nothing, so no master can drop a slave the metaserver may still promote."""
         server = group.servers[address]
         server.offset = report.offset  # persisted with the next snapshot, not worth one of its own
         server.epoch = report.epoch
-        if server.role is not Role.MASTER:
+        if server.role is not Role.MASTER or report.epoch != group.epoch:
             return
         in_sync = tuple(sorted(set(report.in_sync) - {address}))
         if in_sync != group.in_sync:

@@ -414,7 +414,8 @@ class Registry:
             self._intervals.managed_interval_ms,
             role=group.servers[address].role,
             epoch=group.epoch,
-            handover_to=group.handover_to if address == master else None,
+            handover_to=group.handover_to if address in (master, group.handover_to) else None,
+            in_sync=group.in_sync if address == master else None,
         )
 
     def _refresh(self, now: int) -> None:

@@ -69,6 +69,8 @@ def heartbeat_answer(reply: HeartbeatReply) -> dict[str, Any]:
         answer["epoch"] = reply.epoch
         if reply.handover_to is not None:
             answer["handover_to"] = reply.handover_to
+        if reply.in_sync is not None:
+            answer["in_sync"] = list(reply.in_sync)
     return answer
 
 

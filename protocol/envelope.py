@@ -40,6 +40,7 @@ class RecordKind(enum.IntEnum):
     PROGRESS = 4  # a realtime master's consumer progress, shipped to its slaves in the message log
     CANCEL = 5  # a scheduler's cancel of scheduled messages by id (docs/cancel.md)
     MOVE = 6  # a scheduler's move of scheduled messages to a new time (docs/cancel.md)
+    LATE = 7  # a scheduler's message records received already due, with when they were received
     OPAQUE = 15
 
 

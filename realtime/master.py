@@ -203,9 +203,9 @@ class RealtimeMaster:
         self.fences.on_raise = self._ship_fences
         self.fences.on_clear = self._ship_fence_clear
         self.send_handler.replicated = self._replicated
-        if source.mode == "sync" and source.min_insync:
+        if source.mode == "sync":
             self.ack_handler.replicated = partial(self._replicated, None)
-            self.pull_handler.handed_out = self.ack_handler.commit  # a hand-out is replicated before it goes
+            self.pull_handler.handed_out = self._hand_outs_replicated
 
     # --------------------------------------------------------------- public
 
@@ -279,6 +279,13 @@ class RealtimeMaster:
             end = self._log.end_offset
         self.source.poke()
         await self.source.confirm_replicated(end, timeout_ms=self._replication_timeout_ms, what="the change")
+
+    async def _hand_outs_replicated(self) -> None:
+        """A hand-out is replicated before it goes, so a promoted slave hands it out again marked;
+        a master whose writes wait for no slave (alone) only commits it with its next checkpoint."""
+        assert self.source is not None
+        if self.source.waits_for_slaves():
+            await self.ack_handler.commit()
 
     async def ship(self, progress: Progress, *, wait: bool = True) -> None:
         """Append a progress record, then (``wait``) wait until it is replicated (sync).

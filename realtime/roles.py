@@ -98,10 +98,8 @@ class MasterSession:
                 mode=member.mode,
                 min_insync=member.min_insync,
             )
-            registration = member.registration
-            if registration is not None:
-                self.source.on_joined_in_sync = lambda address: registration.heartbeat_now()
-                self.source.on_stale_epoch = lambda epoch: registration.heartbeat_now()
+            if member.registration is not None:
+                self.source.report_to(member.registration)
         self.master: RealtimeMaster | None = None
         self.requests = InFlight()  # what a handover lets end first
         self.handover = Handover(
@@ -130,6 +128,7 @@ class MasterSession:
                 nursery.start_soon(self.mastership.watch)
                 if self.source is not None and member.registration is not None:
                     nursery.start_soon(self.handover.run, member.registration)
+                    nursery.start_soon(self.source.follow_recorded_in_sync, member.registration)
                 if self.source is not None:
                     await self._ship_whole_state(master, stored)
                 self.accepting = True

@@ -17,6 +17,7 @@ another master.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
@@ -115,6 +116,8 @@ class ReplicaFetcher:
         self._cut = 0
         self._master_end = 0
         self._last_answer_ms: int | None = None
+        #: Told when a fetch fails: the master may be gone, so the owner asks the metaserver sooner.
+        self.on_failed: Callable[[], None] = lambda: None
 
     def statistics(self) -> FetcherStatistics:
         return FetcherStatistics(
@@ -137,6 +140,7 @@ class ReplicaFetcher:
                 await self.fetch_once()
             except (TransportError, ProtocolError, StorageError) as error:  # a full disk too: retried
                 self._failures += 1
+                self.on_failed()
                 if failing_since is None:
                     failing_since = self._clock.monotonic_ms()
                     level = (

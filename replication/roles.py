@@ -25,9 +25,11 @@ from delaymq.protocol.errors import RemoteProtocolError
 
 log = logging.getLogger(__name__)
 
-#: A master whose event loop did not run for this long past its watchdog's moment
-#: (frozen, starved) confirms its mastership with the metaserver before it goes on.
-SUSPENDED_MS = 1_000
+#: A master whose event loop did not run for this many heartbeat intervals past its
+#: watchdog's moment (frozen, starved) confirms its mastership with the metaserver before
+#: it goes on: a failover needs at least four intervals of silence (five, less the one
+#: since its last heartbeat).
+SUSPENDED_INTERVALS = 2
 #: How long a member waits for the metaserver to name its role before it serves (refusing).
 FIRST_ROLE_WAIT_S = 5.0
 #: A graceful handover that has not finished by then is given up: the master serves again.
@@ -224,10 +226,10 @@ class Handover:
 class Mastership:
     """Notices that this process was frozen or starved, and then re-confirms mastership.
 
-    A watchdog wakes at the heartbeat interval the metaserver names (1 s for a group
-    that fails over after 5 s) and notes when it means to wake next; a request that
-    finds that moment more than ``SUSPENDED_MS`` past (the loop did not run) first
-    asks the metaserver. Any freeze long enough for a failover spans several
+    A watchdog wakes at the heartbeat interval the metaserver names (200 ms for a group
+    that fails over after 1 s) and notes when it means to wake next; a request that
+    finds that moment more than ``SUSPENDED_INTERVALS`` intervals past (the loop did not
+    run) first asks the metaserver. Any freeze long enough for a failover spans several
     wake-ups, so it is always noticed; an idle master wakes once per interval.
     """
 
@@ -249,17 +251,21 @@ class Mastership:
             self._deadline = self._clock.monotonic_ms() + interval
             await self._clock.sleep_ms(interval)
             late = self._clock.monotonic_ms() - self._deadline
-            if late > SUSPENDED_MS:
+            if late > self._suspended_ms():
                 self._stalled_ms = max(self._stalled_ms, late)
 
+    def _suspended_ms(self) -> int:
+        assert self._registration is not None
+        return SUSPENDED_INTERVALS * max(self._registration.heartbeat_interval_ms, 1)
+
     async def confirm(self) -> None:
-        """Return at once unless the loop stalled past ``SUSPENDED_MS``; then only once the
+        """Return at once unless the loop stalled past ``SUSPENDED_INTERVALS``; then only once the
         metaserver has answered again naming this member master of the same epoch."""
         registration = self._registration
         if registration is None:
             return
         stalled = max(self._stalled_ms, self._clock.monotonic_ms() - self._deadline)
-        if stalled <= SUSPENDED_MS:
+        if stalled <= self._suspended_ms():
             return
         if self._confirmed is not None:  # another caller is asking already
             await self._confirmed.wait()
@@ -289,7 +295,7 @@ class Mastership:
 __all__ = [
     "FIRST_ROLE_WAIT_S",
     "HANDOVER_TIMEOUT_S",
-    "SUSPENDED_MS",
+    "SUSPENDED_INTERVALS",
     "Handover",
     "Mastership",
     "NotMaster",

@@ -220,7 +220,11 @@ class ReplicatedServer(Generic[M, S]):
         if view.role == "master":  # the metaserver's word (``MembershipView``), not a ``Role``
             return self._make_master(view.epoch) if self._may_lead(view.epoch) else None
         if view.role == "slave" and view.master_address and view.master_address != self.member.address:
-            return self._make_slave(view.master_address, view.epoch)
+            slave = self._make_slave(view.master_address, view.epoch)
+            registration, clock = self.member.registration, self.member.clock
+            if registration is not None:  # its master may be dead: hear of a promotion at once
+                slave.fetcher.on_failed = lambda: registration.hurry(clock.monotonic_ms())
+            return slave
         return None
 
     async def _between(self, ended: M | S | None) -> None:
@@ -305,7 +309,9 @@ class ReplicatedServer(Generic[M, S]):
         master = self.master_session
         if master is not None and master.source is not None:
             source = master.source.statistics()
-            master_part = MasterReplication(source.high_watermark, source.replicas, master.accepting)
+            master_part = MasterReplication(
+                source.high_watermark, source.replicas, master.accepting, source.recorded_in_sync
+            )
         slave = self.slave_session
         if slave is not None:
             fetched = slave.fetcher.statistics()

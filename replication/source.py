@@ -5,9 +5,17 @@ durable end and asks for what follows; the answer waits (long poll) until the ma
 durable log grows, a side-journal entry is added, or ``tick_interval_ms`` (50 ms)
 passes, so a slave hears the master's tick at least that often. It keeps each slave's
 progress, says which slaves are **in sync** (fetched and caught up within
-``lag_ms``), how far replication has reached (``high_watermark``: what every in-sync
-slave holds, once ``min_insync`` are in sync), and lets a write wait until its bytes are
-there (``wait_replicated``).
+``lag_ms``), how far replication has reached (``high_watermark``), and lets a write
+wait until its bytes are there (``wait_replicated``).
+
+Under sync replication a write is answered once **every** slave of the in-sync set
+holds it (Kafka's acks=all), and ``min_insync`` is only the floor below which writes
+are refused. The set a write waits for is the one the metaserver has *recorded* at
+this master's epoch (``record_in_sync``: the metaserver may promote any slave of it)
+together with the slaves in sync here now. A slave joins at once (it holds everything
+durable when it catches up); it leaves only once the metaserver has recorded a set
+without it, so a master cut off from the metaserver can never drop its slaves and
+acknowledge alone while a slave is promoted.
 
 The side journal carries the owner's small records (the scheduler's dispatch-log
 records) in order, numbered within this master's *session*; a slave that asks from a
@@ -25,6 +33,7 @@ from functools import partial
 
 import trio
 
+from delaymq.client.registration import Registration
 from delaymq.clock import Clock
 from delaymq.protocol.errors import RemoteProtocolError
 from delaymq.replication.epochs import EpochHistory
@@ -35,7 +44,9 @@ from delaymq.storage.threads import RunBlocking
 log = logging.getLogger(__name__)
 
 DEFAULT_TICK_INTERVAL_MS = 50
-DEFAULT_LAG_MS = 10_000
+#: A slave that has not fetched, or not caught up, for this long leaves the in-sync set
+#: (once the metaserver records it): writes stop waiting for a dead slave that soon.
+DEFAULT_LAG_MS = 1_500
 DEFAULT_JOURNAL_ENTRIES = 65_536
 #: How often a replication wait looks again whether a silent slave left the in-sync set.
 _RECHECK_S = 0.25
@@ -53,6 +64,12 @@ class _Replica:
     seq: int = 0  # journal entries of ``session`` it holds
     advanced_ms: int = 0  # monotonic: when ``acked`` last grew (or it was first heard from)
     stalled: bool = False  # logged as no longer holding back deletion, until it advances
+    # The master's durable end when the previous fetch was answered, and that fetch's time: a fetch
+    # from at least there means the slave was caught up then (Kafka's rule, so a slave that keeps up
+    # with a steady stream counts as in sync though the log always moves on meanwhile).
+    answered_durable: int = 0
+    answered_ms: int = 0
+    heard: bool = True  # False: recorded in sync by the metaserver, not heard from by this master yet
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +89,7 @@ class SourceStatistics:
     min_insync: int
     durable_end: int
     high_watermark: int
+    recorded_in_sync: tuple[str, ...]  # the in-sync set the metaserver recorded at this epoch
     fetches: int
     bytes_sent: int
     resets: int
@@ -122,6 +140,7 @@ class ReplicationSource:
         self._seq = 0  # entries ever added since this master's term began
         self._retain_for_ms = retain_for_ms
         self._replicas: dict[str, _Replica] = {}
+        self._recorded: frozenset[str] = frozenset()  # the metaserver's in-sync set at this epoch
         self._news = trio.Event()  # set when the log or the journal grew: wakes waiting fetches
         self._acks = trio.Event()  # set when a slave acknowledged more: wakes wait_replicated
         self._watermark = 0
@@ -136,6 +155,20 @@ class ReplicationSource:
         self.on_joined_in_sync: Callable[[str], None] = lambda address: None
 
     # -- the owner's side -------------------------------------------------------------
+
+    def report_to(self, registration: Registration) -> None:
+        """Heartbeat at once when a slave joins the in-sync set or a FETCH shows a newer epoch."""
+        self.on_joined_in_sync = lambda address: registration.heartbeat_now()
+        self.on_stale_epoch = lambda epoch: registration.heartbeat_now()
+
+    async def follow_recorded_in_sync(self, registration: Registration) -> None:
+        """Until cancelled: take in each in-sync set the metaserver records at this epoch."""
+        seen: tuple[int, tuple[str, ...] | None] = (0, None)
+        while True:
+            seen = await registration.wait_in_sync_change(seen)
+            epoch, members = seen
+            if epoch == self.epoch:
+                self.record_in_sync(members)
 
     def poke(self) -> None:
         """The durable log grew (or something changed the tick): wake waiting fetches."""
@@ -153,35 +186,64 @@ class ReplicationSource:
         self.poke()
 
     def in_sync(self) -> list[str]:
-        """Slaves that fetched, and held everything durable, within ``lag_ms``."""
+        """Slaves that fetched, and were caught up, within ``lag_ms``: what this master reports."""
         now = self._clock.monotonic_ms()
         return sorted(address for address, replica in self._replicas.items() if self._is_in_sync(replica, now))
 
+    def record_in_sync(self, members: tuple[str, ...] | list[str]) -> None:
+        """The metaserver recorded ``members`` as this epoch's in-sync set (its heartbeat answer).
+
+        A recorded slave this master has not heard from yet (after a handover, or a restart
+        of the master) is counted in sync from now: writes wait for it until it fetches, or
+        until ``lag_ms`` has passed and the metaserver records the set without it."""
+        recorded = frozenset(members)
+        if recorded == self._recorded:
+            return
+        now = self._clock.monotonic_ms()
+        for address in recorded - self._replicas.keys():
+            self._replicas[address] = _Replica(0, now, now, advanced_ms=now, heard=False)
+        if self._recorded - recorded:
+            log.info("in-sync set recorded at epoch %d: %s (without %s)", self.epoch,
+                     ", ".join(sorted(recorded)) or "none", ", ".join(sorted(self._recorded - recorded)))  # fmt: skip
+        self._recorded = recorded
+        self._wake_waiters()
+
     def high_watermark(self) -> int:
-        """What every in-sync slave holds durably, once at least ``min_insync`` are in sync (the
-        master's durable end if none are required). Never moves back: the owner files records up to it."""
+        """What every slave a write waits for holds durably (the master's durable end when it
+        waits for none, or under async replication); held while fewer than ``min_insync`` are
+        in sync. Never moves back: the owner files records up to it."""
         durable = self._log.flushed_offset
-        if self.min_insync == 0:
+        if self.mode != "sync":
             mark = durable
         else:
-            held = self._held_in_sync()
-            mark = min(min(acked, durable) for acked in held) if len(held) >= self.min_insync else self._watermark
+            held = self._waited()
+            if len(held) < self.min_insync:
+                mark = self._watermark
+            else:
+                mark = min([durable, *held])
         self._watermark = max(self._watermark, mark)
         return self._watermark
 
-    def _held_in_sync(self) -> list[int]:
+    def waits_for_slaves(self) -> bool:
+        """Whether a write waits for any slave now (sync replication, a non-empty in-sync set)."""
+        return self.mode == "sync" and bool(self._waited())
+
+    def _waited(self) -> list[int]:
+        """What each slave a write waits for holds: the recorded in-sync set and those in sync now."""
         now = self._clock.monotonic_ms()
-        return [r.acked for r in self._replicas.values() if self._is_in_sync(r, now)]
+        return [
+            r.acked for address, r in self._replicas.items() if address in self._recorded or self._is_in_sync(r, now)
+        ]
 
     def check_insync(self, what: str) -> None:
         """Refuse (retryably) when fewer than ``min_insync`` slaves are in sync: nothing is stored."""
         if self.mode != "sync" or not self.min_insync:
             return
-        in_sync = self.in_sync()
-        if len(in_sync) < self.min_insync:
-            known = ", ".join(sorted(self._replicas)) or "none"
+        waited = self._waited()
+        if len(waited) < self.min_insync:
+            known = ", ".join(sorted(a for a, r in self._replicas.items() if r.heard)) or "none"
             raise RemoteProtocolError(
-                f"{what}: replication is sync with min_insync {self.min_insync}, but {len(in_sync)} slave(s) are in "
+                f"{what}: replication is sync with min_insync {self.min_insync}, but {len(waited)} slave(s) are in "
                 f"sync now (slaves known: {known}); nothing was stored, retry once a slave has caught up",
                 code="unavailable",
                 field="min_insync",
@@ -189,19 +251,19 @@ class ReplicationSource:
             )
 
     async def wait_replicated(self, offset: int, *, timeout_ms: int) -> bool:
-        """Wait until every in-sync slave, and at least ``min_insync`` of them, holds everything
-        below ``offset``; false on timeout.
+        """Wait until every slave of the in-sync set (at least ``min_insync`` of them) holds
+        everything below ``offset``; false on timeout. At once under async replication.
 
-        Every in-sync slave, not just ``min_insync`` of them: the metaserver may promote any
-        slave this master last reported in sync, so an answered write must be on each of them.
-        A slave that stops fetching leaves the in-sync set after ``lag_ms`` (and the wait with it).
+        Every one, not just ``min_insync``: the metaserver may promote any slave of the set it
+        recorded, so an answered write must be on each of them. A slave that stops fetching
+        leaves the set after ``lag_ms`` and the metaserver's record (and the wait with it).
         """
-        if self.mode != "sync" or not self.min_insync:
+        if self.mode != "sync":
             return True
         with trio.move_on_after(timeout_ms / 1000):
             while True:
                 acks = self._acks
-                held = self._held_in_sync()
+                held = self._waited()
                 if len(held) >= self.min_insync and all(acked >= offset for acked in held):
                     return True
                 with trio.move_on_after(_RECHECK_S):  # a slave may leave the in-sync set by time alone
@@ -211,9 +273,10 @@ class ReplicationSource:
     async def confirm_replicated(self, offset: int, *, timeout_ms: int, what: str) -> None:
         """``wait_replicated``, refusing retryably (``unavailable``) on timeout."""
         if not await self.wait_replicated(offset, timeout_ms=timeout_ms):
+            waited = ", ".join(sorted(self._recorded | set(self.in_sync()))) or "none"
             raise RemoteProtocolError(
-                f"{what}: stored on the master but not confirmed by {self.min_insync} in-sync slave(s) within "
-                f"{timeout_ms} ms; retry with the same ids",
+                f"{what}: stored on the master but not confirmed within {timeout_ms} ms by the in-sync slaves "
+                f"({waited}; min_insync {self.min_insync}); retry with the same ids",
                 code="unavailable",
                 field="min_insync",
                 limit=self.min_insync,
@@ -243,7 +306,7 @@ class ReplicationSource:
         window = self._retain_for_ms
         needed = []
         for address, r in self._replicas.items():
-            if now - r.fetched_ms >= window:
+            if not r.heard or now - r.fetched_ms >= window:
                 continue
             if now - r.advanced_ms < window or self._is_in_sync(r, now):
                 needed.append(r.acked)
@@ -269,6 +332,7 @@ class ReplicationSource:
                 seconds_since_fetch=(now - r.fetched_ms) / 1000,
             )
             for address, r in sorted(self._replicas.items())
+            if r.heard
         )
         return SourceStatistics(
             epoch=self.epoch,
@@ -276,6 +340,7 @@ class ReplicationSource:
             min_insync=self.min_insync,
             durable_end=durable,
             high_watermark=self.high_watermark(),
+            recorded_in_sync=tuple(sorted(self._recorded)),
             fetches=self._fetches,
             bytes_sent=self._bytes_sent,
             resets=self._resets,
@@ -339,8 +404,10 @@ class ReplicationSource:
         now = self._clock.monotonic_ms()
         replica = self._replicas.get(request.address)
         was_in_sync = replica is not None and self._is_in_sync(replica, now)
-        if replica is None:
-            replica = self._replicas[request.address] = _Replica(request.offset, now, None, advanced_ms=now)
+        if replica is None or not replica.heard:
+            # A recorded slave heard from for the first time keeps the grace it was recorded with.
+            caught_up = None if replica is None else replica.caught_up_ms
+            replica = self._replicas[request.address] = _Replica(request.offset, now, caught_up, advanced_ms=now)
             log.info(
                 "slave %s fetches from offset %d (master durable end %d)", request.address, request.offset, durable
             )
@@ -355,12 +422,18 @@ class ReplicationSource:
         replica.session, replica.seq = request.session, request.seq
         if request.offset >= durable:
             replica.caught_up_ms = now
-        self._acks.set()
-        self._acks = trio.Event()
+        elif replica.answered_ms and request.offset >= replica.answered_durable:
+            replica.caught_up_ms = max(replica.caught_up_ms or 0, replica.answered_ms)
+        replica.answered_durable, replica.answered_ms = durable, now
+        self._wake_waiters()
         self.on_acked()
         if not was_in_sync and self._is_in_sync(replica, now):
             log.info("slave %s is in sync at offset %d", request.address, request.offset)
             self.on_joined_in_sync(request.address)
+
+    def _wake_waiters(self) -> None:
+        self._acks.set()
+        self._acks = trio.Event()
 
     def _answer(
         self,

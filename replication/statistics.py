@@ -42,6 +42,7 @@ class MasterReplication:
     high_watermark: int
     replicas: tuple[ReplicaProgress, ...]
     accepting: bool
+    in_sync_recorded: tuple[str, ...] = ()  # the in-sync set the metaserver recorded at this epoch
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +94,7 @@ class ReplicationStatistics(Mapping[str, Any]):
         wire["cut_bytes"] = cut.bytes
         if self.master is not None:
             wire["high_watermark"] = self.master.high_watermark
+            wire["in_sync_recorded"] = list(self.master.in_sync_recorded)
             wire["replicas"] = [asdict(replica) for replica in self.master.replicas]
             wire["accepting"] = self.master.accepting
         if self.slave is not None:

@@ -91,6 +91,8 @@ class ScheduledBatch:
     offset: int  # message-log offset of the first appended record
     end: int  # message-log offset after the last: filed once the checkpoint reaches it
     subjects: Sequence[str] | None = None  # each record's subject, in log order
+    #: Each record's message-log offset when LATE records wrap some (None: end to end from ``offset``).
+    sources: Sequence[int] | None = None
     #: Index of each key's last record (an id may come twice, under two subjects), made when first asked.
     positions: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
     state: ClassVar[int] = SCHEDULED
@@ -99,8 +101,11 @@ class ScheduledBatch:
         return self.entry_at(self.position(key))
 
     def entry_at(self, i: int) -> TailEntry:
-        starts, ends = self.starts, self.ends
-        source = self.offset + sum(ends[k] - starts[k] for k in self.kept[:i])
+        if self.sources is not None:
+            source = self.sources[i]
+        else:
+            starts, ends = self.starts, self.ends
+            source = self.offset + sum(ends[k] - starts[k] for k in self.kept[:i])
         subject = self.subjects[i] if self.subjects is not None else None
         return TailEntry(self.deliver_ats[i], source, self.end, SCHEDULED, self.key_hashes[i], subject)
 

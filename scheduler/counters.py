@@ -30,6 +30,8 @@ class SchedulerCounters:
     deleted_segments: int = 0
     cut_records: int = 0
     cut_bytes: int = 0
+    damaged_records: int = 0  # schedule-log records that did not check when read to be sent: skipped
+    lost_log_bytes: int = 0  # message-log bytes found lost below the checkpoint (filed: no message lost)
 
     def __add__(self, other: SchedulerCounters) -> SchedulerCounters:
         return SchedulerCounters(*(getattr(self, name) + getattr(other, name) for name in _COUNTER_NAMES))
@@ -66,7 +68,10 @@ COUNTERS_KEY = b"totals"
 def dispatch_counters(dispatch: DispatcherStatistics) -> SchedulerCounters:
     """A dispatcher's share of the totals."""
     return SchedulerCounters(
-        dispatched=dispatch.dispatched, dispatch_batches=dispatch.batches, dispatch_failures=dispatch.failures
+        dispatched=dispatch.dispatched,
+        dispatch_batches=dispatch.batches,
+        dispatch_failures=dispatch.failures,
+        damaged_records=dispatch.damaged,
     )
 
 

@@ -108,6 +108,7 @@ class DispatcherStatistics:
     confirm_rounds: int  # dispatch-log rounds (one thread call and one flush each)
     fire_reads: int  # fire rounds that read records from disk (not in memory: due at once, or over budget)
     lateness_fired: dict[str, Any]  # fired - deliver_at per message, ms (``LatencyHistogram.to_wire``)
+    damaged: int = 0  # due records that did not check when read: not sent, recorded done
 
 
 class Dispatcher:
@@ -278,6 +279,7 @@ class Dispatcher:
             confirm_rounds=self._confirmer.rounds,
             fire_reads=firer.reads,
             lateness_fired=firer.lateness_fired.to_wire(),
+            damaged=firer.damaged,
         )
 
 

@@ -7,10 +7,15 @@ past the next due moment: what falls due meanwhile goes out with the returning l
 batch, and the firer's own wake-up (which costs about as much as firing) is mostly saved;
 a subject with no SEND on the way is fired at most ``fire_slack_ms`` late for it. One
 firing at a time (``_firing``) keeps the firing order within every lane.
+
+A due record that did not check when read (damage on disk, held as ``b""``) is not sent:
+it is logged (hour, entry, log byte, why), counted (``damaged``) and recorded done like a
+sent one, so its hour finishes and the others go on.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from functools import partial
 
@@ -18,11 +23,14 @@ import trio
 
 from delaymq.protocol.histogram import LatencyHistogram
 from delaymq.protocol.records import record_subject
+from delaymq.scheduler.dispatchconfirmer import ConfirmItem
 from delaymq.scheduler.dispatchcontext import DispatchContext
-from delaymq.scheduler.dispatchlanes import Lane, LaneItem, Lanes
-from delaymq.scheduler.hourlog import HourLog
+from delaymq.scheduler.dispatchlanes import DELIVER_AT, DELIVER_AT_AT, Lane, LaneItem, Lanes
+from delaymq.scheduler.hourlog import DamagedRecord, HourLog
 from delaymq.scheduler.schedulelog import ScheduleStore
 from delaymq.scheduler.wheelset import Due
+
+log = logging.getLogger("delaymq.scheduler.dispatcher")
 
 #: Filters an hour's due ``(deliver_at, entry)`` before they reach a lane (cancels).
 Skip = Callable[[int, list[tuple[int, int]]], list[tuple[int, int]]]
@@ -54,6 +62,7 @@ class Firer:
         self._nursery: trio.Nursery | None = None  # where lanes run
         self.rounds = 0  # times the firer popped due messages and put them in lanes
         self.reads = 0  # rounds that read records from disk (not read ahead)
+        self.damaged = 0  # due records that did not check when read: not sent, recorded done
         #: Fired (put in its lane) - deliver_at of each message: the first stage of its lateness.
         self.lateness_fired = LatencyHistogram()
 
@@ -181,13 +190,21 @@ class Firer:
         if missing:  # linked and not read yet, or the cache was full
             await self._read_missing(hour, cache, missing)
         now = self._wall.now_ms()
-        self.lateness_fired.record_many([now - at for at, _entry in items])
+        lateness: list[int] = []
+        late = lateness.append
+        asked_at = DELIVER_AT.unpack_from
         lanes = self._lanes.by_subject
         touched: list[Lane] = []
+        unsent: list[ConfirmItem] = []
         size = 0
         # Per message: kept inline (no call per record) and on locals.
         for at, entry in items:
             record = cache.pop(entry)
+            if not record:  # it did not check when read
+                unsent.append(ConfirmItem(at, entry))
+                continue
+            asked = asked_at(record, DELIVER_AT_AT)[0]  # lateness counts from it if earlier (``due_of``)
+            late(now - (asked if 0 < asked < at else at))
             size += len(record)
             subject = record_subject(record)
             lane = lanes.get(subject)
@@ -195,13 +212,26 @@ class Firer:
                 lane = lanes[subject] = Lane(subject)
                 touched.append(lane)
             lane.items.append(LaneItem(hour, at, entry, record))
+        self.lateness_fired.record_many(lateness)
         read_ahead.records_held -= len(items)
         read_ahead.bytes_held -= size
-        self._lanes.waiting += len(items)
+        self._lanes.waiting += len(items) - len(unsent)
+        if unsent:
+            self._skip_damaged(hour, unsent)
         nursery = self._nursery
         assert nursery is not None
         for lane in touched:
             nursery.start_soon(self._lanes.run_lane, lane, self)
+
+    def _skip_damaged(self, hour: int, items: list[ConfirmItem]) -> None:
+        """Due records that did not check when read: log each, count it, and record it done
+        without a send (the confirmer's next round), so its hour finishes."""
+        for _at, entry in items:
+            damaged = self._read_ahead.take_damaged(hour, entry)
+            found = damaged or DamagedRecord(hour, entry, -1, "it did not check when read")
+            log.warning("%s; the message is skipped (not sent) and recorded done, the others go on", found)
+        self.damaged += len(items)
+        self._lanes.confirm_unsent(hour, items)
 
     async def _read_missing(self, hour: int, cache: dict[int, bytes], missing: list[int]) -> None:
         """Read due records that are not read ahead into ``cache``, through the firer's reader."""
@@ -211,25 +241,28 @@ class Firer:
         if reading:
             reading.difference_update(missing)
         with trio.CancelScope(shield=True):  # a reader opened in the thread must not leak
-            reader, records = await self._run_blocking(
+            reader, records, damaged = await self._run_blocking(
                 partial(_read_records, self._store, read_ahead.fire_readers.get(hour), hour, missing)
             )
         read_ahead.fire_readers[hour] = reader
         cache.update(zip(missing, records))
+        read_ahead.note_damaged(damaged)
         read_ahead.records_held += len(missing)
         read_ahead.bytes_held += sum(map(len, records))
 
 
 def _read_records(
     store: ScheduleStore, reader: HourLog | None, hour: int, entries: list[int]
-) -> tuple[HourLog, list[bytes]]:
+) -> tuple[HourLog, list[bytes], list[DamagedRecord]]:
     """Records due and not in memory, through the firer's own reader of the hour (the
-    loader's may be in use in another thread), opened on first need and kept open."""
+    loader's may be in use in another thread), opened on first need and kept open; those
+    that did not check are ``b""``, and said why."""
+    damaged: list[DamagedRecord] = []
     if reader is not None:
-        return reader, reader.read_records(entries)
+        return reader, reader.read_records(entries, damaged=damaged), damaged
     reader = store.open_hour(hour)
     try:
-        return reader, reader.read_records(entries)
+        return reader, reader.read_records(entries, damaged=damaged), damaged
     except BaseException:
         reader.close()
         raise

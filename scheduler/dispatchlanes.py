@@ -15,6 +15,7 @@ before it builds its next batch. Accepted records go to the ``Confirmer``.
 from __future__ import annotations
 
 import logging
+import struct
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import NamedTuple, Protocol
@@ -33,11 +34,25 @@ log = logging.getLogger("delaymq.scheduler.dispatcher")
 Deliver = Callable[[str, bytes], Awaitable[list[str]]]
 
 
+#: A message record's ``deliver_at``, at byte ``DELIVER_AT_AT``.
+DELIVER_AT = struct.Struct(">q")
+DELIVER_AT_AT = 12
+_unpack_deliver_at = DELIVER_AT.unpack_from
+
+
+def due_of(filed_at: int, record: bytes) -> int:
+    """When a fired message was due: its record's ``deliver_at``, unless that is not before
+    ``filed_at`` (the moment it was filed for). A SCHEDULE received after its moment is filed
+    for the time of receipt and keeps its ``deliver_at``: its lateness counts from there."""
+    asked = _unpack_deliver_at(record, DELIVER_AT_AT)[0]
+    return asked if 0 < asked < filed_at else filed_at
+
+
 class LaneItem(NamedTuple):
     """One fired record waiting in its subject's lane."""
 
     hour: int
-    deliver_at: int
+    deliver_at: int  # the moment it was filed for (its index entry's)
     entry: int
     record: bytes
 
@@ -210,8 +225,8 @@ class Lanes:
         worst = self.lateness_max
         total = 0
         confirm = self._confirmer.pending
-        for hour, at, entry, _record in batch:
-            late = now - at
+        for hour, at, entry, record in batch:
+            late = now - due_of(at, record)
             total += late
             if late > worst:
                 worst = late
@@ -224,6 +239,11 @@ class Lanes:
         self.dispatched += len(batch)
         self.waiting -= len(batch)
         self.batches += 1
+        self._confirmer.accepted(all_accepted=not self.waiting)
+
+    def confirm_unsent(self, hour: int, items: list[ConfirmItem]) -> None:
+        """Record these done without a send (their records did not check): the confirmer's next round."""
+        self._confirmer.pending.setdefault(hour, []).extend(items)
         self._confirmer.accepted(all_accepted=not self.waiting)
 
     def _send_failed(self, lane: Lane, error: Exception) -> None:
@@ -254,4 +274,4 @@ class Lanes:
             self.outage_since = None
 
 
-__all__ = ["Deliver", "Lane", "LaneFiring", "LaneItem", "Lanes"]
+__all__ = ["DELIVER_AT", "DELIVER_AT_AT", "Deliver", "Lane", "LaneFiring", "LaneItem", "Lanes", "due_of"]

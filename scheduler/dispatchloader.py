@@ -17,7 +17,7 @@ import trio
 
 from delaymq.scheduler.delayindex import Heads
 from delaymq.scheduler.dispatchcontext import DispatchContext
-from delaymq.scheduler.hourlog import HourLog
+from delaymq.scheduler.hourlog import DamagedRecord, HourLog
 from delaymq.scheduler.schedulelog import ScheduleStore
 from delaymq.scheduler.wheelset import Load
 
@@ -95,7 +95,7 @@ class Loader:
         with_records = read_ahead.has_room()
         wheels.begin_load(group)
         try:
-            chains, records = await self._run_blocking(
+            chains, records, damaged = await self._run_blocking(
                 # The wheel's delivered set: only this (loader) task changes it, in
                 # ``loaded`` below, so the thread may read it while we wait.
                 partial(_walk, reader, group, wheels.delivered(hour), with_records)
@@ -114,6 +114,7 @@ class Loader:
         self.seconds_loaded += len(group)
         if records:
             read_ahead.add(hour, records)
+            read_ahead.note_damaged(damaged)
 
     async def _read_linked(self, linked: dict[int, list[int]]) -> None:
         """Read the records of arrivals linked into loaded seconds (one thread call), so
@@ -135,7 +136,7 @@ class Loader:
         read_ahead.reading = reading = {hour: set(entries) for hour, entries in wanted.items()}
         try:
             readers = {hour: read_ahead.readers[hour] for hour in wanted}
-            got = await self._run_blocking(partial(_read_many, readers, wanted))
+            got, damaged = await self._run_blocking(partial(_read_many, readers, wanted))
         finally:
             read_ahead.reading = {}
         for hour, records in got.items():
@@ -149,6 +150,7 @@ class Loader:
                     count += 1
             read_ahead.records_held += count
             read_ahead.bytes_held += size
+        read_ahead.note_damaged([record for record in damaged if record.entry in reading[record.hour]])
 
 
 # ---------------------------------------------------------------------- blocking parts
@@ -168,21 +170,27 @@ def _read_hour(store: ScheduleStore, hour: int) -> tuple[HourLog, Heads, set[int
 
 def _walk(
     reader: HourLog, loads: list[Load], skip: AbstractSet[int], with_records: bool
-) -> tuple[list[list[tuple[int, int]]], dict[int, bytes]]:
-    """Walk each second's chain; read the records of entries not delivered yet."""
+) -> tuple[list[list[tuple[int, int]]], dict[int, bytes], list[DamagedRecord]]:
+    """Walk each second's chain; read the records of entries not delivered yet (one that does
+    not check is ``b""``, and said why in the list)."""
     chains = [reader.chain(load.second, below=load.below, floor=load.floor) for load in loads]
+    damaged: list[DamagedRecord] = []
     if not with_records:
-        return chains, {}
+        return chains, {}, damaged
     if skip:
         wanted = [entry for chain in chains for _ms, entry in chain if entry not in skip]
     else:
         wanted = [entry for chain in chains for _ms, entry in chain]
-    return chains, dict(zip(wanted, reader.read_records(wanted)))
+    return chains, dict(zip(wanted, reader.read_records(wanted, damaged=damaged))), damaged
 
 
-def _read_many(readers: dict[int, HourLog], wanted: dict[int, list[int]]) -> dict[int, list[bytes]]:
-    """The records of ``wanted`` entries, per hour, through the loader's readers."""
-    return {hour: readers[hour].read_records(entries) for hour, entries in wanted.items()}
+def _read_many(
+    readers: dict[int, HourLog], wanted: dict[int, list[int]]
+) -> tuple[dict[int, list[bytes]], list[DamagedRecord]]:
+    """The records of ``wanted`` entries, per hour, through the loader's readers (and those that did not check)."""
+    damaged: list[DamagedRecord] = []
+    got = {hour: readers[hour].read_records(entries, damaged=damaged) for hour, entries in wanted.items()}
+    return got, damaged
 
 
 __all__ = ["Loader"]

@@ -7,18 +7,23 @@ the delay index mapped read-only (the file is only ever appended to, so a mappin
 grown, never invalidated), records from the schedule log with ``pread``, records close
 together in one read; or, when the message log still keeps the bytes it was filed from
 in memory (``recent_source``: a message due within seconds of its arrival), from there. ``chain`` and ``read_records`` are the dispatcher's hot loops:
-their aliases of bound methods are deliberate.
+their aliases of bound methods are deliberate. The dispatcher reads records so that one
+that does not check (damage on disk) costs only itself: ``read_records(..., damaged=[])``
+gives ``b""`` for it and says where and why (``DamagedRecord``).
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import struct
 import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
+from delaymq.protocol.envelope import HEADER_SIZE, RecordKind
+from delaymq.protocol.limits import MESSAGE_HEADER_SIZE
 from delaymq.scheduler.delayindex import ENTRY, ENTRY_SIZE, Heads, IndexEntry, pread_all, read_entry, record_problem
 from delaymq.scheduler.hours import (
     INDEX_SUFFIX,
@@ -32,6 +37,21 @@ from delaymq.scheduler.hours import (
 
 _READ_GAP = 64 << 10  # read_records reads across gaps up to this size in one pread
 _READ_SPAN = 4 << 20  # ... into spans of at most this size
+_MESSAGE = int(RecordKind.MESSAGE)
+_KIND = struct.Struct(">H")  # an envelope's kind, at byte 6
+_NAMES = struct.Struct(">HH")  # a message record's id_len and subject_len, at byte 30
+
+
+class DamagedRecord(NamedTuple):
+    """A record of an hour's schedule log that did not check when it was read: where, and why."""
+
+    hour: int
+    entry: int
+    offset: int  # where it starts in the hour's schedule log
+    problem: str
+
+    def __str__(self) -> str:
+        return f"hour {hour_name(self.hour)}: entry {self.entry}'s record at log byte {self.offset}: {self.problem}"
 
 
 class CommittedHours(Protocol):
@@ -133,8 +153,12 @@ class HourLog:
             n = prev
         return out
 
-    def read_records(self, entry_nos: Sequence[int]) -> list[bytes]:
+    def read_records(self, entry_nos: Sequence[int], *, damaged: list[DamagedRecord] | None = None) -> list[bytes]:
         """The full message records of ``entry_nos``, in the order given, each checked.
+
+        One that does not check raises ``CorruptSchedule``; with ``damaged`` (a list) it is
+        ``b""`` instead and added there (its envelope, CRC, and that it is a message record
+        whose id and subject fit in it), so the others are still read.
 
         A record whose message-log bytes are still in memory (``recent_source``) comes from
         there: no read, and its CRC not checked again (this process checked and wrote it).
@@ -179,10 +203,15 @@ class HourLog:
             for offset, length, i in located[k:j]:
                 position = offset - start
                 problem = record_problem(buf, position, length)
+                if damaged is not None and not problem:
+                    problem = _message_problem(buf, position, length)
                 if problem:
-                    raise CorruptSchedule(
-                        f"hour {self._name}: entry {entry_nos[i]}'s record at log byte {offset}: {problem}"
-                    )
+                    if damaged is None:
+                        raise CorruptSchedule(
+                            f"hour {self._name}: entry {entry_nos[i]}'s record at log byte {offset}: {problem}"
+                        )
+                    damaged.append(DamagedRecord(self._hour, entry_nos[i], offset, problem))
+                    continue
                 out[i] = buf[position : position + length]
             k = j
         return out
@@ -222,4 +251,16 @@ class HourLog:
         return f"<HourLog {self._name} entries={self.entries}>"
 
 
-__all__ = ["CommittedHours", "HourLog"]
+def _message_problem(buf: bytes, position: int, size: int) -> str:
+    """Why the record of ``size`` bytes at ``buf[position:]`` (its envelope checked) cannot be
+    sent as a message: what the dispatcher reads of it at fixed offsets must be there."""
+    kind = _KIND.unpack_from(buf, position + 6)[0]
+    if kind != _MESSAGE or size < HEADER_SIZE + MESSAGE_HEADER_SIZE:
+        return f"a record of kind {kind} and {size} bytes is no message record"
+    id_len, subject_len = _NAMES.unpack_from(buf, position + 30)
+    if HEADER_SIZE + MESSAGE_HEADER_SIZE + id_len + subject_len > size:
+        return "the message record's id and subject run past its end"
+    return ""
+
+
+__all__ = ["CommittedHours", "DamagedRecord", "HourLog"]

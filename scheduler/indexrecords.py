@@ -16,6 +16,13 @@ replayed like a SCHEDULE batch:
 - ``MOVE_KIND`` (6): message records end to end, each the moved message with its new
   ``deliver_at`` (same id, body, attempts): filing cancels the index key's current
   entry and files the record as a new one.
+
+A third carries SCHEDULEd records that came after their moment:
+
+- ``LATE_KIND`` (7): i64 the time it was received (epoch ms), i64 0, then message records
+  end to end, each with the ``deliver_at`` its producer asked for (before that time):
+  filing files them at that time, so they are delivered at once and carry their own
+  ``deliver_at`` (what lateness is measured against).
 """
 
 from __future__ import annotations
@@ -33,6 +40,9 @@ from delaymq.protocol.errors import LocalProtocolError
 #: Envelope kinds of the scheduler's message log besides MESSAGE.
 CANCEL_KIND = int(RecordKind.CANCEL)
 MOVE_KIND = int(RecordKind.MOVE)
+LATE_KIND = int(RecordKind.LATE)  # records a SCHEDULE received after their moment
+#: Where a LATE record's first message record starts: after its header, filed_at and a zero.
+LATE_RECORDS_AT = HEADER_SIZE + 16
 
 _FIELDS = struct.Struct(">HHHBBHI")  # attempts .. props_len, at byte 28 of a message record
 _NAMES = struct.Struct(">HH")  # id_len, subject_len, at byte 30 of a message record
@@ -172,6 +182,12 @@ def move_record(records: Iterable[bytes]) -> bytes:
     return encode(MOVE_KIND, b"".join(records))
 
 
+def late_record(records: Iterable[bytes], *, filed_at: int) -> bytes:
+    """The LATE record: 16 bytes where a message keeps ``deliver_at`` (``filed_at``, when they
+    are filed for) and ``created_at`` (0), then the records, each with its own ``deliver_at``."""
+    return encode(LATE_KIND, _TIMES.pack(filed_at, 0) + b"".join(records))
+
+
 def move_spans(buf: bytes | memoryview, start: int, end: int) -> list[tuple[int, int]]:
     """``(start, end)`` in ``buf`` of each message record inside the MOVE record at ``buf[start:end]``."""
     return [(span.start, span.end) for span in iter_spans(buf, start + HEADER_SIZE, end)]
@@ -184,6 +200,8 @@ __all__ = [
     "KEY_FIELDS",
     "KEY_FIELDS_AT",
     "KEY_HASH_SIZE",
+    "LATE_KIND",
+    "LATE_RECORDS_AT",
     "MOVE_KIND",
     "cancel_keys",
     "cancel_record",
@@ -191,6 +209,7 @@ __all__ = [
     "index_key",
     "is_displaced",
     "key_hash",
+    "late_record",
     "message_id_of",
     "move_record",
     "move_spans",

@@ -3,18 +3,21 @@
 The loader fills it (seconds about to fall due, arrivals linked into loaded seconds) within
 ``max_bytes``; the firer takes from it what it hands to the lanes and reads the rest itself,
 through its own readers (the loader's may be in use in another thread). Both run on the
-event loop, so the counts need no lock.
+event loop, so the counts need no lock. A record that did not check when read is held as
+``b""``, and what was wrong with it in ``damaged`` until the firer takes it.
 """
 
 from __future__ import annotations
 
-from delaymq.scheduler.hourlog import HourLog
+from delaymq.scheduler.hourlog import DamagedRecord, HourLog
 
 
 class ReadAhead:
     """Hour -> entry -> record read ahead, with the readers it was read through."""
 
-    __slots__ = ("records", "bytes_held", "records_held", "max_bytes", "reading", "readers", "fire_readers")
+    __slots__ = (
+        "records", "bytes_held", "records_held", "max_bytes", "reading", "readers", "fire_readers", "damaged",
+    )  # fmt: skip
 
     def __init__(self, max_bytes: int) -> None:
         #: Hour -> entry -> record, read ahead and not handed out yet.
@@ -26,6 +29,8 @@ class ReadAhead:
         self.reading: dict[int, set[int]] = {}
         self.readers: dict[int, HourLog] = {}  # the loader's, per open hour
         self.fire_readers: dict[int, HourLog] = {}  # the firer's, opened when it must read
+        #: Hour -> entry -> what was wrong with its record (held as ``b""``), until it is fired.
+        self.damaged: dict[int, dict[int, DamagedRecord]] = {}
 
     def has_room(self) -> bool:
         return self.bytes_held < self.max_bytes
@@ -40,11 +45,25 @@ class ReadAhead:
         self.records_held += len(records)
         self.bytes_held += sum(map(len, records.values()))
 
+    def note_damaged(self, found: list[DamagedRecord]) -> None:
+        """These records did not check when read (each held as ``b""``)."""
+        for record in found:
+            self.damaged.setdefault(record.hour, {})[record.entry] = record
+
+    def take_damaged(self, hour: int, entry: int) -> DamagedRecord | None:
+        """What was wrong with the record of ``entry`` (held as ``b""``), once."""
+        found = self.damaged.get(hour)
+        return found.pop(entry, None) if found else None
+
     def forget(self, hour: int, entries: list[int]) -> None:
         """Drop these entries' records (held back from the lanes), read or being read."""
         reading = self.reading.get(hour)
         if reading:
             reading.difference_update(entries)
+        damaged = self.damaged.get(hour)
+        if damaged:
+            for entry in entries:
+                damaged.pop(entry, None)
         cache = self.records.get(hour)
         if not cache:
             return
@@ -63,6 +82,7 @@ class ReadAhead:
             reader = readers.pop(hour, None)
             if reader is not None:
                 reader.close()
+        self.damaged.pop(hour, None)
         cache = self.records.pop(hour, None)
         if cache:  # normally empty by now: every entry read ahead was handed out
             self.records_held -= len(cache)

@@ -10,8 +10,8 @@ master changes. Both sessions share the member's storage (``Member``).
   and records where its epoch begins (``EpochHistory``); then it builds its wheels
   from the schedule and dispatch logs exactly as a restart does, so everything due
   and not recorded as dispatched goes out at once, oldest first, and nothing before
-  its ``deliver_at`` by this member's own clock. It files only what ``min_insync``
-  slaves hold (the high watermark) under sync replication, so a deposed master never
+  its ``deliver_at`` by this member's own clock. It files only what every
+  slave of the in-sync set holds (the high watermark) under sync replication, so a deposed master never
   filed what the group does not have. A graceful handover (``handover_to``) stops
   SCHEDULE and firing, drains, waits until the target holds the log and every
   dispatch record, then reports ``handed_over``.
@@ -121,8 +121,7 @@ class MasterSession:
         self.replay_alarm = Alarm(member.clock)
         self.source.on_acked = self.replay_alarm.poke
         if member.registration is not None:
-            registration = member.registration
-            self.source.on_joined_in_sync = lambda address: registration.heartbeat_now()
+            self.source.report_to(member.registration)
         self.pending = 0
         self.filed = 0
         self.cancelled = 0  # entries cancelled by filing CANCEL and MOVE records in this master term
@@ -169,6 +168,7 @@ class MasterSession:
             nursery.start_soon(self.mastership.watch)
             if member.registration is not None:
                 nursery.start_soon(self.handover.run, member.registration)
+                nursery.start_soon(self.source.follow_recorded_in_sync, member.registration)
             self.accepting = True
             task_status.started()
 
@@ -176,7 +176,7 @@ class MasterSession:
         member, wheels = self.member, self.wheels
         assert self.dispatcher is not None
         dispatcher = self.dispatcher
-        sync = member.mode == "sync" and member.min_insync > 0
+        sync = member.mode == "sync"
         while True:
             while True:
                 until = self.source.high_watermark() if sync else None

@@ -1,8 +1,12 @@
 """SCHEDULE: check a batch, keep each (subject, id) once, append it to the message log.
 
-Every record is checked (``scan_batch`` with the horizon); a past ``deliver_at`` is set
-to the time of receipt (a message is never filed into an hour before the current one:
-``delaymq.wheel.tick``). A record whose (subject, id) is scheduled and not yet delivered
+Every record is checked (``scan_batch`` with the horizon). A record already due is filed
+at the time of receipt (a message is never filed into an hour before the current one:
+``delaymq.wheel.tick``) and delivered at once: a past ``deliver_at`` is kept, so the
+consumer sees the moment its producer asked for and lateness is measured against it
+(each run of such records goes in a LATE record that says when they are filed for,
+``late_record``); a ``deliver_at`` of 0 or below ("now") is set to the time of receipt.
+A record whose (subject, id) is scheduled and not yet delivered
 (in the index or the unfiled tail), or comes twice in the batch, is answered
 "duplicate" and left out. The rest is appended as one batch, answered once durable
 under the flush policy and, under sync replication, held by ``min_insync`` in-sync
@@ -18,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from itertools import groupby
+from operator import itemgetter
 from typing import Any
 
 import trio
@@ -33,12 +39,15 @@ from delaymq.scheduler.counters import SchedulerCounters
 from delaymq.scheduler.current import CurrentSession
 from delaymq.scheduler.hours import MAX_DELIVER_AT
 from delaymq.scheduler.idindex import KEY_FIELDS, KEY_FIELDS_AT, record_key
+from delaymq.scheduler.indexrecords import LATE_RECORDS_AT, late_record
 from delaymq.scheduler.roles import MasterSession
 from delaymq.storage.errors import StorageError, storage_refusal
 from delaymq.storage.threads import RunBlocking
 
 #: How long a SCHEDULE waits for filing to catch up before it is refused ``unavailable``.
 FILING_WAIT_MS = 5_000
+#: A LATE record holds at most this many bytes of records (a record bigger alone gets one of its own).
+LATE_RECORD_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +83,7 @@ class ScheduleHandler:
         self._on_appended = on_appended
         self.requests = 0  # SCHEDULE requests answered
         self.scheduled = 0  # records appended
-        self.rewritten = 0  # of them, with a past deliver_at set to the time of receipt
+        self.rewritten = 0  # of them, already due when received: filed for dispatch at once
         self.duplicates = 0  # records answered "duplicate"
         self.waits = 0  # SCHEDULEs that waited for filing (``_filing_room``)
 
@@ -116,8 +125,9 @@ class ScheduleHandler:
         """Append the kept records (overdue ones filed at ``now``) and put them in the tail."""
         data: bytes = batch.buf
         overdue = min(batch.deliver_ats) < now
+        starts: list[int] | None = None  # where each record starts in ``data``, if not end to end
         if len(kept.indexes) < len(batch.starts) or overdue:
-            data = self._records(batch, kept.indexes, now)
+            data, starts = self._records(batch, kept.indexes, now)
         done = session.appending.start(kept.keys)
         try:
             # Shielded: once handed to the writer the batch may reach the log, and then the
@@ -132,23 +142,43 @@ class ScheduleHandler:
         # The tail holds the batch once for all its keys: each filed at max(deliver_at, now).
         ats = [at if at > now else now for at in kept.deliver_ats] if overdue else kept.deliver_ats
         appended = ScheduledBatch(
-            kept.keys, ats, kept.hashes, kept.indexes, batch.starts, batch.ends, offset, end, kept.subjects
-        )
+            kept.keys, ats, kept.hashes, kept.indexes, batch.starts, batch.ends, offset, end, kept.subjects,
+            sources=None if starts is None else [offset + start for start in starts],
+        )  # fmt: skip
         await self._current.logged(session, appended, end, "SCHEDULE", overlap=overlap)
         self.scheduled += len(kept.indexes)
         self._on_appended()
 
-    def _records(self, batch: MessageBatch, indexes: Sequence[int], now: int) -> bytes:
-        """The kept records, each with a past ``deliver_at`` set to ``now`` ("deliver now": filed
-        at the time of receipt, never into a finished hour)."""
-        parts = []
+    def _records(self, batch: MessageBatch, indexes: Sequence[int], now: int) -> tuple[bytes, list[int] | None]:
+        """The kept records as appended, and where each starts in them when LATE records wrap
+        some (None: end to end). Each is filed at ``max(deliver_at, now)``, never into a
+        finished hour: a past ``deliver_at`` is kept (in a LATE record filed at ``now``), one of
+        0 or below ("deliver now", no moment asked for) is set to ``now``."""
+        pieces: list[tuple[bool, bytes]] = []  # (late?, record)
         for i in indexes:
             record = batch.buf[batch.starts[i] : batch.ends[i]]
-            if batch.deliver_ats[i] < now:
-                record = rewrite_delivery(record, deliver_at=now, attempts=batch.attempts[i])
+            at = batch.deliver_ats[i]
+            if at < now:
                 self.rewritten += 1
-            parts.append(record)
-        return b"".join(parts)
+                if at <= 0:
+                    record = rewrite_delivery(record, deliver_at=now, attempts=batch.attempts[i])
+            pieces.append((0 < at < now, record))
+        if not any(late for late, _record in pieces):
+            return b"".join(record for _late, record in pieces), None
+        parts: list[bytes] = []
+        starts: list[int] = []
+        size = 0
+        for late, run in groupby(pieces, key=itemgetter(0)):
+            records = [record for _late, record in run]
+            for chunk in _late_chunks(records) if late else [records]:
+                at = size + LATE_RECORDS_AT if late else size
+                for record in chunk:
+                    starts.append(at)
+                    at += len(record)
+                part = late_record(chunk, filed_at=now) if late else b"".join(chunk)
+                parts.append(part)
+                size += len(part)
+        return b"".join(parts), starts
 
     async def _filing_room(self, session: MasterSession) -> None:
         """Backpressure: a SCHEDULE waits while replay is more than ``max_unfiled_bytes``
@@ -198,6 +228,19 @@ class ScheduleHandler:
             if appending.waiting_for(keys) is None:
                 break
         return fresh_records(tail, keys, subjects, found, checkpoint)
+
+
+def _late_chunks(records: list[bytes]) -> list[list[bytes]]:
+    """A run of late records cut into the contents of LATE records of ``LATE_RECORD_BYTES`` at most."""
+    chunks: list[list[bytes]] = [[]]
+    size = 0
+    for record in records:
+        if chunks[-1] and size + len(record) > LATE_RECORD_BYTES:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(record)
+        size += len(record)
+    return chunks
 
 
 def _check_last_hour(deliver_ats: Sequence[int]) -> None:
@@ -252,4 +295,4 @@ def index_keys(batch: MessageBatch) -> tuple[list[str], list[bytes | None]]:
     return keys, hashes
 
 
-__all__ = ["FILING_WAIT_MS", "ScheduleHandler", "index_keys"]
+__all__ = ["FILING_WAIT_MS", "LATE_RECORD_BYTES", "ScheduleHandler", "index_keys"]

@@ -56,6 +56,8 @@ from delaymq.scheduler.indexrecords import (
     ID_AT,
     KEY_FIELDS,
     KEY_FIELDS_AT,
+    LATE_KIND,
+    LATE_RECORDS_AT,
     MOVE_KIND,
     cancel_keys,
     displaced_key,
@@ -165,12 +167,15 @@ class StagedStep:
             if pos >= stop:
                 break
             # ``_file_messages`` stopped at a whole record (it refuses one past ``stop``).
-            size, _magic, _version, kind, _crc, _at, _created = unpack(buf, pos)
+            size, _magic, _version, kind, _crc, at, _created = unpack(buf, pos)
             if kind == _MESSAGE:
                 break  # the step touched max_step_hours hours
             end = pos + HEADER_SIZE + size
             if kind == CANCEL_KIND or kind == MOVE_KIND:
                 if not self._stage_change(buf, view, pos, end, source, kind):
+                    break  # the step touched max_step_hours hours
+            elif kind == LATE_KIND:
+                if not self._stage_late(buf, view, pos, end, source, at):
                     break  # the step touched max_step_hours hours
             else:
                 self._step_skipped += 1
@@ -179,10 +184,11 @@ class StagedStep:
             self._heads_max = len(self._heads)
         return pos
 
-    def _file_messages(self, buf: bytes, view: memoryview, pos: int, stop: int, source: int) -> int:
+    def _file_messages(self, buf: bytes, view: memoryview, pos: int, stop: int, source: int, floor: int = 0) -> int:
         """File the message records from ``buf[pos:]`` on (message-log offset ``source + pos``),
         until ``stop``, a record of another kind, or one that would take the step past
-        ``max_step_hours`` hours; returns where it stopped.
+        ``max_step_hours`` hours; returns where it stopped. Each is filed at its ``deliver_at``,
+        or at ``floor`` if that is later (a LATE record's, ``_stage_late``).
 
         The one place an entry is made (messages and moved records alike), and the hot loop
         of replay: the hour being filed into lives in local names (entry count, log end, the
@@ -226,8 +232,8 @@ class StagedStep:
                     raise _cut_by_stop(source, pos, end, stop)
                 if kind != _MESSAGE:
                     break
-                if at <= 0:
-                    at = created if created > 0 else 0
+                if at <= floor:  # a LATE record's (filed at ``floor``), or "now" (0: at created_at)
+                    at = floor if floor > 0 else created if created > 0 else 0
                 if not base_ms <= at < base_ms + HOUR_MS:
                     if w is not None:
                         w.entries, w.log_end, w.last_source = n, log_end, last_source
@@ -370,6 +376,20 @@ class StagedStep:
             self.changes.cancel(moved, src, moving=moved == index_key)
             if self._file_messages(buf, view, start, inner_end, source) != inner_end:
                 raise ScheduleError(f"MOVE record at message-log offset {src}: a moved record was not filed")
+        return True
+
+    def _stage_late(self, buf: bytes, view: memoryview, pos: int, end: int, source: int, filed_at: int) -> bool:
+        """File the records of a LATE record (at ``view[pos:end]``) at ``filed_at``, each keeping
+        its own ``deliver_at``. False, with nothing done, if that would take the step past
+        ``max_step_hours`` hours: a step never stops inside it, so the checkpoint stays at a
+        record of the log (the records inside parse as records too, but would file at their
+        own, earlier, moments)."""
+        if filed_at // HOUR_MS not in self._staged and len(self._staged) >= self._max_step_hours:
+            return False
+        if self._file_messages(buf, view, pos + LATE_RECORDS_AT, end, source, filed_at) != end:
+            raise ScheduleError(
+                f"LATE record at message-log offset {source + pos}: a record in it was not filed at {filed_at}"
+            )
         return True
 
     def _moved_key(self, index_key: str, view: memoryview, start: int) -> str:

@@ -119,7 +119,7 @@ class SchedulerStatistics:
     # Counters: totals since the data folder was created (``SchedulerCounters``).
     schedule_requests: int  # SCHEDULE requests answered
     scheduled: int  # records accepted into the message log
-    rewritten: int  # of them, with a past deliver_at set to the time of receipt
+    rewritten: int  # of them, already due when received: filed for dispatch at once
     message_log_end: int
     checkpoint: int  # message-log offset replay has filed up to
     filed: int  # records filed into schedule logs
@@ -160,6 +160,11 @@ class SchedulerStatistics:
     log_bytes: LogBytes
     # SCHEDULE requests that waited for filing to catch up (``max_unfiled_bytes``) since start
     schedule_waits: int = 0
+    # What damage on disk cost (totals, like the counters): schedule-log records that did not
+    # check when read to be sent (skipped, recorded done), and message-log bytes found lost
+    # below the checkpoint on open (filed already: no message lost).
+    damaged_records: int = 0
+    lost_log_bytes: int = 0
 
     def to_wire(self) -> dict[str, Any]:
         """The ``statistics`` map of a STATUS answer, field by field in order."""
@@ -240,6 +245,8 @@ def take_statistics(
         fsync_us=FsyncDurations.of(store, writer),
         log_bytes=LogBytes.of(store),
         schedule_waits=schedule_waits,
+        damaged_records=totals.damaged_records,
+        lost_log_bytes=totals.lost_log_bytes,
     )
 
 

@@ -4,6 +4,15 @@
 the hourly schedule logs (docs/scheduler-storage.md). A cut-back (async replication's
 divergence: ``cut_back``) closes the schedule store and opens it again, so whoever
 needs the store asks ``storage.schedule`` for the one open now.
+
+Damage found on open costs no filed message. A message log that ends below the replay
+checkpoint lost records that were filed (the schedule logs hold them): it goes on at the
+checkpoint, empty (``restart_at``), so no new record takes an offset a lost one had,
+which filing would skip as filed; a slave asking for an offset below it is told the
+master's log starts there. When recovery moves the checkpoint back to re-file entries an
+hour lost, it is moved on back to the start of its segment: a record of the log starts
+there (the moved point may lie inside a MOVE or LATE record, whose records would file
+as records of their own); replay skips again what is filed.
 """
 
 from __future__ import annotations
@@ -14,11 +23,13 @@ from pathlib import Path
 
 from delaymq.scheduler.counters import COUNTERS_DB, COUNTERS_KEY, SchedulerCounters
 from delaymq.scheduler.cutback import cut_schedule_folder, lower_checkpoint
+from delaymq.scheduler.delayindex import CHECKPOINT_KEY, REPLAY_DB
 from delaymq.scheduler.idcutback import drop_from
 from delaymq.scheduler.replay import REPLAY_RECENT_BYTES
 from delaymq.scheduler.schedulelog import ScheduleStore
 from delaymq.storage.format import read_format, write_format
 from delaymq.storage.log import SegmentedLog
+from delaymq.storage.recovery import restart_at
 from delaymq.storage.state import StateStore
 
 log = logging.getLogger(__name__)
@@ -49,15 +60,16 @@ class SchedulerStorage:
         self.filed_by_closed_stores = 0
         self.cut_records = 0
         self.cut_bytes = 0
+        #: Message-log bytes found lost below the checkpoint on open: filed, so no message lost.
+        self.lost_log_bytes = 0
 
     @classmethod
     def open(cls, root: Path, *, segment_size: int) -> SchedulerStorage:
         """Open (or create) the data folder at ``root``. Blocking."""
         root.mkdir(parents=True, exist_ok=True)
         _adopt_segment_size(root / "messages", segment_size)
-        message_log = SegmentedLog.open(root / "messages", segment_size=segment_size)
+        message_log = _open_message_log(root / "messages", segment_size)
         try:
-            message_log.keep_recent(REPLAY_RECENT_BYTES)  # replay files what was just appended from memory
             state = StateStore.open(root / "state", extra_format={"scheduler_state": 1})
             try:
                 schedule = _open_schedule(root / "schedule", state, message_log)
@@ -67,7 +79,33 @@ class SchedulerStorage:
         except BaseException:
             message_log.close()
             raise
-        return cls(root, message_log, state, schedule)
+        storage = cls(root, message_log, state, schedule)
+        if schedule.checkpoint > message_log.end_offset:
+            try:
+                storage._go_on_past_lost_records(segment_size)
+            except BaseException:
+                storage.close()
+                raise
+        return storage
+
+    def _go_on_past_lost_records(self, segment_size: int) -> None:
+        """The message log ends below the checkpoint: it lost records replay had filed (their
+        messages are in the schedule logs). It goes on, empty, at the checkpoint (``restart_at``),
+        so no new record takes the offset of a lost one. Logged and counted. Blocking."""
+        checkpoint, end = self.schedule.checkpoint, self.message_log.end_offset
+        directory = self.message_log.directory
+        self.message_log.close()
+        held = restart_at(directory, checkpoint)
+        self.message_log = _open_message_log(directory, segment_size)
+        self.schedule.recent_source = self.message_log.read_recent_many
+        self.lost_log_bytes += checkpoint - end
+        log.warning(
+            "scheduler message log %s ends at offset %d, below the %d it had filed: the %d byte(s) between "
+            "held filed records (their messages are in the schedule logs and are delivered); the log "
+            "goes on at offset %d without its %d filed byte(s) before (a slave behind that offset must be "
+            "given a copy of this data folder)",
+            directory, end, checkpoint, checkpoint - end, checkpoint, held,
+        )  # fmt: skip
 
     def close(self) -> None:
         """Close the schedule store, the message log and the state, in turn. Blocking."""
@@ -85,6 +123,7 @@ class SchedulerStorage:
             filed=self.filed_by_closed_stores + self.schedule.statistics().filed,
             cut_records=self.cut_records,
             cut_bytes=self.cut_bytes,
+            lost_log_bytes=self.lost_log_bytes,
         )
 
     def load_counters(self, group: str) -> SchedulerCounters:
@@ -126,10 +165,34 @@ class SchedulerStorage:
         return CutBack(records, size, entries)
 
 
+def _open_message_log(directory: Path, segment_size: int) -> SegmentedLog:
+    message_log = SegmentedLog.open(directory, segment_size=segment_size)
+    message_log.keep_recent(REPLAY_RECENT_BYTES)  # replay files what was just appended from memory
+    return message_log
+
+
 def _open_schedule(folder: Path, state: StateStore, message_log: SegmentedLog) -> ScheduleStore:
+    """Open the schedule store (recovery runs); a checkpoint recovery moved back goes on back to
+    the start of its message-log segment, where a record starts."""
+    stored = state.get(REPLAY_DB, CHECKPOINT_KEY)
     store = ScheduleStore.open(folder, state)
+    checkpoint = store.checkpoint
+    if stored is not None and checkpoint < int.from_bytes(stored, "big"):
+        start = _segment_start(message_log, checkpoint)
+        if start < checkpoint:
+            store.close()
+            lower_checkpoint(state, start)
+            store = ScheduleStore.open(folder, state)
     store.recent_source = message_log.read_recent_many  # what is due soon is loaded from memory
     return store
+
+
+def _segment_start(message_log: SegmentedLog, offset: int) -> int:
+    """The start of the segment holding ``offset`` (a record starts there); ``offset`` itself
+    if no segment holds it (deleted: replay says so; at or past the end: nothing to read)."""
+    if offset < message_log.start_offset or offset >= message_log.end_offset:
+        return offset
+    return max(base for base, _size in message_log.segments() if base <= offset)
 
 
 def _adopt_segment_size(messages: Path, segment_size: int) -> None:

@@ -6,7 +6,8 @@ one is created). The open checks its records from the stored verified end on
 longer matches the bytes below it, and cuts the segment at the first record that
 does not check. An empty last segment after another is removed, so the one before
 it is checked in turn. Damage anywhere else (a missing or short older segment) is
-not repaired: ``CorruptLog``.
+not repaired: ``CorruptLog``. ``restart_at`` empties a closed log and has it go on at a
+later offset (its owner needs none of its records, and lost some).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from typing import NamedTuple
 from delaymq.protocol.envelope import CorruptRecord, EnvelopeError, TruncatedRecord, iter_spans
 from delaymq.storage.errors import CorruptLog
 from delaymq.storage.folder import DataFolder
-from delaymq.storage.segment import Segment, create_segment_file, segment_name
-from delaymq.storage.verified import VerifiedEnd, tail_crc
+from delaymq.storage.segment import Segment, create_segment_file, segment_bases, segment_name
+from delaymq.storage.verified import VERIFIED_FILE, VerifiedEnd, tail_crc
 
 _SCAN_CHUNK = 8 << 20  # recovery reads the last segment this much at a time
 
@@ -134,6 +135,40 @@ class _TailCheck:
         self.distrusted = f"verified end {self.vouched}: {problem}"
         self.vouched = 0
         return 0
+
+
+def restart_at(directory: str | os.PathLike[str], offset: int) -> int:
+    """Empty the closed segmented log in ``directory`` and have it go on at ``offset`` (at or
+    past its end); returns the bytes its segments held.
+
+    For an owner that needs none of its records any more and must never append where records
+    it lost were (the scheduler's message log, found ending below what was filed from it): the
+    next append goes to ``offset``, and a read below it is ``OffsetDeleted``. The verified-end
+    file goes first, then the segments oldest first, each deletion made durable, and the empty
+    segment at ``offset`` is created last: a crash midway leaves whole segments that follow one
+    another (or none: the log then opens empty at 0), which the owner restarts again."""
+    folder = DataFolder(directory, what="segmented log")
+    try:
+        bases = segment_bases(folder.path)
+        sizes = [os.stat(folder.path / segment_name(base)).st_size for base in bases]
+        end = bases[-1] + sizes[-1] if bases else 0
+        if end > offset:
+            raise ValueError(f"log {folder.path} ends at {end}, past {offset}: restarting there would drop records")
+        (folder.path / VERIFIED_FILE).unlink(missing_ok=True)
+        folder.fsync()
+        for base in bases:
+            (folder.path / segment_name(base)).unlink()
+            folder.fsync()
+        os.close(create_segment_file(folder.path / segment_name(offset)))
+        folder.fsync()
+    finally:
+        folder.close()
+    if bases:
+        _logger.warning(
+            "log %s: dropped its %d segment(s) (%d byte(s), offsets %d..%d); it goes on at offset %d",
+            directory, len(bases), sum(sizes), bases[0], end, offset,
+        )  # fmt: skip
+    return sum(sizes)
 
 
 def _check_contiguous(folder: DataFolder, segments: list[Segment]) -> None:

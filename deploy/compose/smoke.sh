@@ -59,8 +59,8 @@ fi
 meta=metaserver:20880
 subject="smoke.orders.$(date +%s)"
 
-# Retry until the cluster takes it: the servers register, the metaserver chooses the
-# scheduler master, and the slave must be in sync before a SCHEDULE is answered.
+# Retry until the cluster takes it: the servers register and the metaserver chooses the
+# scheduler master.
 retry() {
     local tries=0
     until "$@"; do

@@ -69,7 +69,7 @@ SLAVE_REPLICATION = {
 def test_realtime_takes_replication_options_with_the_schedulers_defaults() -> None:
     realtime = parse_args(["realtime", "--data", "d"])
     scheduler = parse_args(["scheduler", "--data", "d"])
-    assert (realtime.replication, realtime.min_insync) == (scheduler.replication, scheduler.min_insync) == ("sync", 1)
+    assert (realtime.replication, realtime.min_insync) == (scheduler.replication, scheduler.min_insync) == ("sync", 0)
     chosen = parse_args(["realtime", "--data", "d", "--group", "rt-2", "--replication", "async", "--min-insync", "2"])
     assert (chosen.group, chosen.replication, chosen.min_insync) == ("rt-2", "async", 2)
 
@@ -102,8 +102,9 @@ def test_realtime_help_says_what_sync_replication_holds_back(capsys: pytest.Capt
     with pytest.raises(SystemExit):
         main(["realtime", "--help"])
     text = "".join(capsys.readouterr().out.split())  # argparse wraps lines, at hyphens too
-    assert "answeraSEND,PULLorACKonlyonce--min-insyncslavesholdit(sync),oratonce(async)" in text
-    assert "--min-insyncN" in text and "nothingisstored.0:noneneeded(default:1)" in text
+    assert "answeraSEND,PULLorACKonlyonceeveryslaveofthegroup'sin-syncsetholdsit(sync),oratonce(async)" in text
+    assert "--min-insyncN" in text and "refused(retryable)andnothingisstored.0:amemberaloneserves" in text
+    assert "(default:0)" in text
 
 
 # -- delaymq status: one rendering for both kinds -----------------------------------------

@@ -259,16 +259,20 @@ def beat_member(peers: BlockingPeers, meta: str, server: str, **replica: object)
     return peers.call(meta, Command.REGISTER, info).metadata
 
 
-def replicated_group(meta: str) -> None:
+def replicated_group(meta: str) -> int:
+    """MASTER and TARGET, the master reporting TARGET in sync at the group's epoch; that epoch."""
     with BlockingPeers(request_timeout=10) as peers:
-        assert beat_member(peers, meta, MASTER, in_sync=[TARGET])["role"] == "master"
+        first = beat_member(peers, meta, MASTER)
+        assert first["role"] == "master"
         assert beat_member(peers, meta, TARGET)["role"] == "slave"
+        assert beat_member(peers, meta, MASTER, epoch=first["epoch"], in_sync=[TARGET])["in_sync"] == [TARGET]
+        return int(first["epoch"])
 
 
 def test_admin_handover_waits_until_the_target_is_master(
     metaserver: MetaserverProcess, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    replicated_group(metaserver.address)
+    epoch = replicated_group(metaserver.address)
     stop = threading.Event()
 
     def master_and_slave() -> None:
@@ -276,7 +280,7 @@ def test_admin_handover_waits_until_the_target_is_master(
         handed_over: dict[str, int] = {}
         with BlockingPeers(request_timeout=10) as peers:
             while not stop.wait(0.05):
-                answer = beat_member(peers, metaserver.address, MASTER, in_sync=[TARGET], **handed_over)
+                answer = beat_member(peers, metaserver.address, MASTER, epoch=epoch, in_sync=[TARGET], **handed_over)
                 if answer.get("handover_to") == TARGET:
                     handed_over = {"handed_over": answer["epoch"]}
                 beat_member(peers, metaserver.address, TARGET)
@@ -330,7 +334,7 @@ def test_metaserver_failover_after_is_an_option_checked_before_starting(
 ) -> None:
     from delaymq.cli.main import parse_args
 
-    assert options.duration_ms(parse_args(["metaserver"]).failover_after) == 5_000
+    assert options.duration_ms(parse_args(["metaserver"]).failover_after) == 1_000
     assert main(["metaserver", "--data", str(tmp_path), "--failover-after", "4ms"]) == 2
     assert "--failover-after (4ms) must be at least 5ms" in caplog.text
     assert not any(tmp_path.iterdir())

@@ -31,12 +31,14 @@ class Copy:
     """A server's replica state, as its ``replica()`` callable reports it."""
 
     offset: int = 0
-    epoch: int = 0
+    epoch: int = 0  # 0: the epoch the metaserver last named (a server holds the one it was told)
     in_sync: tuple[str, ...] = ()
     handed_over: int | None = None
+    registration: Registration | None = None
 
     def report(self) -> dict[str, Any]:
-        report: dict[str, Any] = {"offset": self.offset, "epoch": self.epoch, "mode": "sync"}
+        epoch = self.epoch or (self.registration.epoch if self.registration is not None else 0)
+        report: dict[str, Any] = {"offset": self.offset, "epoch": epoch, "mode": "sync"}
         report["in_sync"] = list(self.in_sync)
         if self.handed_over is not None:
             report["handed_over"] = self.handed_over
@@ -83,6 +85,7 @@ async def start_member(
             )
 
     registration: Registration = await nursery.start(run)
+    copy.registration = registration
     return Member(registration, scope)
 
 
@@ -100,13 +103,21 @@ async def became(registration: Registration, role: str) -> int:
     return view.epoch
 
 
+async def recorded(registration: Registration, *members: str) -> None:
+    """Wait (at most a minute of mock time) until the metaserver answers the master that it recorded ``members`` in sync."""
+    with trio.fail_after(60):
+        seen: tuple[int, tuple[str, ...] | None] = (0, None)
+        while seen[1] != members:
+            seen = await registration.wait_in_sync_change(seen)
+
+
 async def test_a_silent_master_fails_over_at_its_deadline_written_and_logged_before_anyone_asks(
     autojump_clock: trio.testing.MockClock, metaservers: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="delaymq.metaserver")
     clock = metaservers.clock
     # Evictions are looked for every 10 s: only the failover deadline can wake the expiry task in time.
-    async with metaservers.on_network(check_interval_ms=10_000) as (meta, network, nursery):
+    async with metaservers.on_network(check_interval_ms=10_000, failover_after_ms=FAILOVER_MS) as (meta, network, nursery):
         a = await start_member(nursery, network, metaservers, A, Copy(offset=300, in_sync=(B,)))
         b_copy = Copy(offset=300)
         b = await start_member(nursery, network, metaservers, B, b_copy, interval_ms=4_000)
@@ -121,7 +132,7 @@ async def test_a_silent_master_fails_over_at_its_deadline_written_and_logged_bef
         assert "failed over" not in caplog.text
         written = meta.statistics().snapshots_written
         await clock.sleep_until_ms(deadline + 1)
-        assert f"group {GROUP} failed over: master {A} silent for 5.0 s; promoted {B} (offset 300)" in caplog.text
+        assert f"group {GROUP} failed over: master {A} silent for {FAILOVER_MS / 1000:.1f} s; promoted {B} (offset 300)" in caplog.text
         assert meta.statistics().snapshots_written == written + 1  # written as soon as it happened
         epoch = await became(b.registration, "master")  # at b's next heartbeat
         assert epoch > first and b.registration.is_master
@@ -161,12 +172,13 @@ async def test_handover_over_the_wire_promotes_the_target_once_the_master_draine
 ) -> None:
     caplog.set_level(logging.INFO, logger="delaymq.metaserver")
     clock = metaservers.clock
-    async with metaservers.on_network() as (meta, network, nursery):
+    async with metaservers.on_network(failover_after_ms=FAILOVER_MS) as (meta, network, nursery):
         a_copy = Copy(offset=500, in_sync=(B, C))
         a = await start_member(nursery, network, metaservers, A, a_copy)
         b_copy = Copy(offset=500)
         b = await start_member(nursery, network, metaservers, B, b_copy)
         await start_member(nursery, network, metaservers, C, Copy(offset=400))
+        await recorded(a.registration, B, C)
         first = a.registration.epoch
 
         async def drain_when_asked() -> None:
@@ -235,6 +247,7 @@ async def test_epochs_keep_going_up_across_metaserver_restarts(
         async with metaservers.serving(network) as meta:
             a = await start_member(nursery, network, metaservers, A, Copy(offset=10, in_sync=(B,)), incarnation="a1")
             b = await start_member(nursery, network, metaservers, B, Copy(offset=10), incarnation="b1")
+            await recorded(a.registration, B)
             first = a.registration.epoch
             assert meta.statistics().snapshots_written >= 1
         # The metaserver restarts on its data folder; the servers ride the outage out.
@@ -266,6 +279,7 @@ async def test_registration_member_and_replica_reach_the_metaserver(
         copy = Copy(offset=42, in_sync=(B,))
         master = await start_member(nursery, network, metaservers, A, copy)
         await start_member(nursery, network, metaservers, B, Copy(offset=40))
+        await recorded(master.registration, B)
         row = (await status_rows(network))[A]
         assert (row["member"], row["offset"], row["in_sync"]) == (f"folder-{A}", 42, False)
         assert (await status_rows(network))[B]["in_sync"] is True

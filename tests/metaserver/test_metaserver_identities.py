@@ -242,9 +242,9 @@ async def test_only_an_admin_sets_a_state_and_the_log_names_its_token(
 async def test_a_handover_log_names_the_admin_token(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="delaymq.metaserver")
     async with serving(tmp_path, ManualClock(T0)) as meta:
-        await call(meta, SCHED, Command.REGISTER, scheduler(REAL, "run-a"))
+        epoch = (await call(meta, SCHED, Command.REGISTER, scheduler(REAL, "run-a")))["epoch"]
         await call(meta, SCHED, Command.REGISTER, scheduler(SLAVE, "run-b", member="folder-b"))
-        report = {"offset": 0, "epoch": 0, "mode": "sync", "in_sync": [SLAVE]}
+        report = {"offset": 0, "epoch": epoch, "mode": "sync", "in_sync": [SLAVE]}
         await call(meta, SCHED, Command.HEARTBEAT, {"group": "sched-1", "address": REAL, "replica": report})
         answer = await call(meta, OPS, Command.HANDOVER, {"group": "sched-1"})
         assert (answer["from"], answer["to"]) == (REAL, SLAVE)

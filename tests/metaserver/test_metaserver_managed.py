@@ -57,7 +57,10 @@ def member(
 
 
 def beat(registry: Registry, address: str, now: int, **replica: Any) -> Any:
-    return registry.heartbeat(GROUP, address, now_ms=now, replica={"offset": 0, "epoch": 0, **replica})
+    """A heartbeat reporting the group's current epoch unless ``epoch`` is given (a server holds the epoch it was told)."""
+    epochs = [row.epoch for row in registry.status(now) if row.group == GROUP]
+    replica.setdefault("epoch", max(epochs, default=0))
+    return registry.heartbeat(GROUP, address, now_ms=now, replica={"offset": 0, **replica})
 
 
 def master_of(registry: Registry, now: int) -> str | None:
@@ -126,6 +129,24 @@ def test_the_master_restarted_stays_master_with_a_new_epoch() -> None:
         "a:1",
         restarted.epoch,
     )
+
+
+def test_only_the_master_at_the_groups_epoch_changes_the_in_sync_set_and_hears_it_back() -> None:
+    """A report of another term (a deposed master, a new one before its term began) or a
+    slave's records nothing: no master can drop a slave the metaserver may still promote."""
+    registry = Registry(failover_after_ms=FAILOVER)
+    epoch = three_servers(registry)
+
+    def in_sync(now: int) -> set[str]:
+        return {row.address for row in registry.status(now) if row.in_sync}
+
+    assert in_sync(T0) == {"b:1", "c:1"}
+    stale = beat(registry, "a:1", T0 + 100, offset=300, epoch=epoch - 1, in_sync=[])
+    assert in_sync(T0 + 100) == {"b:1", "c:1"} and stale.in_sync == ("b:1", "c:1")
+    slave = beat(registry, "b:1", T0 + 100, offset=300, in_sync=[])
+    assert in_sync(T0 + 100) == {"b:1", "c:1"} and slave.in_sync is None  # only the master is told
+    current = beat(registry, "a:1", T0 + 200, offset=300, epoch=epoch, in_sync=["b:1"])
+    assert in_sync(T0 + 200) == {"b:1"} and current.in_sync == ("b:1",)
 
 
 def test_a_member_moving_to_a_new_address_keeps_its_standing() -> None:
@@ -263,7 +284,8 @@ def test_handover_promotes_the_target_when_the_master_reports_it_handed_over() -
     assert registry.handover(GROUP, "c:1", now_ms=T0 + 100) == handover  # asking again answers the same
     asked = beat(registry, "a:1", T0 + 200, offset=300, epoch=epoch, in_sync=["b:1", "c:1"])
     assert (asked.role, asked.handover_to) == (Role.MASTER, "c:1")
-    assert beat(registry, "c:1", T0 + 200, offset=250, epoch=epoch).handover_to is None  # only the master is told
+    assert beat(registry, "c:1", T0 + 200, offset=250, epoch=epoch).handover_to == "c:1"  # the target hurries
+    assert beat(registry, "b:1", T0 + 200, offset=250, epoch=epoch).handover_to is None  # no other slave is told
     stale = beat(registry, "a:1", T0 + 300, offset=300, epoch=epoch, in_sync=["c:1"], handed_over=epoch - 1)
     assert stale.role is Role.MASTER  # another term's handover is not this one's
     done = beat(registry, "a:1", T0 + 400, offset=300, epoch=epoch, in_sync=["c:1"], handed_over=epoch)

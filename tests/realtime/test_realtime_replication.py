@@ -17,6 +17,7 @@ import pytest
 import trio
 
 from delaymq.clock import TrioClock
+from delaymq.metaserver.groups import DEFAULT_FAILOVER_AFTER_MS
 from delaymq.net.testing import MemoryNetwork
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError
@@ -181,6 +182,33 @@ async def test_after_a_failover_nothing_acked_comes_back_and_the_rest_comes_back
         attempts = dict(seen)
         assert [n for n in names[12:25] if attempts[n] != 1] == []  # handed out before: marked
         assert [n for n in names[25:] if attempts[n] != 0] == []  # never handed out: first attempt
+
+
+async def test_with_the_defaults_a_group_of_two_serves_through_either_members_death(
+    tmp_path: Path, autojump_clock: Any
+) -> None:
+    """The commands' defaults (sync, min_insync 0, the metaserver's 1 s failover): SEND, PULL and
+    ACK are served by the survivor of either death, within the replication timeout, never refused."""
+    async with open_cluster(tmp_path, failover_after_ms=DEFAULT_FAILOVER_AFTER_MS) as cluster:
+        master, slave = await cluster.pair()
+        cluster.kill(B)
+        asked = cluster.clock.monotonic_ms()
+        assert await cluster.send(A, ["alone"]) == ["stored"]  # once B left the in-sync set
+        start, got = await cluster.pull(A, 10)
+        await cluster.ack(A, start, start + len(got))
+        assert [name for name, _ in got] == ["alone"]
+        assert cluster.clock.monotonic_ms() - asked < 5_000
+        slave = await cluster.start(B)  # back on its folder: in sync again
+        await wait_until(lambda: master.replica_info().get("in_sync") == [B])
+        assert await cluster.send(A, ["m1", "m2"]) == ["stored"] * 2
+        cluster.kill(A)
+        killed = cluster.clock.monotonic_ms()
+        await wait_until(lambda: slave.role == "master")
+        assert cluster.clock.monotonic_ms() - killed <= 1_500
+        assert await cluster.send(B, ["m3"]) == ["stored"]
+        start, got = await cluster.pull(B, 10)
+        assert [name for name, _ in got] == ["m1", "m2", "m3"]
+        await cluster.ack(B, start, start + len(got))
 
 
 async def test_sync_with_no_slave_in_sync_refuses_and_stores_nothing(tmp_path: Path, autojump_clock: Any) -> None:

@@ -95,7 +95,7 @@ def test_replication_statistics_keep_each_kinds_wire_map() -> None:
         **BASE, cut=CutCounts(records=1, bytes=10, messages=2), master=MasterReplication(900, (REPLICA,), True)
     )
     assert list(master.to_wire()) == [
-        *BASE, "cut_records", "cut_messages", "cut_bytes", "high_watermark", "replicas", "accepting",
+        *BASE, "cut_records", "cut_messages", "cut_bytes", "high_watermark", "in_sync_recorded", "replicas", "accepting",
     ]  # fmt: skip
     assert master.to_wire()["replicas"] == [
         {"address": "b:1", "acked": 900, "lag_bytes": 0, "lag_ms": 0, "in_sync": True, "seconds_since_fetch": 0.5}

@@ -19,7 +19,7 @@ from delaymq.protocol.envelope import RecordKind, encode
 from delaymq.protocol.errors import RemoteProtocolError
 from delaymq.replication.epochs import EpochHistory
 from delaymq.replication.fetcher import ReplicaFetcher
-from delaymq.replication.source import ReplicationSource
+from delaymq.replication.source import DEFAULT_LAG_MS, ReplicationSource
 from delaymq.replication.wire import OFFSET_DELETED, FetchAnswer, FetchRequest
 from delaymq.storage.log import SegmentedLog
 from delaymq.storage.state import StateStore
@@ -293,3 +293,75 @@ async def test_a_fetcher_stuck_at_one_offset_stops_holding_back_deletion_after_t
         assert any(stuck in r.getMessage() and "no longer holds back" in r.getMessage() for r in caplog.records)
         await master.source.serve_fetch(FetchRequest(group="g", address=stuck, epoch=1, offset=ends[0], last_epoch=1))
         assert master.source.retain_from() == ends[0]  # it advanced: it counts again
+
+
+async def test_a_silent_slave_holds_writes_until_the_metaserver_records_the_set_without_it(
+    tmp_path: Path, autojump_clock: Any
+) -> None:
+    """A master cut off from the metaserver (and from its slave) can never answer a write alone:
+    the slave leaves the set it waits for only once the metaserver recorded that."""
+    clock = TrioClock(1_700_000_000_000)
+    master = Master(tmp_path, clock)  # the defaults: sync, min_insync 0
+    with master.log:
+        master.write(1)
+        await master.source.serve_fetch(
+            FetchRequest(group="g", address=SLAVE, epoch=1, offset=master.log.end_offset, last_epoch=1)
+        )
+        master.source.record_in_sync([SLAVE])
+        master.write(2)
+        end = master.log.end_offset
+        answered: list[bool] = []
+
+        async def wait() -> None:
+            answered.append(await master.source.wait_replicated(end, timeout_ms=60_000))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wait)
+            await trio.sleep(DEFAULT_LAG_MS / 1000 + 1)
+            assert master.source.in_sync() == []  # what it reports: the slave fell behind
+            assert answered == [] and master.source.high_watermark() < end  # but it is still waited for
+            await trio.sleep(30)
+            assert answered == []
+            master.source.record_in_sync([])  # the metaserver's answer: recorded without it
+            await trio.testing.wait_all_tasks_blocked()
+            assert answered == [True] and master.source.high_watermark() == end
+
+
+async def test_a_master_alone_answers_at_once_and_a_recorded_slave_it_never_heard_is_waited_for(
+    tmp_path: Path, autojump_clock: Any
+) -> None:
+    clock = TrioClock(1_700_000_000_000)
+    master = Master(tmp_path, clock)
+    with master.log:
+        master.write(1)
+        master.source.check_insync("SEND")  # min_insync 0: a group of one serves
+        assert await master.source.wait_replicated(master.log.end_offset, timeout_ms=1)
+        assert master.source.high_watermark() == master.log.end_offset
+        # A restarted master's group still records SLAVE in sync: it waits for it to fetch.
+        master.source.record_in_sync([SLAVE])
+        master.write(2)
+        end = master.log.end_offset
+        assert master.source.in_sync() == [SLAVE]  # reported in sync for its grace
+        assert not await master.source.wait_replicated(end, timeout_ms=500)
+        await master.source.serve_fetch(FetchRequest(group="g", address=SLAVE, epoch=1, offset=end, last_epoch=1))
+        assert await master.source.wait_replicated(end, timeout_ms=1)
+
+
+async def test_a_slave_that_keeps_up_with_a_steady_stream_stays_in_sync(tmp_path: Path, autojump_clock: Any) -> None:
+    """Each fetch holds what was durable at the one before, never the very end (the log moves on
+    meanwhile): that is in sync, however long it lasts."""
+    clock = TrioClock(1_700_000_000_000)
+    master = Master(tmp_path, clock)
+    with master.log:
+        master.write(0)
+        held = 0
+        for i in range(1, 100):
+            end = master.log.end_offset
+            await master.source.serve_fetch(FetchRequest(group="g", address=SLAVE, epoch=1, offset=held, last_epoch=1))
+            held = end
+            master.write(i)  # arrives while the slave writes what it fetched
+            await trio.sleep(0.1)
+        assert master.log.end_offset > held
+        assert master.source.in_sync() == [SLAVE]
+        await trio.sleep(DEFAULT_LAG_MS / 1000 + 0.1)  # then it stops fetching
+        assert master.source.in_sync() == []

@@ -51,23 +51,24 @@ async def test_each_message_arrives_at_its_millisecond_never_early_in_order(
             assert 0 <= r.received_at - r.deliver_at <= 2, r  # its millisecond, never before
 
 
-async def test_a_time_in_the_past_is_delivered_at_once(
+async def test_a_time_in_the_past_is_delivered_at_once_with_the_time_asked_for(
     sched: SimpleNamespace, tmp_path: Path, autojump_clock: trio.testing.MockClock
 ) -> None:
     async with sched.open_cluster(tmp_path) as cluster, cluster.scheduler() as scheduler:
         receiver = cluster.receiver()
         now = cluster.clock.now_ms()
-        answer = await cluster.schedule_raw(
-            [sched.message("yesterday", now - sched.DAY_MS), sched.message("zero", 0), sched.message("soon", now + 10)]
-        )
+        asked = {"yesterday": now - sched.DAY_MS, "zero": 0, "soon": now + 10}
+        answer = await cluster.schedule_raw([sched.message(name, at) for name, at in asked.items()])
         assert answer.metadata["results"] == ["scheduled"] * 3
         got = await receiver.wait_for(3)
         assert {r.id for r in got} == {"yesterday", "zero", "soon"}
         for r in got:
-            if r.id != "soon":
-                assert r.deliver_at == now  # rewritten to the time of receipt: "deliver now"
+            # A past moment is kept (the consumer sees it was late); 0 ("now") becomes the time of receipt.
+            assert r.deliver_at == (now if r.id == "zero" else asked[r.id])
             assert r.received_at - now <= 12
-        assert scheduler.statistics().rewritten == 2
+        stats = scheduler.statistics()
+        assert stats.rewritten == 2  # due at once
+        assert stats.lateness_max_ms >= sched.DAY_MS  # counted as late as it was
 
 
 async def test_beyond_the_horizon_is_refused_naming_it_and_nothing_is_stored(
