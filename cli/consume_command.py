@@ -43,7 +43,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="where a new group starts reading (default: %(default)s)",
     )
     parser.add_argument("--broadcast", action="store_true", help="receive every message, not a share of the group's")
-    parser.add_argument("--max", type=int, default=None, metavar="N", help="stop after N messages")
+    parser.add_argument(
+        "--max", type=int, default=None, metavar="N", help="stop after N messages (and pull no more than N)"
+    )
     parser.add_argument("--timeout", type=options.duration, default=None, metavar="DURATION",
                         help="stop after this long without a message (default: never)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
@@ -102,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
             start=args.start,
             consumer_id=args.consumer_id,
             max_messages_held=args.max if args.max is not None else 1000,
+            limit=args.max,  # pulls no more than it prints: nothing taken to give back
             pull_batch=min(100, args.max) if args.max is not None else 100,
             limits=client_limits(args),
         ) as consumer:

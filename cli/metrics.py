@@ -281,6 +281,7 @@ def realtime_families(stats: RealtimeStatistics, transport: ServerStatistics) ->
         ("acks", "acks", "ACK requests answered"),
         ("nacks", "nacks", "Messages nacked by consumers"),
         ("redeliveries", "redeliveries", "Messages given back to their group (ack timeout, dead consumer, nack)"),
+        ("released", "released", "Messages a closing consumer gave back without handing them out (no attempt counted)"),
         ("retries_scheduled", "retries_scheduled", "Nacked messages a scheduler took, to come back after their delay"),
         ("retries_stored", "retries_stored", "Nacked messages retried at once (no delay)"),
         ("dead_letters", "dead_lettered", "Messages moved to their dead-letter subject after the last attempt"),
@@ -483,10 +484,10 @@ def metaserver_families(stats: MetaserverStatistics, rows: Sequence[StatusRow]) 
     for group, epoch in sorted({row.group: row.epoch for row in rows}.items()):
         epochs.add_metric([group], epoch)
     yield from (age, up, master, lag, epochs)
-    yield from _replica_sets(rows)
+    yield from replica_set_families(rows)
 
 
-def _replica_sets(rows: Sequence[StatusRow]) -> Iterator[Metric]:
+def replica_set_families(rows: Sequence[StatusRow]) -> Iterator[Metric]:
     """Per replicated group: its slaves in the recorded in-sync set, and whether one is outside it."""
     prefix = "delaymq_metaserver_"
     in_sync = GaugeMetricFamily(
@@ -604,5 +605,6 @@ __all__ = [
     "metaserver_families",
     "pending_windows",
     "realtime_families",
+    "replica_set_families",
     "scheduler_families",
 ]

@@ -3,8 +3,10 @@
 Settled messages are marked in the ``ConsumerCore``; ``AckSender`` sends what is
 marked in rounds, at most one per ``SETTLE_INTERVAL``, each group's requests
 (one ``[start, end)`` range each) on the way together, so the server answers
-them from one checkpoint. What a round could not send stays queued and goes
-again after ``SETTLE_BACKOFF``, or at once when a group moves to a new master.
+them from one checkpoint; a closing consumer's releases to the end of its pull
+logs go (and are answered) before the rest. What a round could not send stays
+queued and goes again after ``SETTLE_BACKOFF``, or at once when a group moves to
+a new master.
 """
 
 from __future__ import annotations
@@ -99,16 +101,47 @@ class AckSender:
             return await self.send_round(peers)
 
     async def send_round(self, peers: Peers) -> bool:
-        """Send what is pending to every group at once; True if all of it went."""
-        results: list[bool] = []
+        """Send what is pending to every group at once; True if all of it went.
+
+        A closing consumer's releases to the end of its pull logs go first, and the rest
+        for a group only once that group answered them: until then a PULL of the consumer
+        waiting there (or still on its way) would take back what the rest gives back, and
+        hand it out again for nobody to read. What waits on a release that failed stays
+        queued with it.
+        """
+        leaving: list[Settlement] = []
+        rest: list[Settlement] = []
+        for settlement in self.core.take_pending():
+            alone, others = settlement.split_leaving()
+            if alone is not None:
+                leaving.append(alone)
+            if others.requests():
+                rest.append(others)
+        try:
+            failed = await self._send_all(leaving, peers) if leaving else set()
+        except BaseException:  # cancelled: the rest was not sent, and stays queued
+            self._put_back(rest)
+            raise
+        self._put_back([settlement for settlement in rest if settlement.group in failed])
+        failed |= await self._send_all([settlement for settlement in rest if settlement.group not in failed], peers)
+        return not failed
+
+    async def _send_all(self, settlements: list[Settlement], peers: Peers) -> set[str]:
+        """Send ``settlements`` at once; returns the groups of those that did not all go."""
+        failed: set[str] = set()
 
         async def send(settlement: Settlement) -> None:
-            results.append(await self._send_settlement(settlement, peers))
+            if not await self._send_settlement(settlement, peers):
+                failed.add(settlement.group)
 
         async with trio.open_nursery() as nursery:
-            for settlement in self.core.take_pending():
+            for settlement in settlements:
                 nursery.start_soon(send, settlement)
-        return all(results)
+        return failed
+
+    def _put_back(self, settlements: list[Settlement]) -> None:
+        for settlement in settlements:
+            self.core.settle_failed(settlement, settlement.requests())
 
     async def _send_settlement(self, settlement: Settlement, peers: Peers) -> bool:
         """Send a settlement's requests (one range each) together, so the server answers them

@@ -22,7 +22,8 @@ Example::
 A receive waits on the consumer's real long polls, so a message is handed out
 as soon as it arrives. ``close()`` (or the end of the ``with`` block) ends a
 receive waiting in another thread at once, gives back what is held and not
-settled, sends the acks not sent yet and ends the loop thread. The thread is a
+settled (released with ``attempts`` unchanged if it was never handed out here,
+as the trio ``Consumer`` does), sends the acks not sent yet and ends the loop thread. The thread is a
 daemon, so a client never closed does not keep the interpreter from exiting (a
 producer or peers dropped without ``close()`` also closes when garbage collected).
 """
@@ -300,6 +301,7 @@ class BlockingConsumer:
                 finally:
                     nursery.cancel_scope.cancel()
             await self._apply_settles(consumer)  # settled before close: acked, not given back
+            consumer.release_unread(self._take_ready())  # received here, never handed out
 
     def close(self) -> None:
         """Stop pulling, give back what is held and not acked, send the acks not sent yet."""
@@ -308,9 +310,18 @@ class BlockingConsumer:
             loop = self._loop
         if loop is not None:
             loop.close()
-        # Received here and not handed out: the close gave them back to the group, so an
-        # ack of one could go nowhere. They are the group's again, not this consumer's.
+        # Any that reached ``_ready`` as the loop closed went back with the rest: they are
+        # the group's again, not this consumer's.
         self._ready.clear()
+
+    def _take_ready(self) -> list[ReceivedMessage]:
+        """Take every message received here and not handed out (``popleft`` is safe across threads)."""
+        taken: list[ReceivedMessage] = []
+        while True:
+            try:
+                taken.append(self._ready.popleft())
+            except IndexError:
+                return taken
 
     def __enter__(self) -> Self:
         self.start()

@@ -38,8 +38,19 @@ Example::
 A nacked message comes back after the next of ``retry_delays`` (the last one
 repeats), with ``attempts`` one higher; the nack of its ``max_attempts``-th
 delivery sends it to ``%dead%<group>%<subject>`` instead, a subject like any
-other. When the block ends, messages held and not settled are given back to the
-group at once (no retry delay) and the acks not sent yet are flushed.
+other. ``limit=N`` pulls at most N messages in all (each PULL asks for no more
+than is left), and iteration ends once they are handed out.
+
+When the block ends the consumer gives back what it holds, at once, to the
+servers it came from, and flushes the acks not sent yet (within ``flush_timeout``):
+messages it received and never handed to the application are **released**
+(NACK with ``release``: ``attempts`` unchanged, no retry delay, never
+dead-lettered), and so is whatever a PULL still on its way when it stopped may
+have been handed (a release to the end of its pull log, which also ends its
+pulls; it is answered before anything else goes back, so none of them takes
+that back); messages handed out and not settled are nacked (back at once,
+``attempts`` one higher). What a server did not take in time comes back after
+its ack timeout, as for a consumer that died; the close logs how many.
 """
 
 from __future__ import annotations
@@ -114,7 +125,7 @@ class Consumer:
         self._groups = GroupPullers(
             core, routes=routes, peers=peers, clock=clock, heartbeat_interval=heartbeat_interval,
             route_refresh=route_refresh, deliver=self._send.send_nowait, settle=self._settle,
-            want_settle=self._want_settle, fail=self._fail,
+            want_settle=self._want_settle, fail=self._fail, undelivered=self.release_unread, finished=self.stop,
         )  # fmt: skip
         self._acks = AckSender(
             core, moved=lambda: self._groups.moved, answered=self._groups.answered, failed=self._groups.request_failed
@@ -234,6 +245,19 @@ class Consumer:
         if failure is not None:
             raise failure
 
+    def release_unread(self, messages: Iterable[ReceivedMessage]) -> int:
+        """Give back messages taken from this consumer that no application code saw (a
+        wrapper's buffer as it closes): the group gets them at once, ``attempts`` unchanged.
+
+        Only for messages never handed to a handler: a message that was worked on is
+        acked or nacked. Sent with the next ack round; returns how many were held.
+        """
+        released = self.core.release(messages)
+        if released:
+            self._acks.want()
+            self._groups.room.unpark_all()
+        return released
+
     async def flush(self) -> bool:
         """Send every ack and nack not sent yet; False if some could not be (they stay queued)."""
         return await self._acks.flush(self._peers)
@@ -241,7 +265,8 @@ class Consumer:
     def stop(self) -> None:
         """Pull no more: iteration (and ``run``) ends once the messages already received are handed out.
 
-        What is held and not acked when the ``open_consumer`` block ends goes back to the group.
+        What is held when the ``open_consumer`` block ends goes back to the group: released
+        if it was never handed out, nacked if it was and is not settled.
         """
         self._groups.stop()
         self._send.close()
@@ -283,22 +308,41 @@ class Consumer:
             raise body_error
 
     async def _close(self, flush_timeout: float) -> None:
+        """Stop, give back what is held (see the module docstring) and flush, within ``flush_timeout``."""
         self.stop()
-        released = self.core.release_all()
-        if released:
-            log.info("consumer %s: gave back %d unacked message(s)", self.core.consumer_id, released)
+        core = self.core
+        released = core.release(self._take_unread())
+        nacked = core.release_all()
+        core.release_rest()
+        if released or nacked:
+            log.info("consumer %s: gave back %d message(s) never handed out and %d handed out, not settled",
+                     core.consumer_id, released, nacked)  # fmt: skip
         # Fresh connections: when the consumer closes because its caller was
         # cancelled, the tasks reading the old ones are cancelled too.
         sent = False
         with trio.move_on_after(flush_timeout):
             async with self._acks.lock:
-                if self.core.has_pending():
+                if core.has_pending():
                     async with open_peers(**self._peers_options) as peers:
                         sent = await self._flush_following_routes(peers)
                 else:
                     sent = True
         if not sent:
-            log.warning("consumer %s: some acks could not be sent before closing", self.core.consumer_id)
+            back, rest, acks = core.unsent()
+            log.warning(
+                "consumer %s: could not give back %d message(s)%s or send %d ack(s) before closing; the servers "
+                "hand them out again after their ack timeout", core.consumer_id, back,
+                f" (nor what {rest} unread pull answer(s) held)" if rest else "", acks,
+            )  # fmt: skip
+
+    def _take_unread(self) -> list[ReceivedMessage]:
+        """Every message received and not handed out (on its way here, or in the release queue)."""
+        while True:
+            try:
+                self._queue.add(self._receive.receive_nowait(), self._clock.now_ms())
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                break
+        return self._queue.drain()
 
     async def _flush_following_routes(self, peers: Peers) -> bool:
         """Send what is pending; True if all of it went.
@@ -334,6 +378,7 @@ async def open_consumer(
     start: str = "latest",
     max_messages_held: int = 1000,
     max_bytes_held: int = 64 * MiB,
+    limit: int | None = None,
     pull_batch: int = 100,
     poll_timeout: float = 30.0,
     fetch_ahead: float = DEFAULT_FETCH_AHEAD,
@@ -355,7 +400,9 @@ async def open_consumer(
     the group's. ``start``: where a new group begins, ``"latest"`` (messages
     stored from now on) or ``"earliest"``. Pulls stop while
     ``max_messages_held`` messages or ``max_bytes_held`` body bytes are held
-    (received, not acked or nacked). ``fetch_ahead`` (seconds, 0 to 1, default
+    (received, not acked or nacked). ``limit``: pull at most this many messages in
+    all (a message the exact tag check drops counts too), then stop; iteration ends
+    once they are handed out. ``fetch_ahead`` (seconds, 0 to 1, default
     0.2): take messages a scheduler sent ahead up to that long before they are due
     and hold them here until this process's clock reads their ``deliver_at``
     (fewer pulls; 0 leaves the holding to the server). ``consumer_id`` names this consumer to
@@ -369,7 +416,7 @@ async def open_consumer(
         subject, group=group, consumer_id=consumer_id, tags=tags, broadcast=broadcast, start=start,
         max_messages_held=max_messages_held, max_bytes_held=max_bytes_held, pull_batch=pull_batch,
         poll_timeout_ms=round(poll_timeout * 1000), fetch_ahead_ms=fetch_ahead_ms(fetch_ahead),
-        retry_delays=retry_delays, max_attempts=max_attempts, limits=limits,
+        retry_delays=retry_delays, max_attempts=max_attempts, limits=limits, limit=limit,
     )  # fmt: skip
     addresses = meta_addresses(meta)
     clock = clock if clock is not None else SystemClock()

@@ -4,12 +4,13 @@
 times; ``Consumer`` (trio) only moves bytes around it (``BlockingConsumer``
 runs that same ``Consumer`` on a loop thread). Its parts:
 
-- per realtime group (``GroupLink``) and subject pulled (the subject, and the
-  group's retry subject ``%retry%<group>%<subject>`` where nacked messages come
-  back) an ``AckTracker`` (``delaymq.client.acks``): the pull log as handed out
-  and the acks and nacks not sent yet;
-- a ``TagFilter`` and ``FlowControl`` (``delaymq.client.flow``): the exact tag
-  check the server's bitmask only narrows, and the caps on what is held;
+- per realtime group (``GroupLink``, ``delaymq.client.links``) and subject pulled
+  (the subject, and the group's retry subject ``%retry%<group>%<subject>`` where
+  nacked messages come back) an ``AckTracker`` (``delaymq.client.acks``): the pull
+  log as handed out and the acks, nacks and releases not sent yet;
+- a ``TagFilter``, ``FlowControl`` and ``PullLimit`` (``delaymq.client.flow``): the
+  exact tag check the server's bitmask only narrows, the caps on what is held, and
+  the most the consumer pulls in all (``limit``);
 - the messages it hands out, ``ReceivedMessage`` (``delaymq.client.received``).
 
 Held messages are keyed by (group, subject, epoch, sequence): settling one twice is a
@@ -21,7 +22,6 @@ numbering are never sent against the new one.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -35,11 +35,21 @@ from delaymq.client.consumeroptions import (
     fetch_ahead_ms,
     retry_subject_of,
 )
-from delaymq.client.flow import FlowControl, TagFilter
+from delaymq.client.flow import FlowControl, PullLimit, TagFilter
+from delaymq.client.links import (
+    LIMITED_POLL_MS,
+    PULL_BACKOFF,
+    SETTLE_BACKOFF,
+    SETTLE_CONCURRENCY,
+    SETTLE_INTERVAL,
+    ConsumerStatistics,
+    GroupLink,
+    pull_backoffs,
+)
 from delaymq.client.received import ReceivedMessage
 from delaymq.client.retry import DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_DELAYS, RetryPolicy
 from delaymq.net.limits import DEFAULT_LIMITS, Limits
-from delaymq.protocol.backoff import Backoff, BackoffRun, RandomSource
+from delaymq.protocol.backoff import RandomSource
 from delaymq.protocol.errors import RemoteProtocolError
 from delaymq.protocol.fields import check_int, check_name
 from delaymq.protocol.limits import (
@@ -53,67 +63,6 @@ from delaymq.protocol.limits import (
 )
 from delaymq.protocol.records import Message, decode_batch
 from delaymq.protocol.subjects import original_subject
-
-#: The wait after a failed pull, before that subject is pulled from that group again.
-#: "Equal" jitter: at least half the ceiling, so a consumer never pulls a group that is
-#: down in a tight loop, while the consumers that lost it together come back spread out.
-#: The cap bounds how long after a restarted group is back its consumers pull it again.
-PULL_BACKOFF = Backoff(initial_ms=100, maximum_ms=500, jitter="equal")
-#: The wait after an ACK/NACK round that could not deliver everything, before the next round
-#: (the ranges stay queued meanwhile). A group's move to a new master ends the wait at once.
-SETTLE_BACKOFF = Backoff(initial_ms=100, maximum_ms=5_000, jitter="equal")
-#: ACK/NACK rounds start at least this far apart (seconds; ``Consumer.flush`` and closing
-#: do not wait): each ACK waits for a checkpoint of the realtime server (fsyncs and an lmdb
-#: transaction), so the acks of a round's worth of messages travel as one range instead
-#: of one request and one checkpoint every few milliseconds. Acks are at-least-once
-#: either way: a consumer that dies has its unsent acks' messages handed out again. A quarter
-#: of a second cost the realtime server about a fifth less CPU than 0.1 s (docs/performance.md).
-SETTLE_INTERVAL = 0.25
-#: At most this many ACK/NACK requests of one round on the way at once (each is one range).
-SETTLE_CONCURRENCY = 16
-
-
-def _pull_backoffs(random: RandomSource | None = None) -> tuple[BackoffRun, BackoffRun]:
-    return BackoffRun(PULL_BACKOFF, random=random), BackoffRun(PULL_BACKOFF, random=random)
-
-
-@dataclass(slots=True)
-class GroupLink:
-    """One realtime group this consumer pulls from: the subject, and the group's retry subject."""
-
-    name: str
-    address: str
-    # One pull log per subject pulled: [0] the subject, [1] the group's retry subject.
-    trackers: tuple[AckTracker, AckTracker] = field(default_factory=lambda: (AckTracker(), AckTracker()))
-    active: bool = True  # still in the consumer route
-    # The backoff after failed pulls, per subject pulled (as ``trackers``).
-    backoffs: tuple[BackoffRun, BackoffRun] = field(default_factory=_pull_backoffs)
-
-    @property
-    def tracker(self) -> AckTracker:
-        """The subject's pull log (``trackers[1]`` is the retry subject's)."""
-        return self.trackers[0]
-
-
-@dataclass(frozen=True, slots=True)
-class ConsumerStatistics:
-    subject: str
-    group: str
-    consumer_id: str
-    server_groups: tuple[str, ...]
-    held_messages: int
-    held_bytes: int
-    received: int  # messages taken from the servers for the application (fetched ahead: on arrival)
-    filtered: int  # messages the server's tag mask let through and the exact check dropped
-    acked: int
-    nacked: int
-    pulls: int
-    pull_failures: int
-    gaps_nacked: int  # sequences handed out but never seen (lost answers), given back
-    settle_failures: int  # ACK/NACK requests that failed (retried)
-    retried: int = 0  # nacks that asked for a retry after a delay
-    dead: int = 0  # nacks of a last attempt: sent to the dead-letter subject
-    received_retries: int = 0  # messages that came back from the retry subject
 
 
 class ConsumerCore:
@@ -143,6 +92,7 @@ class ConsumerCore:
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         limits: Limits = DEFAULT_LIMITS,
         random: RandomSource | None = None,
+        limit: int | None = None,
     ) -> None:
         self.subject = check_name(subject, "subject", limits.max_subject)
         self.group = checked_group(group)
@@ -153,6 +103,8 @@ class ConsumerCore:
         self.broadcast = checked_broadcast(broadcast)
         self.start = checked_start(start)
         self.flow = FlowControl(max_messages_held, max_bytes_held)
+        #: At most this many messages pulled in all (``limit``); then the consumer stops.
+        self.limit = PullLimit(limit)
         self.pull_batch = check_int(pull_batch, "pull_batch", 1, MAX_PULL)
         self.poll_timeout_ms = check_int(poll_timeout_ms, "poll_timeout_ms", 0, MAX_POLL_MS)
         #: PULL takes records sent ahead up to this long before due (``ReleaseQueue`` holds them).
@@ -176,6 +128,7 @@ class ConsumerCore:
         self._retried = 0
         self._dead = 0
         self._received_retries = 0
+        self._released = 0
 
     # -- routes ---------------------------------------------------------------
 
@@ -198,7 +151,7 @@ class ConsumerCore:
             seen.add(name)
             link = self.links.get(name)
             if link is None:
-                self.links[name] = GroupLink(name, address, backoffs=_pull_backoffs(self.random))
+                self.links[name] = GroupLink(name, address, backoffs=pull_backoffs(self.random))
                 started.append(name)
                 continue
             link.address = address  # a failover may move its master
@@ -208,23 +161,35 @@ class ConsumerCore:
         stopped = [name for name, link in self.links.items() if link.active and name not in seen]
         for name in stopped:
             self.links[name].active = False
+            self.limit.forget(name)
         return started, stopped
 
     # -- pulling --------------------------------------------------------------
 
     def pull_request(self, name: str, *, retry: bool = False) -> dict[str, Any] | None:
-        """The next PULL's metadata for a group, or None while the flow caps are reached."""
+        """The next PULL's metadata for a group, or None while the flow caps (or the limit) allow none.
+
+        What it asks for is reserved against the limit until ``accept_pull``,
+        ``pull_failed`` or ``pull_abandoned`` of the same lane.
+        """
         room = self.flow.room()
         if room is None:
             return None
         messages, size = room
+        most = self.limit.reserve((name, retry), min(self.pull_batch, messages))
+        if not most:
+            return None
+        self.links[name].trackers[retry].in_doubt = True  # until its answer is read
+        poll_ms = self.poll_timeout_ms
+        if self.limit.brief((name, retry), self.pull_batch):
+            poll_ms = min(poll_ms, LIMITED_POLL_MS)  # its reservation may be what another lane waits for
         metadata: dict[str, Any] = {
             "group": self.group,
             "consumer": self.consumer_id,
             "subject": self.lane_subject(retry),
-            "max": min(self.pull_batch, messages),
+            "max": most,
             "max_bytes": max(1, min(size, self.limits.max_frame - FRAME_RESERVE)),
-            "timeout_ms": self.poll_timeout_ms,
+            "timeout_ms": poll_ms,
         }
         if self.fetch_ahead_ms:  # (absent, a server of before it serves the pull)
             metadata["ahead_ms"] = self.fetch_ahead_ms
@@ -310,21 +275,49 @@ class ConsumerCore:
         """Count a pull that was answered; its subject's tracker, told what was handed out."""
         self._pulls += 1
         link.backoffs[retry].reset()
+        self.limit.answered((link.name, retry), count)
         tracker = link.trackers[retry]
+        tracker.in_doubt = False
         gap = tracker.handed(start, count, server_acked)
         if gap is not None:
             self._gaps += gap[1] - gap[0]
         return tracker
 
-    def pull_failed(self, name: str, *, retry: bool = False) -> int:
-        """A pull got no answer or a refusal worth retrying; returns the backoff in ms."""
+    def pull_failed(self, name: str, *, retry: bool = False, refused: bool = False) -> int:
+        """A pull got no answer or (``refused``: nothing was handed out) a refusal worth
+        retrying; returns the backoff in ms."""
         self._pull_failures += 1
-        return self.links[name].backoffs[retry].next_delay_ms()
+        self.limit.abandoned((name, retry))
+        link = self.links[name]
+        if refused:
+            link.trackers[retry].in_doubt = False
+        return link.backoffs[retry].next_delay_ms()
+
+    def pull_abandoned(self, name: str, *, retry: bool = False) -> None:
+        """A pull given up before its answer (its group moved): its reservation is free again."""
+        self.limit.abandoned((name, retry))
 
     # -- settling -------------------------------------------------------------
 
     def _lane_of(self, message: ReceivedMessage) -> bool:
         return bool(message.pulled_subject) and message.pulled_subject != self.subject
+
+    def _take_held(self, message: ReceivedMessage) -> tuple[bool, int] | None:
+        """Stop holding ``message``: (its lane, attempts), or None when it is not held (settled already)."""
+        lane = self._lane_of(message)
+        held = self._held.pop((message.server_group, lane, message.epoch, message.sequence), None)
+        if held is None:
+            return None
+        size, attempts = held
+        self.flow.release(1, size)
+        return lane, attempts
+
+    def _tracker_of(self, message: ReceivedMessage, lane: bool) -> AckTracker | None:
+        """The tracker ``message`` is numbered in; None when its numbering is gone (a new epoch)."""
+        link = self.links.get(message.server_group)
+        if link is None or link.trackers[lane].epoch != message.epoch:
+            return None
+        return link.trackers[lane]
 
     def settle(self, message: ReceivedMessage, ack: bool) -> bool:
         """Ack (or nack) a held message; False when it was settled already.
@@ -332,18 +325,16 @@ class ConsumerCore:
         A nack asks for a retry after the policy's delay, or for the dead
         letters after the last attempt (a broadcast consumer's gives it back at once).
         """
-        lane = self._lane_of(message)
-        held = self._held.pop((message.server_group, lane, message.epoch, message.sequence), None)
-        if held is None:
+        taken = self._take_held(message)
+        if taken is None:
             return False  # settled already (or never held by this consumer)
-        size, attempts = held
-        self.flow.release(1, size)
+        lane, attempts = taken
         retry = None
         if not ack and self.retry_subject is not None:
             retry = self.retry_policy.nack_for(attempts)
-        link = self.links.get(message.server_group)
-        if link is not None and link.trackers[lane].epoch == message.epoch:
-            link.trackers[lane].settle(message.sequence, ack=ack, retry=retry)
+        tracker = self._tracker_of(message, lane)
+        if tracker is not None:
+            tracker.settle(message.sequence, ack=ack, retry=retry)
         if ack:
             self._acked += 1
         else:
@@ -354,6 +345,23 @@ class ConsumerCore:
                 else:
                     self._retried += 1
         return True
+
+    def release(self, messages: Iterable[ReceivedMessage]) -> int:
+        """Give back held messages the application never saw: at once, ``attempts`` unchanged.
+
+        Returns how many were held (the others were settled already).
+        """
+        count = 0
+        for message in messages:
+            taken = self._take_held(message)
+            if taken is None:
+                continue
+            tracker = self._tracker_of(message, taken[0])
+            if tracker is not None:
+                tracker.settle(message.sequence, ack=False, release=True)
+            count += 1
+        self._released += count
+        return count
 
     def release_all(self) -> int:
         """Nack every held message (the consumer is closing): the group gets them back at once."""
@@ -368,23 +376,28 @@ class ConsumerCore:
             count += 1
         return count
 
+    def release_rest(self) -> int:
+        """Closing: each lane whose PULL answer went unread releases all past what it read (one
+        NACK with ``release`` and no ``end``); returns how many lanes do."""
+        return sum(tracker.release_unread() for link in self.links.values() for tracker in link.trackers)
+
+    def unsent(self) -> tuple[int, int, int]:
+        """Still queued: (messages not given back, releases to the end, acks)."""
+        trackers = [tracker for link in self.links.values() for tracker in link.trackers]
+        back, rest, acks = zip(*(tracker.unsent() for tracker in trackers), strict=True) if trackers else ((), (), ())
+        return sum(back), sum(rest), sum(acks)
+
     def has_pending(self) -> bool:
         return any(tracker.pending for link in self.links.values() for tracker in link.trackers)
 
     def take_pending(self) -> list[Settlement]:
         """Every group's unsent acks and nacks, per subject, taken out to send."""
-        out = []
-        for link in self.links.values():
-            for lane in self.lanes:
-                tracker = link.trackers[lane]
-                if tracker.pending:
-                    acks, nacks, retries = tracker.to_ack.take(), tracker.to_nack.take(), tracker.take_retries()
-                    out.append(
-                        Settlement(
-                            link.name, link.address, tracker.epoch, acks, nacks, retries, self.lane_subject(lane), lane
-                        )
-                    )
-        return out
+        return [
+            link.trackers[lane].take_settlement(link.name, link.address, self.lane_subject(lane), lane)
+            for link in self.links.values()
+            for lane in self.lanes
+            if link.trackers[lane].pending
+        ]
 
     def settle_failed(self, settlement: Settlement, unsent: Iterable[SettleRequest]) -> None:
         """Put back the requests a failed ACK/NACK round did not deliver, to try again."""
@@ -393,15 +406,8 @@ class ConsumerCore:
         if link is None:
             return
         tracker = link.trackers[settlement.retry_lane]
-        if tracker.epoch != settlement.epoch:
-            return
-        for request in unsent:
-            if request.ack:
-                tracker.to_ack.add(request.start, request.end)
-            elif request.retry is None:
-                tracker.to_nack.add(request.start, request.end)
-            else:
-                tracker.retry_ranges(request.retry).add(request.start, request.end)
+        if tracker.epoch == settlement.epoch:
+            tracker.put_back(unsent)
 
     def settle_metadata(self, settlement: Settlement, request: SettleRequest) -> dict[str, Any]:
         """The ACK or NACK request's metadata."""
@@ -410,8 +416,11 @@ class ConsumerCore:
             "consumer": self.consumer_id,
             "subject": settlement.subject or self.subject,
             "start": request.start,
-            "end": request.end,
         }
+        if request.end is not None:  # (a release without one runs to the end of the server's pull log)
+            metadata["end"] = request.end
+        if request.release:
+            metadata["release"] = True
         if request.retry is not None:
             metadata["delay_ms"] = request.retry.delay_ms
             metadata["dead"] = request.retry.dead
@@ -451,6 +460,7 @@ class ConsumerCore:
             retried=self._retried,
             dead=self._dead,
             received_retries=self._received_retries,
+            released=self._released,
         )
 
 

@@ -1,10 +1,10 @@
-"""What a consumer lets through and how much it holds: the exact tag check and the flow caps.
+"""What a consumer lets through and how much it takes: the exact tag check, the flow caps, the limit.
 
 The server filters by a 64-bit mask, which lets through tags that share a bit,
 so ``TagFilter`` makes the exact check here (a message whose tags do not match
 is acked silently and never shown). ``FlowControl`` counts the messages and
 bytes held (pulled, not yet acked or nacked); pulls stop while either cap is
-reached.
+reached. ``PullLimit`` caps what a consumer pulls over its whole life.
 """
 
 from __future__ import annotations
@@ -72,4 +72,73 @@ class FlowControl:
         self.bytes -= size
 
 
-__all__ = ["FlowControl", "TagFilter"]
+class PullLimit:
+    """At most ``total`` messages pulled over the consumer's life (None: no limit).
+
+    Each PULL on its way reserves what it asks for (one per lane: a server group's
+    subject or retry subject), so pulls of several lanes at once never ask for
+    more than is left together; its answer counts the records it held and frees
+    the rest. A PULL whose answer is lost frees its reservation too: whatever it
+    may have handed out goes back to the group (a gap's nack, or the release on close).
+
+    A long poll holds its reservation while it waits, so a lane whose last answer
+    was empty (or that has had none) asks for one message only, a lane that found
+    no room goes before lanes that did not, and a pull that may hold what another
+    lane will want (``brief``: an idle lane's, or one leaving less than a batch)
+    polls briefly: a lane that has messages waits for it at most that long.
+    """
+
+    __slots__ = ("total", "pulled", "_asked", "_busy", "_wanting")
+
+    def __init__(self, total: int | None) -> None:
+        self.total = None if total is None else check_int(total, "limit", 1, 1 << 62)
+        self.pulled = 0  # records the PULL answers held
+        self._asked: dict[tuple[str, bool], int] = {}  # per lane, what its PULL on its way asks for
+        self._busy: set[tuple[str, bool]] = set()  # lanes whose last answer held messages
+        self._wanting: set[tuple[str, bool]] = set()  # lanes that found no room: they go first
+
+    @property
+    def reached(self) -> bool:
+        """Every message the limit allows was pulled: nothing more is asked for."""
+        return self.total is not None and self.pulled >= self.total
+
+    def brief(self, lane: tuple[str, bool], batch: int) -> bool:
+        """Whether the PULL ``lane`` just reserved for should poll briefly (see the class docstring)."""
+        if self.total is None:
+            return False
+        return lane not in self._busy or self.total - self.pulled - sum(self._asked.values()) < batch
+
+    def reserve(self, lane: tuple[str, bool], wanted: int) -> int:
+        """What the next PULL of ``lane`` may ask for: ``wanted``, or less (0: none now) as
+        the limit leaves; reserved until its answer."""
+        if self.total is None:
+            return wanted
+        others = sum(count for key, count in self._asked.items() if key != lane)
+        most = min(wanted if lane in self._busy else 1, self.total - self.pulled - others)
+        if most <= 0 or (self._wanting and lane not in self._wanting):
+            self._wanting.add(lane)
+            return 0
+        self._wanting.discard(lane)
+        self._asked[lane] = most
+        return most
+
+    def answered(self, lane: tuple[str, bool], count: int) -> None:
+        self._asked.pop(lane, None)
+        self.pulled += count
+        if count:
+            self._busy.add(lane)
+        else:
+            self._busy.discard(lane)
+
+    def abandoned(self, lane: tuple[str, bool]) -> None:
+        self._asked.pop(lane, None)
+
+    def forget(self, group: str) -> None:
+        """``group`` left the route: its lanes pull no more, so none of them waits for room."""
+        for lane in [lane for lane in (*self._asked, *self._wanting, *self._busy) if lane[0] == group]:
+            self._asked.pop(lane, None)
+            self._wanting.discard(lane)
+            self._busy.discard(lane)
+
+
+__all__ = ["FlowControl", "PullLimit", "TagFilter"]

@@ -46,7 +46,9 @@ class GroupPullers:
 
     ``settle`` is what the messages handed out call to be acked or nacked,
     ``want_settle`` asks for an ACK/NACK round, ``fail`` stops the consumer for
-    good (a refusal retrying cannot fix).
+    good (a refusal retrying cannot fix). ``undelivered`` takes what arrived
+    after ``stop`` (nobody reads it: it is released); ``finished`` is called once
+    the consumer's ``limit`` is pulled (its last messages delivered).
     """
 
     def __init__(
@@ -62,6 +64,8 @@ class GroupPullers:
         settle: Callable[[ReceivedMessage, bool], Any],
         want_settle: Callable[[], None],
         fail: Callable[[BaseException], None],
+        undelivered: Callable[[list[ReceivedMessage]], object],
+        finished: Callable[[], None],
     ) -> None:
         self.core = core
         self.routes = routes
@@ -73,7 +77,9 @@ class GroupPullers:
         self._settle = settle
         self._want_settle = want_settle
         self._fail = fail
-        self.room = trio.lowlevel.ParkingLot()  # pullers waiting for flow-control room
+        self._undelivered = undelivered
+        self._finished = finished
+        self.room = trio.lowlevel.ParkingLot()  # pullers waiting for flow-control room (or the limit's)
         self._route_wanted = trio.Event()
         self._pullers: dict[tuple[str, bool], trio.CancelScope] = {}  # (group, retry subject?)
         # The pull in flight (or its backoff) per puller: given up when its group moves.
@@ -185,6 +191,9 @@ class GroupPullers:
             while True:
                 request = core.pull_request(name, retry=retry)
                 if request is None:
+                    if core.limit.reached:
+                        self._finished()
+                        return
                     await self.room.park()
                     continue
                 address = core.links[name].address
@@ -206,21 +215,36 @@ class GroupPullers:
                         if self._pull_attempts.get(lane) is attempt:
                             del self._pull_attempts[lane]
                 if attempt.cancelled_caught:
+                    core.pull_abandoned(name, retry=retry)
+                    self._limit_freed()
                     continue  # the group moved while this pull waited on its old address
                 self._lost.discard(name)
+                self._limit_freed()
+                if messages and self._stopped:
+                    # After ``stop`` (its cancel came after this answer had arrived) nobody
+                    # reads them: they go back to the group as they were.
+                    self._undelivered(messages)
+                elif messages:
+                    self._deliver(messages)
                 if core.has_pending():
                     self._want_settle()
-                if messages and not self._stopped:
-                    # After ``stop`` (its cancel came after this answer had arrived) nobody
-                    # reads them: they stay held and go back to the group as the block ends.
-                    self._deliver(messages)
+                if core.limit.reached:
+                    self._finished()
+                    return
+
+    def _limit_freed(self) -> None:
+        """A pull ended: what it reserved of the consumer's limit and did not get is free for other lanes."""
+        if self.core.limit.total is not None:
+            self.room.unpark_all()
 
     async def _pull_failed(
         self, name: str, retry: bool, request: dict[str, Any], address: str, error: Exception
     ) -> None:
         """Log a pull worth retrying, ask where the group is, and wait out its backoff."""
         core = self.core
-        backoff = core.pull_failed(name, retry=retry)
+        # A refusal is an answer: nothing was handed out; a lost answer may have handed some out.
+        backoff = core.pull_failed(name, retry=retry, refused=isinstance(error, PeerError))
+        self._limit_freed()
         first = core.links[name].backoffs[retry].failures == 1  # later ones at debug
         log.log(logging.INFO if first else logging.DEBUG,
                 "consumer %s: pull of %s from group %s at %s failed (%s); retry in %d ms",

@@ -40,13 +40,14 @@ from typing import Any
 
 import trio
 
+from delaymq.client.membership import MembershipView, membership_fields, recorded_in_sync
 from delaymq.clock import Clock
 from delaymq.net.connection import TransportError
 from delaymq.net.peers import AsyncCaller
 from delaymq.protocol.backoff import Backoff, BackoffRun, RandomSource
 from delaymq.protocol.commands import Command
 from delaymq.protocol.errors import PeerError, RemoteProtocolError
-from delaymq.protocol.routes import MEMBER_TAKEN, REGISTER_FIRST, ROLE_MASTER, ROLE_SLAVE, SUPERSEDED, ServerKind
+from delaymq.protocol.routes import MEMBER_TAKEN, REGISTER_FIRST, ROLE_MASTER, SUPERSEDED, ServerKind
 
 log = logging.getLogger(__name__)
 
@@ -87,16 +88,6 @@ class RegistrationStatistics:
     epoch: int = 0  # managed groups: the group's epoch as last answered
 
 
-@dataclass(frozen=True, slots=True)
-class MembershipView:
-    """What the metaserver last said of this server's place in its managed group."""
-
-    role: str | None  # "master" or "slave"; None before an answer, or in a group that is not managed
-    epoch: int  # the group's epoch (0 before one is known)
-    master_address: str | None  # the group's master
-    handover_to: str | None  # to the master and the target: the server to hand over to, while one is pending
-
-
 class Registration:
     """The latest word from the metaserver about this server's group."""
 
@@ -112,6 +103,8 @@ class Registration:
         self.meta_address = ""
         self.registered = False
         self.last_answer_ms: int | None = None
+        #: When the last answered request was sent (monotonic ms): the metaserver heard this server then.
+        self.answered_sent_ms: int | None = None
         self.superseded = False  # another server registered as this group's master since
         self.role: str | None = None  # managed groups: what the metaserver says this server is
         self.epoch = 0  # managed groups: the group's epoch, the current master's term
@@ -156,6 +149,10 @@ class Registration:
         while (self.epoch, self.in_sync) == old or self.in_sync is None:
             await self._in_sync_changed.wait()
         return self.epoch, self.in_sync
+
+    def silent_ms(self, now_ms: int) -> int | None:
+        """How long (monotonic ms) since the metaserver last heard this server and answered; None: never."""
+        return None if self.answered_sent_ms is None else now_ms - self.answered_sent_ms
 
     def hurry(self, now_ms: int) -> None:
         """Heartbeat every ``HURRY_INTERVAL_MS`` until the role, epoch or master changes (or
@@ -203,7 +200,7 @@ class Registration:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise RemoteProtocolError(f"heartbeat answer has no integer {name!r}", code="bad_metadata", field=name)
         assert isinstance(version, int) and isinstance(interval, int)  # checked just above
-        role, epoch, handover_to = _membership(metadata)
+        role, epoch, handover_to = membership_fields(metadata)
         group = self.info["group"]
         if self.state is not None and state != self.state:
             log.info("group %s state changed %s -> %s", group, self.state, state)
@@ -214,7 +211,7 @@ class Registration:
         before, in_sync_before = self.view(), (self.epoch, self.in_sync)
         self.state, self.master_address, self.route_version = state, master, version
         self.role, self.epoch, self.handover_to = role, epoch if role is not None else self.epoch, handover_to
-        self.in_sync = _recorded_in_sync(metadata)
+        self.in_sync = recorded_in_sync(metadata)
         if self.view() != before:
             if (before.role, before.epoch, before.master_address) != (role, self.epoch, master):
                 self._hurry_until_ms = None  # the word it hurried for came
@@ -250,34 +247,6 @@ class Registration:
             role=self.role,
             epoch=self.epoch,
         )
-
-
-def _membership(metadata: Mapping[str, Any]) -> tuple[str | None, int, str | None]:
-    """The managed-group fields of a heartbeat answer: role, epoch, handover target."""
-    role = metadata.get("role")
-    epoch = metadata.get("epoch", 0)
-    handover_to = metadata.get("handover_to")
-    if role is not None and role not in (ROLE_MASTER, ROLE_SLAVE):
-        raise RemoteProtocolError(f"heartbeat answer has unknown role {role!r}", code="bad_metadata", field="role")
-    if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
-        raise RemoteProtocolError("heartbeat answer 'epoch' is not an integer", code="bad_metadata", field="epoch")
-    if handover_to is not None and not isinstance(handover_to, str):
-        raise RemoteProtocolError(
-            "heartbeat answer 'handover_to' is not a string", code="bad_metadata", field="handover_to"
-        )
-    return role, epoch, handover_to
-
-
-def _recorded_in_sync(metadata: Mapping[str, Any]) -> tuple[str, ...] | None:
-    """The master's ``in_sync`` of a heartbeat answer: the set the metaserver recorded."""
-    in_sync = metadata.get("in_sync")
-    if in_sync is None:
-        return None
-    if not isinstance(in_sync, list) or not all(isinstance(address, str) for address in in_sync):
-        raise RemoteProtocolError(
-            "heartbeat answer 'in_sync' is not a list of addresses", code="bad_metadata", field="in_sync"
-        )
-    return tuple(in_sync)
 
 
 async def run_registration(
@@ -434,6 +403,7 @@ class _Attempts:
         self._outage_since = None
         self._refused = None
         self._register = False
+        registration.answered_sent_ms = sent_at
         self._backoff.reset()
         # At the interval this answer named, from the first one on: a replicated group's
         # master must not wait the default 5 s (its failover time) before its first heartbeat.
@@ -503,7 +473,6 @@ async def start_registration(
 
 __all__ = [
     "INFO_FIELDS",
-    "MembershipView",
     "Registration",
     "RegistrationRefused",
     "RegistrationStatistics",

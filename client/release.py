@@ -74,6 +74,16 @@ class ReleaseQueue:
             return out
         return [ready.popleft() for _ in range(count)]
 
+    def drain(self) -> list[ReceivedMessage]:
+        """Every message here, due or held, taken out (the consumer is closing: they go back)."""
+        out = list(self._ready)
+        self._ready.clear()
+        for lane in self._held.values():
+            out.extend(message for _release, message in lane)
+        self._held.clear()
+        self._count = 0
+        return out
+
     def next_release(self) -> int | None:
         """When the earliest held lane's first message is due (epoch ms), or None if none is held."""
         if not self._held:

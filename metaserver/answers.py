@@ -88,7 +88,15 @@ class HandoverDropped:
     reason: str
 
 
-MastershipEvent = MasterChanged | FailoverBlocked | HandoverDropped
+@dataclass(frozen=True, slots=True)
+class HeardAgain:
+    """No server of a replicated group was heard for ``silent_ms``: the silence was the
+    metaserver's own (cut off, frozen), so no master is failed over for it."""
+
+    silent_ms: int
+
+
+MastershipEvent = MasterChanged | FailoverBlocked | HandoverDropped | HeardAgain
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +117,7 @@ __all__ = [
     "FailoverBlocked",
     "Handover",
     "HandoverDropped",
+    "HeardAgain",
     "HeartbeatReply",
     "MasterChanged",
     "MastershipEvent",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from delaymq.metaserver.answers import FailoverBlocked, HandoverDropped, MasterChanged, StatusRow
+from delaymq.metaserver.answers import FailoverBlocked, HandoverDropped, HeardAgain, MasterChanged, StatusRow
 from delaymq.metaserver.registry import Registry
 
 # One logger name for every metaserver log line, whichever module writes it.
@@ -62,6 +62,12 @@ class RegistryEventLog:
                     event.master,
                     event.silent_ms / 1000,
                     ", ".join(event.in_sync) or "none",
+                )
+            elif isinstance(event, HeardAgain):
+                log.warning(
+                    "heard a replicated group's server again after %.1f s of hearing none: the silence was this "
+                    "metaserver's (cut off or frozen), so no master is failed over for it",
+                    event.silent_ms / 1000,
                 )
             elif isinstance(event, HandoverDropped):
                 log.warning("group %s: handover to %s dropped: %s", event.group, event.to_address, event.reason)

@@ -127,6 +127,8 @@ class RegistryState:
     view_stale: bool = False
     #: Claims of mastership numbered so far: the latest claim holds the highest number.
     claims: int = 0
+    #: When a server of a replicated group was last heard (0: never since start).
+    managed_heard_ms: int = 0
     events: deque[MastershipEvent] = field(default_factory=lambda: deque(maxlen=EVENTS_KEPT))
 
     def content_changed(self) -> None:

@@ -29,7 +29,7 @@ because there the metaserver, not the servers, decides who is master:
 
 from __future__ import annotations
 
-from delaymq.metaserver.answers import FailoverBlocked, Handover, HandoverDropped, MasterChanged
+from delaymq.metaserver.answers import FailoverBlocked, Handover, HandoverDropped, HeardAgain, MasterChanged
 from delaymq.metaserver.checks import check_address
 from delaymq.metaserver.errors import RegistryError
 from delaymq.metaserver.groups import RegistryState, ServerEntry, ServerGroup
@@ -45,6 +45,22 @@ class Mastership:
         self._intervals = state.intervals
 
     # -- registrations and heartbeats ------------------------------------------
+
+    def heard(self, now: int) -> None:
+        """A server of a managed group was heard. When none was for a failover time, the metaserver
+        itself was cut off or frozen: each server's silence counts from before that began, so a
+        master is not failed over for a silence that was the metaserver's (nor evicted)."""
+        state = self._state
+        last, state.managed_heard_ms = state.managed_heard_ms, now
+        gap = now - last
+        if not last or gap < self._intervals.failover_after_ms:
+            return
+        for group in state.groups.values():
+            if group.managed:
+                for server in group.servers.values():
+                    server.last_heartbeat_ms = min(now, server.last_heartbeat_ms + gap)
+        state.view_stale = True
+        state.events.append(HeardAgain(gap))
 
     def register(self, info: ServerInfo, group: ServerGroup | None, now: int) -> ServerGroup:
         """``register`` for a managed group: the metaserver, not the server, says who is master."""

@@ -49,6 +49,7 @@ from delaymq.metaserver.answers import (
     FailoverBlocked,
     Handover,
     HandoverDropped,
+    HeardAgain,
     HeartbeatReply,
     MasterChanged,
     MastershipEvent,
@@ -118,6 +119,7 @@ class Registry:
             self._check_member(info, group, max(self._now_ms, check_count("now_ms", now_ms)))
         if info.replica is not None or (group is not None and group.managed):
             now = self._advance(now_ms)
+            self._mastership.heard(now)
             group = self._mastership.register(info, group, now)
             self._refresh(now)
             return self._reply(group, info.address)
@@ -149,6 +151,7 @@ class Registry:
             raise RegistryError("address", f"{address} is not registered in group {group!r}: register first")
         now = self._advance(now_ms)
         if found.managed:
+            self._mastership.heard(now)
             self._mastership.heartbeat(group, found, address, replica, now)
         else:
             self._state.beat(server, now)
@@ -445,6 +448,7 @@ __all__ = [
     "FailoverBlocked",
     "Handover",
     "HandoverDropped",
+    "HeardAgain",
     "HeartbeatReply",
     "MasterChanged",
     "MastershipEvent",

@@ -29,7 +29,7 @@ from delaymq.net.requests import (
     batch_messages,
     request_scope,
 )
-from delaymq.protocol.commands import command_name
+from delaymq.protocol.commands import Command, command_name
 from delaymq.protocol.errors import (
     ProtocolError,
     RemoteProtocolError,
@@ -134,6 +134,9 @@ class RequestAnswerer:
         try:
             if tokens is not None:  # before anything else: a refused request changes nothing
                 identity, taken = self._authorize(tokens, frame, token)
+            if handler is None and frame.command == Command.PING:
+                # Every server answers PING: a client probes a busy connection it hears nothing on.
+                return response_to(frame) if expects_answer else None
             if handler is None:
                 known = ", ".join(command_name(code) for code in sorted(self.handlers))
                 raise RemoteProtocolError(

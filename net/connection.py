@@ -1,10 +1,14 @@
 """One connection to a peer, dialled by ``Peers``: requests on it run concurrently, matched to
-their responses by request id; the errors a caller sees when a peer cannot answer."""
+their responses by request id; a peer gone silent is probed with PING and given up
+(``SilenceProbe``); the errors a caller sees when a peer cannot answer."""
 
 from __future__ import annotations
 
+import enum
 import itertools
+import math
 import ssl
+from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -26,6 +30,9 @@ from delaymq.protocol.frames import (
 )
 
 RECEIVE_SIZE = 256 * 1024
+#: A frame is written in pieces of this size: a piece written after the first shows the peer
+#: taking bytes, so a large request on a slow link is not mistaken for a silent peer.
+WRITE_PIECE = 64 * 1024
 
 
 class TransportError(Exception):
@@ -44,6 +51,81 @@ class RequestTimeout(TransportError):
     """No response within the request's timeout."""
 
 
+class PeerSilent(PeerUnavailable):
+    """The peer sent nothing, not even an answer to a PING: the connection was given up (retryable)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeSettings:
+    """When a connection with requests outstanding is probed, and when its silence ends it.
+
+    After ``after`` seconds with nothing received while a request is outstanding a
+    PING goes out; if nothing at all is received within ``timeout`` seconds more,
+    every outstanding request fails with ``PeerSilent`` and the connection closes.
+    Any bytes count, so a peer answering PINGs keeps a slow request alive.
+    """
+
+    after: float = 1.0
+    timeout: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("after", "timeout"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value < math.inf:
+                raise ValueError(f"probe {name} must be a number of seconds above 0, not {value!r}")
+
+
+class ProbeStep(enum.Enum):
+    IDLE = "idle"  # no request outstanding: nothing to watch
+    WAIT = "wait"  # look again at the time given
+    PING = "ping"  # silent too long: send a PING, look again at the time given
+    DEAD = "dead"  # nothing came back within the probe's timeout
+
+
+class SilenceProbe:
+    """Sans-IO: when a connection's silence calls for a PING, and when it means the peer is gone.
+
+    Fed trio's clock in seconds: ``heard`` when bytes arrive (or a large frame's
+    write moves on), ``busy`` when a request goes out on an idle connection
+    (silence while idle proves nothing), and asked ``step`` for what to do next.
+    """
+
+    __slots__ = ("settings", "_quiet_since", "_pinged_at")
+
+    def __init__(self, settings: ProbeSettings, now: float) -> None:
+        self.settings = settings
+        self._quiet_since = now
+        self._pinged_at: float | None = None
+
+    def heard(self, now: float) -> None:
+        self._quiet_since = now
+
+    def busy(self, now: float) -> None:
+        self._quiet_since = now
+        self._pinged_at = None
+
+    def step(self, now: float, outstanding: int, cap: int) -> tuple[ProbeStep, float]:
+        """What to do at ``now`` with ``outstanding`` requests, ``cap`` the most a server reads at once."""
+        if outstanding == 0:
+            self._pinged_at = None
+            return ProbeStep.IDLE, math.inf
+        if outstanding >= cap:  # the server reads no more of us until it answers one: silence proves nothing
+            self.busy(now)
+            return ProbeStep.WAIT, now + self.settings.after
+        pinged = self._pinged_at
+        if pinged is not None:
+            if self._quiet_since < pinged:
+                if now >= pinged + self.settings.timeout:
+                    return ProbeStep.DEAD, now
+                return ProbeStep.WAIT, pinged + self.settings.timeout
+            self._pinged_at = None  # heard since the PING: alive
+        due = self._quiet_since + self.settings.after
+        if now < due:
+            return ProbeStep.WAIT, due
+        self._pinged_at = now
+        return ProbeStep.PING, now + self.settings.timeout
+
+
 def describe_broken(error: BaseException) -> str:
     """What broke a stream: trio's ``BrokenResourceError`` around an ``ssl.SSLError`` says nothing itself."""
     cause = error.__cause__ or error.__context__
@@ -56,9 +138,16 @@ def describe_broken(error: BaseException) -> str:
 
 
 class Connection:
-    """One connection to a peer; requests on it run concurrently."""
+    """One connection to a peer; requests on it run concurrently.
 
-    def __init__(self, address: str, stream: trio.abc.Stream, *, limits: Limits) -> None:
+    With ``probe`` settings, a connection whose peer goes silent while requests
+    are outstanding is probed with PING and given up (``SilenceProbe``), so its
+    callers retry on a fresh one instead of waiting out TCP's retransmissions.
+    """
+
+    def __init__(
+        self, address: str, stream: trio.abc.Stream, *, limits: Limits, probe: ProbeSettings | None = None
+    ) -> None:
         self.address = address
         self._stream = stream
         self._limits = limits
@@ -70,6 +159,10 @@ class Connection:
         #: ``PeerError`` (``tls_required``) when this client speaks plaintext to a TLS listener.
         self.refusal: PeerUnavailable | PeerError | None = None
         self._answered = False  # a frame came back: the server took this connection
+        self._probe = SilenceProbe(probe, trio.current_time()) if probe is not None else None
+        self._busy = trio.Event()  # set when a request goes out on an idle connection
+        self._pinging = False  # a PING waits to be written
+        self._silence: PeerSilent | None = None  # why the probe gave the connection up
 
     def _lost(self, error: BaseException) -> PeerUnavailable:
         """Why requests failed when the connection broke; a TLS one closed at once may be for want of a certificate.
@@ -93,6 +186,9 @@ class Connection:
         """Send a request and return its response; an error response raises ``PeerError``."""
         request_id = next(self._ids) % 0xFFFF_FFFF + 1  # never 0: that one speaks of the connection
         send_channel, receive_channel = trio.open_memory_channel[Frame | BaseException](1)
+        if not self._waiting and self._probe is not None:
+            self._probe.busy(trio.current_time())
+            self._busy.set()
         self._waiting[request_id] = send_channel
         try:
             data = encode_frame(request(command, request_id, metadata, body), self._limits)
@@ -108,6 +204,8 @@ class Connection:
             self._waiting.pop(request_id, None)
         if answer is self.refusal and self.refusal is not None:
             raise self._refusal_error()
+        if isinstance(answer, PeerSilent):  # a fresh one per request, as for a refusal
+            raise PeerSilent(str(answer), address=self.address)
         if isinstance(answer, BaseException):
             raise self._lost(answer) from answer
         error = response_error(answer)
@@ -119,7 +217,7 @@ class Connection:
         try:
             async with self._send_lock:
                 try:
-                    await self._stream.send_all(data)
+                    await self._write(data)
                 except trio.Cancelled:
                     # A frame cut off part way would run into the next request's bytes:
                     # this connection can no longer be trusted (its callers retry).
@@ -130,17 +228,51 @@ class Connection:
             self.closed = True
             if self.refusal is not None:
                 raise self._refusal_error() from error
+            if self._silence is not None:  # closed by the probe while this frame waited to be written
+                raise PeerSilent(str(self._silence), address=self.address) from error
             raise self._lost(error) from error
 
+    async def _write(self, data: bytes) -> None:
+        """Write one frame; each piece after the first that the stream takes shows the peer alive."""
+        if len(data) <= WRITE_PIECE:
+            await self._stream.send_all(data)
+            return
+        view = memoryview(data)
+        for start in range(0, len(view), WRITE_PIECE):
+            await self._stream.send_all(view[start : start + WRITE_PIECE])
+            if start and self._probe is not None:
+                self._probe.heard(trio.current_time())
+
     async def read_responses(self) -> None:
-        """Route each response to its caller until the stream ends."""
+        """Route each response to its caller until the stream ends (or the probe gives the peer up)."""
+        reason: BaseException | None = None
+        try:
+            async with trio.open_nursery() as nursery:
+                if self._probe is not None:
+                    nursery.start_soon(self._watch, self._probe, nursery)
+                reason = await self._read()
+                nursery.cancel_scope.cancel()
+        finally:
+            self.closed = True
+            closed = PeerUnavailable(f"{self.address} closed the connection", address=self.address)
+            reason = self.refusal or self._silence or reason or closed
+            for waiter in list(self._waiting.values()):
+                try:
+                    waiter.send_nowait(reason)
+                except trio.WouldBlock:
+                    pass
+            await trio.aclose_forcefully(self._stream)
+
+    async def _read(self) -> BaseException | None:
+        """Hand each response to its caller; what ended the stream (None: the peer closed it)."""
         decoder = FrameDecoder(self._limits)
-        reason: BaseException = PeerUnavailable(f"{self.address} closed the connection", address=self.address)
         try:
             while True:
                 data = await self._stream.receive_some(RECEIVE_SIZE)
                 if not data:
-                    break
+                    return None
+                if self._probe is not None:
+                    self._probe.heard(trio.current_time())
                 decoder.feed(data)
                 for frame in decoder:
                     self._answered = True
@@ -148,19 +280,44 @@ class Connection:
                         self._refused(frame)
                         continue
                     waiter = self._waiting.get(frame.request_id)
-                    if waiter is not None:
+                    if waiter is not None:  # a PING's answer has none: it only had to arrive
                         waiter.send_nowait(frame)
         except (trio.BrokenResourceError, trio.ClosedResourceError, ProtocolError) as error:
-            reason = error
+            return error
+
+    async def _watch(self, probe: SilenceProbe, nursery: trio.Nursery) -> None:
+        """PING a peer silent while requests are outstanding; one that stays silent ends the connection."""
+        # The server's in-flight cap, taken as this side's: past it the server stops reading us.
+        cap = self._limits.connections.max_in_flight
+        while True:
+            step, at = probe.step(trio.current_time(), len(self._waiting), cap)
+            if step is ProbeStep.IDLE:
+                self._busy = trio.Event()
+                if not self._waiting:
+                    await self._busy.wait()
+                continue
+            if step is ProbeStep.DEAD:
+                silent = probe.settings.after + probe.settings.timeout
+                self._silence = PeerSilent(
+                    f"{self.address} sent nothing for {silent:g} s, not even an answer to a PING: connection given up",
+                    address=self.address,
+                )
+                nursery.cancel_scope.cancel()
+                return
+            if step is ProbeStep.PING and not self._pinging:
+                self._pinging = True
+                nursery.start_soon(self._ping)
+            await trio.sleep_until(at)
+
+    async def _ping(self) -> None:
+        """Write a PING (it may wait behind a frame being written); its answer only has to arrive."""
+        request_id = next(self._ids) % 0xFFFF_FFFF + 1
+        try:
+            await self._send(encode_frame(request(Command.PING, request_id), self._limits))
+        except (TransportError, PeerError):
+            pass  # the connection broke or was refused: the reader ends it
         finally:
-            self.closed = True
-            reason = self.refusal or reason
-            for waiter in list(self._waiting.values()):
-                try:
-                    waiter.send_nowait(reason)
-                except trio.WouldBlock:
-                    pass
-            await trio.aclose_forcefully(self._stream)
+            self._pinging = False
 
     def _refused(self, frame: Frame) -> None:
         """An error frame about the connection (a server at a cap; a TLS listener to a plaintext client): why it closes."""

@@ -1,5 +1,6 @@
-"""``open_peers``: one reused connection per peer address, each request timed out, and after a
-failed connect a growing backoff before that peer is dialled again."""
+"""``open_peers``: one reused connection per peer address, each request timed out, a connection
+whose peer went silent given up (``ProbeSettings``), and after a failed connect a growing
+backoff before that peer is dialled again."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from delaymq.net.addresses import parse_address
 from delaymq.net.connection import (
     Connection,
     PeerUnavailable,
+    ProbeSettings,
     RequestTimeout,
     TransportError,
     authenticate,
@@ -97,7 +99,14 @@ class PeersStatistics:
 
 
 class Peers:
-    """One reused connection per peer address, redialled with backoff."""
+    """One reused connection per peer address, redialled with backoff.
+
+    ``probe_after`` and ``probe_timeout`` (seconds; ``probe_after=None``: never) are
+    when a connection with requests outstanding and nothing received is PINGed,
+    and when it is given up (``ProbeSettings``); the next call dials afresh.
+    While a connect hangs, another attempt starts every ``redial_every`` seconds
+    (None: one attempt), all within ``connect_timeout``; the first through wins.
+    """
 
     def __init__(
         self,
@@ -108,9 +117,16 @@ class Peers:
         request_timeout: float = 10.0,
         backoff_initial: float = 0.1,
         backoff_max: float = 5.0,
+        probe_after: float | None = 1.0,
+        probe_timeout: float = 1.0,
+        redial_every: float | None = 1.0,
     ) -> None:
+        if redial_every is not None and not 0 < redial_every < float("inf"):
+            raise ValueError(f"redial_every must be a number of seconds above 0 or None, not {redial_every!r}")
         self._nursery = nursery
         self._limits = limits
+        self._probe = ProbeSettings(probe_after, probe_timeout) if probe_after is not None else None
+        self._redial_every = redial_every
         self._connect_timeout = connect_timeout
         self.request_timeout = request_timeout
         self._backoff = ConnectBackoff(backoff_initial, backoff_max)
@@ -164,11 +180,11 @@ class Peers:
             host, port = parse_address(address)
             stream: trio.abc.Stream
             with trio.fail_after(connect_timeout):
-                stream = await trio.open_tcp_stream(host, port)
+                stream = await self._open_tcp(host, port)
                 if self._tls is not None:
                     stream = await tls_handshake(stream, self._tls, host, address)
-                dialed = Connection(address, stream, limits=self._limits)
-                self._nursery.start_soon(dialed.read_responses)
+                dialed = Connection(address, stream, limits=self._limits, probe=self._probe)
+                self._nursery.start_soon(self._read, dialed)
                 if self._limits.token is not None:
                     await authenticate(dialed, self._limits.token, timeout=connect_timeout)
         except PeerError:  # the token refused (or a TLS listener to this plaintext client): no retry changes it
@@ -196,10 +212,56 @@ class Peers:
         self._connections[address] = dialed
         return dialed
 
+    async def _open_tcp(self, host: str, port: int) -> trio.abc.Stream:
+        """A TCP connection to ``host:port``, a fresh attempt every ``redial_every`` s while none gets through.
+
+        A SYN lost in a network cut is sent again only after 1 s, 2 s, 4 s...: a
+        connect begun during the cut may get through seconds after the link is back.
+        The first attempt to connect or fail decides; the others are cancelled.
+        """
+        if self._redial_every is None:
+            return await trio.open_tcp_stream(host, port)
+        outcomes: list[trio.abc.Stream | OSError | ValueError] = []
+
+        async def attempt(nursery: trio.Nursery) -> None:
+            try:
+                outcomes.append(await trio.open_tcp_stream(host, port))
+            except (OSError, ValueError) as error:
+                outcomes.append(error)
+            nursery.cancel_scope.cancel()
+
+        try:
+            async with trio.open_nursery() as nursery:
+                while True:
+                    nursery.start_soon(attempt, nursery)
+                    await trio.sleep(self._redial_every)
+        except BaseException:  # cancelled (its connect timeout): no connection is kept
+            await _close_streams(outcomes)
+            raise
+        first, *others = outcomes
+        await _close_streams(others)
+        if isinstance(first, OSError | ValueError):
+            raise first
+        return first
+
+    async def _read(self, connection: Connection) -> None:
+        """Read ``connection``'s responses; once it ends, it leaves the table (the next call dials afresh)."""
+        try:
+            await connection.read_responses()
+        finally:
+            if self._connections.get(connection.address) is connection:
+                del self._connections[connection.address]
+
     async def aclose(self) -> None:
-        for connection in self._connections.values():
+        for connection in list(self._connections.values()):  # each leaves the table as its reader ends
             await trio.aclose_forcefully(connection._stream)
         self._connections.clear()
+
+
+async def _close_streams(outcomes: list[trio.abc.Stream | OSError | ValueError]) -> None:
+    for outcome in outcomes:
+        if isinstance(outcome, trio.abc.Stream):
+            await trio.aclose_forcefully(outcome)
 
 
 @asynccontextmanager

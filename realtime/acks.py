@@ -2,10 +2,14 @@
 
 An ACK moves the consumer's acked position; a NACK without retry fields gives
 its range back to the group at once (so does any NACK of a broadcast consumer:
-a retry subject would reach every consumer of its group). A NACK asking for a
-retry or a dead letter claims its range and hands it to ``Retries``. Both answer
-once the change is durable (a checkpoint), so a crash never forgets an ack that
-was answered.
+a retry subject would reach every consumer of its group). A NACK with
+``release`` gives it back too, but with ``attempts`` unchanged: the consumer
+never handed those messages to its application (it is closing); without an
+``end`` it runs to the end of the pull log and ends the consumer's pulls, waiting
+or still on their way. A NACK asking for a retry or a dead letter claims its range and hands it
+to ``Retries``. All answer once the change is durable (a checkpoint, and under
+replication a progress record the slaves hold), so a crash or a failover never
+forgets an ack or a release that was answered.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from delaymq.net.limits import Limits
 from delaymq.net.requests import Request
 from delaymq.protocol.errors import RemoteProtocolError
 from delaymq.realtime.consumers import Consumers
-from delaymq.realtime.groups import Groups
+from delaymq.realtime.groups import ConsumerState, Groups, Share
 from delaymq.realtime.parked import ParkedPulls
 from delaymq.realtime.redelivery import RedeliverySweeper
 from delaymq.realtime.requests import AckRequest, parse_ack, parse_heartbeat
@@ -55,6 +59,7 @@ class AckHandler:
 
     async def ack(self, request: Request) -> dict[str, Any]:
         ack = parse_ack(request.metadata, self._limits)
+        assert ack.end is not None  # required but for a release
         consumer = await self._consumers.get(ack.subject, ack.group, ack.consumer)
         acked = self._groups.ack(consumer, ack.start, ack.end, _names(ack))
         assert consumer is not None
@@ -67,23 +72,34 @@ class AckHandler:
         consumer = await self._consumers.get(nack.subject, nack.group, nack.consumer)
         names = _names(nack)
         now = self._clock.monotonic_ms()
-        if not nack.retry or consumer is None or consumer.broadcast:
-            # Back to the group at once: asked so, or a broadcast consumer (its own
-            # read position: a retry subject would reach every consumer of its group).
-            acked, shares = self._groups.nack(consumer, nack.start, nack.end, now, names)
+        if nack.release:
+            acked, shares = self._groups.release_range(consumer, nack.start, nack.end, now, names)
+            if nack.end is None and consumer is not None:  # its waiting pulls answer empty
+                self._parked.wake([consumer.subject])
         else:
-            claim = self._groups.claim(consumer, nack.start, nack.end, now, names)
-            shares = []
-            if claim is not None:
-                # Shielded (and bounded): a claim must end, whether the consumer
-                # hangs up or not, or its messages would be held back for good.
-                with trio.CancelScope(shield=True):
-                    shares = await self._retries.place(claim, nack)
-            acked = consumer.acked
+            acked, shares = await self._give_back_or_retry(nack, consumer, now, names)
         self._sweeper.poke()
         self._parked.wake([share.subject for share in shares])
         await self.commit()
         return {"acked": acked}
+
+    async def _give_back_or_retry(
+        self, nack: AckRequest, consumer: ConsumerState | None, now: int, names: str
+    ) -> tuple[int, list[Share]]:
+        """A NACK's range back to the group at once, or re-scheduled as it asks; (acked, shares woken)."""
+        assert nack.end is not None  # required but for a release
+        if not nack.retry or consumer is None or consumer.broadcast:
+            # Back to the group at once: asked so, or a broadcast consumer (its own
+            # read position: a retry subject would reach every consumer of its group).
+            return self._groups.nack(consumer, nack.start, nack.end, now, names)
+        claim = self._groups.claim(consumer, nack.start, nack.end, now, names)
+        shares: list[Share] = []
+        if claim is not None:
+            # Shielded (and bounded): a claim must end, whether the consumer
+            # hangs up or not, or its messages would be held back for good.
+            with trio.CancelScope(shield=True):
+                shares = await self._retries.place(claim, nack)
+        return consumer.acked, shares
 
     async def heartbeat(self, request: Request) -> dict[str, Any]:
         beat = parse_heartbeat(request.metadata, self._limits)

@@ -13,6 +13,13 @@ log. What it was handed and did not ack goes back to its share when
 - it stops showing signs of life (pulls and heartbeats; ``consumer_timeout_ms``),
 - it nacks it without asking for a retry (or the retry could not be placed).
 
+A consumer may also give back what it never handed to its application (it is
+closing; ``release_range``, a NACK with ``release``): back to its share at once
+with the same redelivery count, so the message's ``attempts`` stay as they were.
+Without an end the release also says the consumer left: a PULL it sent before
+(on the connection its pulls came on) that arrives after is handed nothing
+(``pulled_after_leaving``), or it would take what the release gave back, for nobody.
+
 A NACK that asks for a retry or a dead letter ``claim``s its range: while the
 server re-schedules the messages (a scheduler round trip) nothing else may give
 them back; ``release`` then marks them done, or gives them back after all.
@@ -75,6 +82,12 @@ class ConsumerState:
     live: bool = False
     claimed: list[tuple[int, int]] = field(default_factory=list)  # pull-log ranges being retried
     shipped: int = 0  # pull-log entries put in a progress record (replication) or loaded from lmdb
+    # Releases to the end of its pull log (the consumer is closing): a pull of it waiting since
+    # before one answers empty, so nothing more is handed to a consumer that left.
+    left: int = 0
+    # The connection its latest PULL came on, and that one as it left (0: none, or not known).
+    pulled_on: int = 0
+    left_on: int = 0
 
     @property
     def broadcast(self) -> bool:
@@ -144,6 +157,7 @@ class Groups:
         self.dirty_shares: set[Share] = set()
         self.dirty_consumers: set[ConsumerState] = set()
         self.redelivered = 0  # messages given back to their share, ever
+        self.released = 0  # messages a consumer released (never handed to its application), ever
         self.acks = 0  # ACK requests
         self.acked_messages = 0  # pull-log entries an ACK settled (each once)
         self.nacks = 0
@@ -172,6 +186,21 @@ class Groups:
         consumer.live = True
         self.live[consumer.key] = consumer
         self.live.move_to_end(consumer.key)
+
+    def pulled_after_leaving(self, consumer: ConsumerState, connection: int) -> bool:
+        """Whether a PULL of ``consumer`` on ``connection`` was sent before it left (then it
+        is handed nothing); else ``connection`` is the one its pulls come on from now.
+
+        A consumer stops pulling before it releases to the end of its pull log, and
+        closes with its own connections: a PULL on the connection its pulls came on
+        then was on its way (its answer reaches nobody). One on another connection is
+        a new run under the same consumer id, served as ever.
+        """
+        if connection and connection == consumer.left_on:
+            return True
+        consumer.pulled_on = connection
+        consumer.left_on = 0
+        return False
 
     # ---------------------------------------------------------------- handing out
 
@@ -261,6 +290,35 @@ class Groups:
         """
         return self._give_back(consumer, start, end)
 
+    def release_range(
+        self, consumer: ConsumerState | None, start: int, end: int | None, now: int, names: str = "the consumer"
+    ) -> tuple[int, list[Share]]:
+        """Give the unsettled part of ``[start, end)`` back at once, redeliveries unchanged.
+
+        The consumer never handed those messages to its application, so this is
+        not a delivery: no attempt is counted. ``end`` None runs to the end of the
+        pull log as this server has it (hand-outs whose answers the consumer never
+        read included), ends the consumer's waiting pulls (``left``) and those still
+        on their way (``pulled_after_leaving``). Returns (acked, shares that got
+        messages back).
+        """
+        if end is None:
+            if consumer is None:
+                return 0, []
+            consumer.left += 1
+            consumer.left_on = consumer.pulled_on
+            if start >= consumer.length:  # nothing handed out past what the consumer read
+                return consumer.acked, []
+            end = consumer.length
+        else:
+            self._check_range(consumer, start, end, "NACK", names)
+        if consumer is None:  # pragma: no cover - _check_range refuses any range then
+            return 0, []
+        self.nacks += 1
+        given = self._give_back(consumer, start, end, attempt=False)
+        self.touch(consumer, now)
+        return consumer.progress.acked, [consumer.share] if given else []
+
     def claim(
         self, consumer: ConsumerState | None, start: int, end: int, now: int, names: str = "the consumer"
     ) -> Claim | None:
@@ -319,23 +377,28 @@ class Groups:
             gaps = _subtract(gaps, consumer.claimed)
         return gaps
 
-    def _give_back(self, consumer: ConsumerState, start: int, end: int) -> int:
+    def _give_back(self, consumer: ConsumerState, start: int, end: int, *, attempt: bool = True) -> int:
+        """Back to the share: with one more redelivery, or (not ``attempt``: a release) as it was."""
         gaps = self._unsettled(consumer, start, end)
         if not gaps:
             return 0
         share = consumer.share
         base = consumer.window_base
+        raised = 1 if attempt else 0
         count = 0
         for gap_start, gap_end in gaps:
             for sequence in range(gap_start, gap_end):
                 index = sequence - base
                 share.redeliver.append(
-                    (consumer.sequences[index], min(consumer.redeliveries[index] + 1, MAX_REDELIVERIES))
+                    (consumer.sequences[index], min(consumer.redeliveries[index] + raised, MAX_REDELIVERIES))
                 )
             consumer.progress.mark(gap_start, gap_end)
             count += gap_end - gap_start
         consumer._trim()
-        self.redelivered += count
+        if attempt:
+            self.redelivered += count
+        else:
+            self.released += count
         self.dirty_shares.add(share)
         self.dirty_consumers.add(consumer)
         return count

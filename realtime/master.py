@@ -232,6 +232,7 @@ class RealtimeMaster:
             "acked_messages": groups.acked_messages,
             "nacks": groups.nacks,
             "redeliveries": groups.redelivered,
+            "released": groups.released,
             "retries_scheduled": retries.scheduled,
             "retries_stored": retries.stored,
             "dead_letters": retries.dead_letters,

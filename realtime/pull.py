@@ -11,7 +11,10 @@ consumer in a long poll counts as alive. Entries a scheduler sent ahead of their
 the PULL asks for that (the consumer then holds them until due: fewer PULLs, one per
 SEND rather than one per release tick); the pull parks until then. What is
 handed out goes into the consumer's pull log before the answer (so after a crash
-recovery knows it) and is due back by the ack timeout.
+recovery knows it) and is due back by the ack timeout. A consumer that releases
+everything it holds (a NACK with ``release`` and no ``end``: it is closing) ends
+its waiting pulls with nothing, and a PULL it sent before that arrives after, on
+the connection its pulls came on, is answered with nothing at once.
 """
 
 from __future__ import annotations
@@ -92,6 +95,11 @@ class PullHandler:
         pull = parse_pull(request.metadata, self._limits)
         consumer = await self._consumers.get(pull.subject, pull.group, pull.consumer, create=pull)
         assert consumer is not None
+        if self._groups.pulled_after_leaving(consumer, request.connection):
+            # Sent before its consumer released all it had and closed: no sign of life, and
+            # nothing handed out (it would be held, for nobody, until the ack timeout).
+            self.pulls += 1
+            return {"pull_start": consumer.length, "count": 0, "acked": consumer.acked}, b""
         self._consumers.seen(consumer)
         consumer.waiting += 1  # a consumer in a long poll is alive
         try:
@@ -113,9 +121,16 @@ class PullHandler:
         subject = pull.subject
         # Never more than half the ack timeout ahead: a hand-out's ack timeout starts at once.
         ahead_ms = min(pull.ahead_ms, groups.ack_timeout_ms // 2)
+        left = consumer.left
         while True:
             if self.closed is not None:
                 raise NotMaster(f"PULL: {self.closed}; ask the metaserver")
+            # Before picking (which moves the share, and the hand-out follows with no wait):
+            # a pull whose connection is gone, or whose consumer released all it had since
+            # (it is closing), hands nothing out.
+            await trio.lowlevel.checkpoint_if_cancelled()
+            if consumer.left != left:
+                return []
             consume_log = self._indexer.consume_log(subject)
             # What is held until ``ahead_ms`` from now may go: the consumer holds it until due.
             now_ms = self._clock.now_ms() + ahead_ms

@@ -41,9 +41,10 @@ class AckRequest:
     consumer: str
     subject: str
     start: int
-    end: int
+    end: int | None  # None only for a release: to the end of the consumer's pull log
     delay_ms: int | None  # NACK only: re-schedule after this delay (None: give back at once)
     dead: bool = False  # NACK only: to the group's dead-letter subject
+    release: bool = False  # NACK only: never handed to the application, back with attempts unchanged
 
     @property
     def retry(self) -> bool:
@@ -108,7 +109,7 @@ _PULL_KEYS = frozenset(
     {"group", "consumer", "subject", "max", "max_bytes", "tags", "timeout_ms", "broadcast", "from", "ahead_ms"}
 )
 _ACK_KEYS = frozenset({"group", "consumer", "subject", "start", "end"})
-_NACK_KEYS = _ACK_KEYS | {"delay_ms", "dead"}
+_NACK_KEYS = _ACK_KEYS | {"delay_ms", "dead", "release"}
 _HEARTBEAT_KEYS = frozenset({"group", "consumer", "subjects"})
 _I64_MAX = (1 << 63) - 1
 
@@ -147,19 +148,26 @@ def parse_ack(metadata: dict[str, Any], limits: Limits, *, nack: bool = False) -
     consumer = _text(command, metadata, "consumer", MAX_NAME)
     subject = _text(command, metadata, "subject", limits.max_subject)
     start = _integer(command, metadata, "start", 0, _I64_MAX, None)
-    end = _integer(command, metadata, "end", 0, _I64_MAX, None)
-    if end <= start:
-        raise _refuse(f"{command}: range [{start}, {end}) is empty; end must exceed start", "bad_value", "end")
+    release = nack and _flag(command, metadata, "release")
+    end = None
+    if not release or metadata.get("end") is not None:  # a release may run to the end of the pull log
+        end = _integer(command, metadata, "end", 0, _I64_MAX, None)
+        if end <= start:
+            raise _refuse(f"{command}: range [{start}, {end}) is empty; end must exceed start", "bad_value", "end")
     delay_ms = None
     if nack and metadata.get("delay_ms") is not None:
         delay_ms = _integer(command, metadata, "delay_ms", 0, limits.horizon_ms, None)
     dead = nack and _flag(command, metadata, "dead")
+    if release and (delay_ms is not None or dead):
+        raise _refuse(
+            f"{command}: release gives the range back at once; it takes no delay_ms or dead", "bad_value", "release"
+        )
     if delay_ms is not None or dead:
         # Where the retry or dead letter goes must be a subject these limits allow.
         problem = retry_subject_problem(group, subject, limits.max_subject)
         if problem:
             raise _refuse(f"{command}: {problem}", "limit", "subject", limits.max_subject)
-    return AckRequest(group, consumer, subject, start, end, delay_ms, dead)
+    return AckRequest(group, consumer, subject, start, end, delay_ms, dead, release)
 
 
 def parse_heartbeat(metadata: dict[str, Any], limits: Limits) -> HeartbeatRequest:

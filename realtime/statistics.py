@@ -9,7 +9,7 @@ from delaymq.replication.roles import Role
 from delaymq.replication.statistics import CutCounts, ReplicationStatistics
 
 #: The counters a master keeps (``RealtimeMaster.counters``); all 0 while not master.
-COUNTERS = ("sends messages_stored duplicates pulls pulls_waiting messages_delivered acks nacks redeliveries "
+COUNTERS = ("sends messages_stored duplicates pulls pulls_waiting messages_delivered acks nacks redeliveries released "
              "retries_scheduled retries_stored dead_letters retries_given_back consumers subjects indexed_offset "
              "dedup_ids_in_memory checkpoints checkpoint_failures fenced fence_raises "
              "subjects_over_cap").split()  # fmt: skip
@@ -34,6 +34,7 @@ class RealtimeStatistics:
     acks: int
     nacks: int
     redeliveries: int  # messages given back to their group (timeouts, dead consumers, nacks)
+    released: int  # messages a closing consumer gave back unseen (no attempt counted)
     retries_scheduled: int  # nacked messages a scheduler took, to come back after their delay
     retries_stored: int  # nacked messages retried at once (delay 0), appended here
     dead_letters: int  # nacked messages of a last attempt, appended to their dead-letter subject

@@ -19,7 +19,8 @@ from typing import Generic, Protocol, TypeVar
 
 import trio
 
-from delaymq.client.registration import MembershipView, Registration
+from delaymq.client.membership import MembershipView
+from delaymq.client.registration import Registration
 from delaymq.clock import Clock
 from delaymq.protocol.errors import RemoteProtocolError
 

@@ -30,7 +30,8 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import trio
 
-from delaymq.client.registration import MembershipView, Registration, start_registration
+from delaymq.client.membership import MembershipView
+from delaymq.client.registration import Registration, start_registration
 from delaymq.clock import Clock
 from delaymq.net.auth import require_server
 from delaymq.net.peers import AsyncCaller
@@ -193,7 +194,14 @@ class ReplicatedServer(Generic[M, S]):
         """The master session, if it takes requests now; else ``what`` is refused (``not_master``)."""
         master = self.master_session
         if master is not None and master.accepting:
-            return master
+            stranded = master.source.stranded() if master.source is not None else None
+            if stranded is None:
+                return master
+            member = self.member
+            raise NotMaster(
+                f"{what}: {self.name} {member.address or '-'} of group {member.group} is not taking requests: "
+                f"{stranded}; ask the metaserver"
+            )
         raise self.refusal(what)
 
     def refusal(self, what: str) -> NotMaster:

@@ -37,6 +37,7 @@ from delaymq.client.registration import Registration
 from delaymq.clock import Clock
 from delaymq.protocol.errors import RemoteProtocolError
 from delaymq.replication.epochs import EpochHistory
+from delaymq.replication.statistics import ReplicaProgress, SourceStatistics
 from delaymq.replication.wire import OFFSET_DELETED, STALE_EPOCH, FetchAnswer, FetchRequest
 from delaymq.storage.log import SegmentedLog
 from delaymq.storage.threads import RunBlocking
@@ -50,6 +51,11 @@ DEFAULT_LAG_MS = 1_500
 DEFAULT_JOURNAL_ENTRIES = 65_536
 #: How often a replication wait looks again whether a silent slave left the in-sync set.
 _RECHECK_S = 0.25
+#: A master is *stranded* while the metaserver has not answered it for this many heartbeat
+#: intervals and a slave of the recorded in-sync set has not fetched for ``STRANDED_SLAVE_MS``:
+#: it has most likely been replaced (its slaves follow another master) and cannot learn it.
+STRANDED_INTERVALS = 2
+STRANDED_SLAVE_MS = 500
 #: A slave silent this long, or out of sync and stuck at one offset this long, no longer
 #: holds back the deletion of message-log segments.
 DEFAULT_RETAIN_FOR_MS = 600_000
@@ -70,30 +76,6 @@ class _Replica:
     answered_durable: int = 0
     answered_ms: int = 0
     heard: bool = True  # False: recorded in sync by the metaserver, not heard from by this master yet
-
-
-@dataclass(frozen=True, slots=True)
-class ReplicaProgress:
-    address: str
-    acked: int  # durable on the slave
-    lag_bytes: int
-    lag_ms: int  # how long since it last held everything the master had durable
-    in_sync: bool
-    seconds_since_fetch: float
-
-
-@dataclass(frozen=True, slots=True)
-class SourceStatistics:
-    epoch: int
-    mode: str
-    min_insync: int
-    durable_end: int
-    high_watermark: int
-    recorded_in_sync: tuple[str, ...]  # the in-sync set the metaserver recorded at this epoch
-    fetches: int
-    bytes_sent: int
-    resets: int
-    replicas: tuple[ReplicaProgress, ...]
 
 
 class ReplicationSource:
@@ -153,6 +135,8 @@ class ReplicationSource:
         self.on_acked: Callable[[], None] = lambda: None
         #: Told when a slave joins the in-sync set (the owner reports it to the metaserver now).
         self.on_joined_in_sync: Callable[[str], None] = lambda address: None
+        #: How long the metaserver has not answered, and the longest it may stay so (None: never asked).
+        self._metaserver_silence: Callable[[], tuple[int, int] | None] = lambda: None
 
     # -- the owner's side -------------------------------------------------------------
 
@@ -160,6 +144,30 @@ class ReplicationSource:
         """Heartbeat at once when a slave joins the in-sync set or a FETCH shows a newer epoch."""
         self.on_joined_in_sync = lambda address: registration.heartbeat_now()
         self.on_stale_epoch = lambda epoch: registration.heartbeat_now()
+
+        def silence() -> tuple[int, int] | None:
+            silent = registration.silent_ms(self._clock.monotonic_ms())
+            return None if silent is None else (silent, STRANDED_INTERVALS * registration.heartbeat_interval_ms)
+
+        self._metaserver_silence = silence
+
+    def stranded(self) -> str | None:
+        """Why this master must not take requests (None: it may): the metaserver has not answered
+        it for ``STRANDED_INTERVALS`` heartbeats and a slave of the recorded in-sync set stopped
+        fetching. Such a master has most likely been replaced; its writes could never be confirmed,
+        so it refuses at once and its clients ask the metaserver instead of waiting on it. A master
+        cut off from the metaserver alone keeps serving: its slaves still fetch."""
+        silence = self._metaserver_silence()
+        if silence is None or silence[0] <= silence[1]:
+            return None
+        now = self._clock.monotonic_ms()
+        gone = sorted(a for a in self._recorded if now - self._replicas[a].fetched_ms > STRANDED_SLAVE_MS)
+        if not gone:
+            return None
+        return (
+            f"the metaserver has not answered it for {silence[0]} ms and in-sync slave(s) {', '.join(gone)} "
+            "stopped fetching: it may have been replaced"
+        )
 
     async def follow_recorded_in_sync(self, registration: Registration) -> None:
         """Until cancelled: take in each in-sync set the metaserver records at this epoch."""
@@ -266,6 +274,8 @@ class ReplicationSource:
                 held = self._waited()
                 if len(held) >= self.min_insync and all(acked >= offset for acked in held):
                     return True
+                if self.stranded() is not None:
+                    return False
                 with trio.move_on_after(_RECHECK_S):  # a slave may leave the in-sync set by time alone
                     await acks.wait()
         return False
@@ -274,8 +284,10 @@ class ReplicationSource:
         """``wait_replicated``, refusing retryably (``unavailable``) on timeout."""
         if not await self.wait_replicated(offset, timeout_ms=timeout_ms):
             waited = ", ".join(sorted(self._recorded | set(self.in_sync()))) or "none"
+            stranded = self.stranded()
+            why = f"not confirmed within {timeout_ms} ms" if stranded is None else f"not confirmed ({stranded})"
             raise RemoteProtocolError(
-                f"{what}: stored on the master but not confirmed within {timeout_ms} ms by the in-sync slaves "
+                f"{what}: stored on the master but {why} by the in-sync slaves "
                 f"({waited}; min_insync {self.min_insync}); retry with the same ids",
                 code="unavailable",
                 field="min_insync",
@@ -468,4 +480,4 @@ class ReplicationSource:
         )
 
 
-__all__ = ["ReplicaProgress", "ReplicationSource", "SourceStatistics"]
+__all__ = ["STRANDED_INTERVALS", "STRANDED_SLAVE_MS", "ReplicaProgress", "ReplicationSource", "SourceStatistics"]

@@ -15,7 +15,29 @@ from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from delaymq.replication.source import ReplicaProgress
+
+@dataclass(frozen=True, slots=True)
+class ReplicaProgress:
+    address: str
+    acked: int  # durable on the slave
+    lag_bytes: int
+    lag_ms: int  # how long since it last held everything the master had durable
+    in_sync: bool
+    seconds_since_fetch: float
+
+
+@dataclass(frozen=True, slots=True)
+class SourceStatistics:
+    epoch: int
+    mode: str
+    min_insync: int
+    durable_end: int
+    high_watermark: int
+    recorded_in_sync: tuple[str, ...]  # the in-sync set the metaserver recorded at this epoch
+    fetches: int
+    bytes_sent: int
+    resets: int
+    replicas: tuple[ReplicaProgress, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,4 +146,12 @@ def _slave_wire(slave: SlaveReplication) -> dict[str, Any]:
     return wire
 
 
-__all__ = ["CutCounts", "MasterReplication", "ReplicationStatistics", "SlaveReplication", "TickLag"]
+__all__ = [
+    "CutCounts",
+    "MasterReplication",
+    "ReplicaProgress",
+    "ReplicationStatistics",
+    "SlaveReplication",
+    "SourceStatistics",
+    "TickLag",
+]

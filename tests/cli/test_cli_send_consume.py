@@ -111,6 +111,29 @@ async def test_a_negative_delay_is_delivered_now(tmp_path: Path, capsys: pytest.
         assert record["received_at"] - record["deliver_at"] >= 5_000  # it was due five seconds before it was sent
 
 
+async def test_consume_max_pulls_no_more_than_it_prints_so_the_next_consume_gets_the_rest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    clock = SystemClock()
+    async with open_metaserver(data_dir=tmp_path / "meta", clock=clock) as meta:
+        async with open_realtime_server(
+            data_dir=tmp_path / "rt1", clock=clock, group="rt1", meta_address=meta.address, flush="async"
+        ) as server:
+            with trio.fail_after(30):  # half the server's 60 s ack timeout: nothing waits for it
+                assert await run_cli("send", "--meta", meta.address, "orders", "x", "--count", "300") == 0
+                sent = capsys.readouterr().out.split()
+                consume = ("consume", "--meta", meta.address, "orders", "--group", "g", "--json")
+                assert await run_cli(*consume, "--from", "earliest", "--max", "120") == 0
+                first = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+                assert len(first) == 120 and server.statistics().messages_delivered == 120
+                assert await run_cli(*consume, "--max", "180", "--timeout", "10s") == 0
+                second = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+            stats = server.statistics()
+            assert (stats.messages_delivered, stats.redeliveries) == (300, 0)
+        assert [r["id"] for r in first + second] == sent
+        assert {r["attempts"] for r in second} == {0}
+
+
 def test_at_needs_a_timezone() -> None:
     assert when("2026-12-24T18:00:00Z").isoformat() == "2026-12-24T18:00:00+00:00"  # type: ignore[union-attr]
     assert when("1798135200000") == 1798135200000

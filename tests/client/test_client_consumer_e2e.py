@@ -321,6 +321,37 @@ async def test_blocking_twins_send_and_consume(tmp_path: Path) -> None:
         assert {m.body for m in got if m.tags == ("t",)} == {f"single {n}".encode() for n in range(5)}
 
 
+async def test_a_blocking_consumer_gives_back_what_it_received_and_never_handed_out(tmp_path: Path) -> None:
+    """Closed after one message of a batch of 20: the other 19 reach the next consumer as they
+    were (``attempts`` 0), well within ``WAIT``, a third of the servers' 60 s ack timeout."""
+    async with open_cluster(tmp_path, ("rt1",)) as cluster:
+        names = [f"m{n:02}" for n in range(20)]
+        async with open_producer(cluster.meta) as producer:
+            await producer.send_batch([producer.message("orders", name, id=name) for name in names])
+        options: dict[str, Any] = {"group": "g", "start": "earliest", "pull_batch": 20, "poll_timeout": 0.5}
+
+        def first() -> tuple[str, int]:
+            with BlockingConsumer(cluster.meta, "orders", **options) as consumer:
+                message = consumer.receive(timeout=WAIT)
+                assert message is not None
+                consumer.ack(message)
+            return message.id, consumer.statistics().released
+
+        def second() -> list[ReceivedMessage]:
+            with BlockingConsumer(cluster.meta, "orders", **options) as consumer:
+                got = list(itertools.islice(consumer.messages(timeout=WAIT), 19))
+                for message in got:
+                    consumer.ack(message)
+            return got
+
+        with trio.fail_after(WAIT):
+            handled, released = await trio.to_thread.run_sync(first)
+            rest = await trio.to_thread.run_sync(second)
+        assert handled == "m00" and released == 19
+        assert [m.id for m in rest] == names[1:] and {m.attempts for m in rest} == {0}
+        assert cluster.redelivered() == 0 and cluster.delivered() == 20 + 19
+
+
 async def test_acks_are_sent_when_the_consumer_is_closed_by_cancellation(tmp_path: Path) -> None:
     async with open_cluster(tmp_path, ("rt1",)) as cluster:
         async with open_producer(cluster.meta) as producer:

@@ -13,7 +13,8 @@ import pytest
 import trio
 import trio.testing
 
-from delaymq.client.registration import MembershipView, Registration, run_registration, start_registration
+from delaymq.client.membership import MembershipView
+from delaymq.client.registration import Registration, run_registration, start_registration
 from delaymq.clock import TrioClock
 from delaymq.protocol.commands import Command
 from delaymq.protocol.frames import Frame, FrameKind

@@ -41,9 +41,12 @@ from delaymq.client import open_producer
 
 pytestmark = pytest.mark.faults
 
-FAILOVER_AFTER_MS = 5_000
+#: The metaserver's default: a master's lease.
+FAILOVER_AFTER_MS = 1_000
 #: What the metaserver's detection and the slave's take-over may add to --failover-after.
 TAKEOVER_SLACK_MS = 2_000
+#: A busy master's stall (GC, a slow disk) that must cost no failover.
+STALL_MS = 500
 #: Batches of this many messages every 50 ms: a few hundred messages a second.
 BATCH = 20
 
@@ -189,6 +192,39 @@ async def test_a_master_frozen_past_failover_after_delivers_nothing_when_it_wake
     assert failover_ms <= FAILOVER_AFTER_MS + TAKEOVER_SLACK_MS
     assert cut == cut_in_log(master, 1)
     assert realtime["fences"][GROUP] == promoted["epoch"]
+
+
+async def test_a_master_stalled_for_half_a_second_keeps_its_group(
+    tmp_path: Path, fault_report: Any, servers_must_not_crash: Any
+) -> None:
+    """A 500 ms stall of a master under load (SIGSTOP, then SIGCONT) is within its lease: no failover,
+    nothing lost, early or twice."""
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    tally, stop = Tally(), trio.Event()
+    with servers_must_not_crash(tmp_path), trio.fail_after(90):
+        async with open_replicated_group(tmp_path, failover_after_ms=FAILOVER_AFTER_MS) as group:
+            master, slave = group.members
+            async with trio.open_nursery() as nursery:
+                await nursery.start(consume, group.meta.address, tally)
+                nursery.start_soon(partial(produce, group.meta.address, tally, stop, seed=seed, delay=(1.0, 5.0)))
+                epochs = []
+                for _ in range(3):
+                    await trio.sleep(rng.uniform(1.0, 2.0))  # a random moment under load: a schedule, not a wait
+                    epochs.append((await group.status(master.address))["epoch"])
+                    master.send_signal(signal.SIGSTOP)
+                    await trio.sleep(STALL_MS / 1000)  # the stall itself
+                    master.send_signal(signal.SIGCONT)
+                await trio.sleep(FAILOVER_AFTER_MS / 1000 + 1)  # a failover would have happened by now
+                after = await group.status(master.address)
+                slave_after = await group.status(slave.address)
+                stop.set()
+                with trio.move_on_after(20):  # the last are due within 5 s; any missing then are reported lost
+                    await tally.wait_all_in(timeout=math.inf)
+                nursery.cancel_scope.cancel()
+    check_delivery(tally, fault_report, seed=seed, stalls=len(epochs), stall_ms=STALL_MS)
+    assert (after["role"], after["epoch"]) == ("master", epochs[0]) and set(epochs) == {epochs[0]}
+    assert slave_after["role"] == "slave"
 
 
 async def test_epochs_keep_going_up_across_metaserver_restarts_and_failovers(

@@ -117,7 +117,11 @@ async def test_a_silent_master_fails_over_at_its_deadline_written_and_logged_bef
     caplog.set_level(logging.INFO, logger="delaymq.metaserver")
     clock = metaservers.clock
     # Evictions are looked for every 10 s: only the failover deadline can wake the expiry task in time.
-    async with metaservers.on_network(check_interval_ms=10_000, failover_after_ms=FAILOVER_MS) as (meta, network, nursery):
+    async with metaservers.on_network(check_interval_ms=10_000, failover_after_ms=FAILOVER_MS) as (
+        meta,
+        network,
+        nursery,
+    ):
         a = await start_member(nursery, network, metaservers, A, Copy(offset=300, in_sync=(B,)))
         b_copy = Copy(offset=300)
         b = await start_member(nursery, network, metaservers, B, b_copy, interval_ms=4_000)
@@ -132,7 +136,10 @@ async def test_a_silent_master_fails_over_at_its_deadline_written_and_logged_bef
         assert "failed over" not in caplog.text
         written = meta.statistics().snapshots_written
         await clock.sleep_until_ms(deadline + 1)
-        assert f"group {GROUP} failed over: master {A} silent for {FAILOVER_MS / 1000:.1f} s; promoted {B} (offset 300)" in caplog.text
+        assert (
+            f"group {GROUP} failed over: master {A} silent for {FAILOVER_MS / 1000:.1f} s; promoted {B} (offset 300)"
+            in caplog.text
+        )
         assert meta.statistics().snapshots_written == written + 1  # written as soon as it happened
         epoch = await became(b.registration, "master")  # at b's next heartbeat
         assert epoch > first and b.registration.is_master

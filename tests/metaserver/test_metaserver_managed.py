@@ -149,6 +149,24 @@ def test_only_the_master_at_the_groups_epoch_changes_the_in_sync_set_and_hears_i
     assert in_sync(T0 + 200) == {"b:1"} and current.in_sync == ("b:1",)
 
 
+def test_a_metaserver_that_heard_no_one_fails_no_master_over_for_its_own_silence() -> None:
+    """Cut off (or frozen) itself, the metaserver hears nobody; at the heal a slave's heartbeat may
+    come first: the master's silence was the metaserver's, so it keeps the group."""
+    registry = Registry(failover_after_ms=FAILOVER)
+    epoch = three_servers(registry)
+    registry.expire(T0 + 3 * FAILOVER)  # nothing heard: nobody live to promote, the group waits
+    first = beat(registry, "b:1", T0 + 3 * FAILOVER, offset=300)
+    assert (first.role, first.master) == (Role.SLAVE, "a:1")
+    assert [type(e).__name__ for e in registry.take_events()][-1] == "HeardAgain"
+    assert beat(registry, "a:1", T0 + 3 * FAILOVER + 200, offset=300, in_sync=["b:1", "c:1"]).role is Role.MASTER
+    # A master that really died is replaced a failover time after its last heartbeat, as ever.
+    beat(registry, "b:1", T0 + 4 * FAILOVER, offset=300)
+    beat(registry, "c:1", T0 + 4 * FAILOVER, offset=300)
+    registry.expire(T0 + 4 * FAILOVER + 200)
+    assert master_of(registry, T0 + 4 * FAILOVER + 200) == "b:1"
+    assert registry.status(T0 + 4 * FAILOVER + 200)[0].epoch > epoch
+
+
 def test_a_member_moving_to_a_new_address_keeps_its_standing() -> None:
     # Evicted after 2 s of silence, well before a failover (5 s): a member may move once evicted.
     registry = Registry(evict_after_ms=2_000, heartbeat_interval_ms=1_000, failover_after_ms=FAILOVER)
@@ -263,12 +281,17 @@ def test_without_an_eligible_slave_the_group_waits_for_its_master() -> None:
     assert registry.take_events() == []
 
 
-def test_an_in_sync_slave_that_is_silent_too_is_promoted_when_it_heartbeats_again() -> None:
+def test_an_in_sync_slave_that_is_silent_too_is_promoted_a_failover_time_after_it_heartbeats_again() -> None:
+    """Everyone silent looks like the metaserver's own silence: the master gets one more failover time."""
     registry = Registry(failover_after_ms=FAILOVER)
     three_servers(registry)
     registry.expire(T0 + 30_000 - 1)  # all silent: nobody to promote
     assert master_of(registry, T0 + 30_000 - 1) == "a:1"
     reply = beat(registry, "b:1", T0 + 29_000, offset=100)  # the clock never runs back: taken as the latest
+    assert (reply.role, reply.master) == (Role.SLAVE, "a:1")
+    for t in range(1_000, FAILOVER, 1_000):  # b heartbeats on; a stays silent
+        beat(registry, "b:1", T0 + 30_000 + t, offset=100)
+    reply = beat(registry, "b:1", T0 + 30_000 + FAILOVER, offset=100)
     assert (reply.role, reply.master) == (Role.MASTER, "b:1")
 
 
@@ -316,6 +339,7 @@ def test_handover_refuses_a_target_that_cannot_take_over(to: str, field: str, sa
     beat(registry, "e:1", T0, in_sync=["a:1"])
     registry.handover(GROUP, "a:1", now_ms=T0)
     beat(registry, "e:1", T0, in_sync=["a:1"], handed_over=registry.status(T0)[0].epoch)
+    beat(registry, "a:1", T0 + 3_000)  # the metaserver hears the group: e:1's silence is its own
     now = T0 + 6_000
     registry.register(member("b:1", offset=100), now_ms=now)
     registry.register(member("c:1", offset=200), now_ms=now)

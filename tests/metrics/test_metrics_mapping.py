@@ -9,9 +9,14 @@ import trio
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from delaymq.cli.metrics import Exposition, lateness_histogram, pending_windows
+from delaymq.cli.metrics import Exposition, lateness_histogram, pending_windows, replica_set_families
 from delaymq.cli.metrics_endpoint import MAX_SCRAPES, open_metrics_endpoint
+from delaymq.cli.status_command import format_under_replicated
+from delaymq.metaserver.answers import StatusRow
+from delaymq.metaserver.requests import Role
+from delaymq.metaserver.wire import status_answer_row
 from delaymq.protocol.histogram import LatencyHistogram
+from delaymq.protocol.routes import GroupState, ServerKind
 from delaymq.wheel import HOUR_MS
 
 from .test_metrics_cluster import http_get
@@ -131,3 +136,29 @@ async def test_silent_connections_past_the_cap_do_not_stop_scrapes_for_long() ->
         with trio.fail_after(10):
             while (await http_get(endpoint.address))[0] != "HTTP/1.1 200 OK":
                 await trio.sleep(0.01)
+
+
+def row(group: str, role: Role, address: str, *, epoch: int, in_sync: bool = False) -> StatusRow:
+    return StatusRow(
+        group=group, kind=ServerKind.SCHEDULER, role=role, address=address, state=GroupState.RW,
+        software_version="0", seconds_since_heartbeat=0.1, evicted=False, is_master=role is Role.MASTER,
+        epoch=epoch, in_sync=in_sync,
+    )  # fmt: skip
+
+
+def test_a_group_with_a_slave_outside_its_in_sync_set_is_named_under_replicated() -> None:
+    rows = [
+        row("s1", Role.MASTER, "a:1", epoch=7),
+        row("s1", Role.SLAVE, "b:1", epoch=7, in_sync=True),
+        row("s1", Role.SLAVE, "c:1", epoch=7),
+        row("s2", Role.MASTER, "d:1", epoch=9),
+        row("s2", Role.SLAVE, "e:1", epoch=9, in_sync=True),
+        row("plain", Role.MASTER, "f:1", epoch=0),  # not replicated: never under-replicated
+    ]
+    families = {family.name: family for family in replica_set_families(rows)}
+    under = {s.labels["group"]: s.value for s in families["delaymq_metaserver_group_under_replicated"].samples}
+    in_sync = {s.labels["group"]: s.value for s in families["delaymq_metaserver_group_in_sync_slaves"].samples}
+    assert under == {"s1": 1, "s2": 0} and in_sync == {"s1": 1, "s2": 1}
+    assert format_under_replicated([status_answer_row(r) for r in rows]) == [
+        "group s1 is under-replicated: 1 of 2 slave(s) in sync (not in sync: c:1)"
+    ]

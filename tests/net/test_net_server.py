@@ -236,3 +236,21 @@ async def test_a_closed_connection_cancels_its_waiting_handlers() -> None:
             await cancelled.wait()
         assert server.statistics().connections_open == 0
         nursery.cancel_scope.cancel()
+
+
+async def test_a_server_without_a_ping_handler_answers_ping_and_refuses_an_unknown_command(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A client probes a busy connection it hears nothing on with PING: every server answers it."""
+    server = FrameServer({Command.SEND: echo})
+    client_end, server_end = trio.testing.memory_stream_pair()
+    connection = Connection("memory", client_end, limits=Limits())
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server.serve_stream, server_end)
+        nursery.start_soon(connection.read_responses)
+        answer = await connection.call(Command.PING, {}, timeout=5)
+        assert (answer.metadata, answer.body) == ({}, b"")
+        with pytest.raises(PeerError) as refused:
+            await connection.call(Command.PULL, {}, timeout=5)
+        assert refused.value.code == "bad_request" and "unknown command PULL" in str(refused.value)
+        nursery.cancel_scope.cancel()

@@ -85,9 +85,12 @@ class Client:
         frame = await self._call(Command.ACK, {**metadata, **extra}, b"")
         return frame.metadata["acked"]
 
-    async def nack(self, start: int, end: int) -> int:
-        metadata = {"group": self.group, "consumer": self.consumer, "subject": self.subject, "start": start, "end": end}
-        frame = await self._call(Command.NACK, metadata, b"")
+    async def nack(self, start: int, end: int | None, **extra: Any) -> int:
+        """NACK ``[start, end)`` (``end`` None: left out, as a release to the end of the pull log sends it)."""
+        metadata = {"group": self.group, "consumer": self.consumer, "subject": self.subject, "start": start}
+        if end is not None:
+            metadata["end"] = end
+        frame = await self._call(Command.NACK, {**metadata, **extra}, b"")
         return frame.metadata["acked"]
 
     async def heartbeat(self) -> None:

@@ -18,10 +18,10 @@ from delaymq.protocol.routes import ServerKind
 from delaymq.replication.epochs import EpochHistory
 from delaymq.replication.roles import Handover, NotMaster, Role
 from delaymq.replication.shell import InFlight, ReplicatedServer
-from delaymq.replication.source import ReplicaProgress
 from delaymq.replication.statistics import (
     CutCounts,
     MasterReplication,
+    ReplicaProgress,
     ReplicationStatistics,
     SlaveReplication,
     TickLag,

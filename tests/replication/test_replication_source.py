@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import trio
 
+from delaymq.client.registration import Registration
 from delaymq.clock import TrioClock
 from delaymq.net.requests import Request
 from delaymq.net.server import FrameServer
@@ -365,3 +366,48 @@ async def test_a_slave_that_keeps_up_with_a_steady_stream_stays_in_sync(tmp_path
         assert master.source.in_sync() == [SLAVE]
         await trio.sleep(DEFAULT_LAG_MS / 1000 + 0.1)  # then it stops fetching
         assert master.source.in_sync() == []
+
+
+async def test_a_master_that_hears_neither_the_metaserver_nor_its_slaves_refuses_at_once(
+    tmp_path: Path, autojump_clock: Any
+) -> None:
+    """Cut off from the metaserver and its in-sync slaves (they follow a new master), a master's
+    writes could never be confirmed: it says so at once, not after the replication timeout."""
+    clock = TrioClock(1_700_000_000_000)
+    master = Master(tmp_path, clock)
+    info = {"group": "g", "kind": "scheduler", "role": "master", "address": MASTER, "version": "0"}
+    registration = Registration(info, interval_ms=200)
+    registration.answered_sent_ms = clock.monotonic_ms()
+    master.source.report_to(registration)
+    with master.log:
+        master.write(1)
+        end = master.log.end_offset
+        fetch = FetchRequest(group="g", address=SLAVE, epoch=1, offset=end, last_epoch=1)
+        await master.source.serve_fetch(fetch)
+        master.source.record_in_sync([SLAVE])
+        await trio.sleep(1)
+        registration.answered_sent_ms = clock.monotonic_ms()
+        assert master.source.stranded() is None  # the metaserver answers: it records the slave's leaving
+        await master.source.serve_fetch(dataclasses.replace(fetch, session=master.source.session))
+        await trio.sleep(1)  # neither the metaserver nor the slave since
+        reason = master.source.stranded()
+        assert reason is not None and SLAVE in reason and "may have been replaced" in reason
+        master.write(2)
+        began = clock.monotonic_ms()
+        with pytest.raises(RemoteProtocolError, match="may have been replaced"):
+            await master.source.confirm_replicated(master.log.end_offset, timeout_ms=5_000, what="SEND")
+        assert clock.monotonic_ms() - began < 500
+        # Cut off from the metaserver alone, it serves on: its slave fetches.
+        async with trio.open_nursery() as nursery:
+
+            async def keep_fetching() -> None:
+                request = dataclasses.replace(fetch, offset=master.log.end_offset)
+                while True:
+                    answer, _body = await master.source.serve_fetch(request)
+                    request = dataclasses.replace(request, session=answer.session, seq=answer.seq)
+
+            nursery.start_soon(keep_fetching)
+            await trio.sleep(1)
+            assert master.source.stranded() is None
+            await master.source.confirm_replicated(master.log.end_offset, timeout_ms=5_000, what="SEND")
+            nursery.cancel_scope.cancel()
