@@ -21,7 +21,7 @@ same with ``delaymq admin handover`` instead of the kill. Printed, never asserte
 
 ``--realtime``: a metaserver and a realtime group of a master and two sync slaves.
 One producer sends immediate messages at a steady rate, one consumer takes and acks
-them; the master is SIGKILLed under that load. Printed: the time from the kill to the
+them; the master is SIGKILLed under that load, then (a fresh group) handed over. Printed: the time from the kill to the
 promotion, to the first SEND the new master stored and to the first message it handed
 out (its STATUS, polled every 10 ms), and what the consumer saw: lost, handed out again
 with a raised ``attempts`` (marked: a hand-out whose ack the old master had not
@@ -515,7 +515,9 @@ async def _accept_rate(root: Path, count: int, *, slaves: int) -> float:
 REALTIME_ACK_TIMEOUT = "5s"
 
 
-async def _realtime_failover_run(root: Path, count: int, kill_after: float, rate: float) -> list[Row]:
+async def _realtime_failover_run(
+    root: Path, count: int, kill_after: float, rate: float, *, handover: bool = False
+) -> list[Row]:
     tally = Tally()
     options = ["--ack-timeout", REALTIME_ACK_TIMEOUT]
     async with open_replicated_group(root, kind="realtime", slaves=2, member_options=options) as group:
@@ -532,7 +534,7 @@ async def _realtime_failover_run(root: Path, count: int, kill_after: float, rate
             await trio.sleep(kill_after)  # the chosen moment of the kill, under load; not a synchronisation
             lag = await _replication_lag(group, master)
             takeover = await kill_master_and_time_takeover(
-                group, master, slaves, ["messages_stored", "messages_delivered"]
+                group, master, slaves, ["messages_stored", "messages_delivered"], handover=handover
             )
             with trio.move_on_after(120):
                 await sent.wait()
@@ -544,21 +546,23 @@ async def _realtime_failover_run(root: Path, count: int, kill_after: float, rate
             nursery.cancel_scope.cancel()
     marked, unmarked = tally.handed_out_again()
     stats = new_master["statistics"]
+    change = "handover asked" if handover else "kill"
     return [
         (f"sent at {rate:,.0f} msg/s, sync to 2 slaves: acknowledged", len(tally.acked), "msgs"),
-        ("slaves' lag just before the kill (most)", lag, "bytes"),
-        ("kill to promotion", takeover.promoted_ms - takeover.killed_ms, "ms"),
+        (f"slaves' lag just before the {change.split()[0]} (most)", lag, "bytes"),
+        (f"{change} to promotion", takeover.promoted_ms - takeover.killed_ms, "ms"),
         (
-            "kill to the first SEND stored by the new master",
+            f"{change} to the first SEND stored by the new master",
             takeover.first_ms["messages_stored"] - takeover.killed_ms,
             "ms",
         ),
         (
-            "kill to the first message handed out by the new master",
+            f"{change} to the first message handed out by the new master",
             takeover.first_ms["messages_delivered"] - takeover.killed_ms,
             "ms",
         ),
         ("SEND retries (whole batches) at the producer", tally.send_errors, ""),
+        ("producer: first to last failed send", tally.error_window_ms(), "ms"),
         ("re-sends answered duplicate by the new master", stats["duplicates"], "msgs"),
         ("lost", len(tally.missing()), "msgs"),
         ("handed out again, attempts raised (marked)", marked, "msgs"),
@@ -587,14 +591,17 @@ def bench_failover(
     realtime_rate: float = 500.0,
 ) -> list[Row]:
     """``count`` messages due 2-20 s ahead, the master SIGKILLed ``kill_after`` s after the first was
-    sent; then the accept rate of ``accept_count`` messages with one sync slave and with none.
+    sent, then handed over at that moment instead; then the accept rate of ``accept_count`` messages
+    with one sync slave and with none.
 
     ``realtime``: instead, ``realtime_count`` immediate messages at ``realtime_rate`` msg/s into a
-    realtime group whose master is SIGKILLed ``kill_after`` s in."""
+    realtime group whose master is SIGKILLed ``kill_after`` s in, then handed over."""
     if realtime:
-        return trio.run(
-            _realtime_failover_run, scratch / "failover-realtime", realtime_count, kill_after, realtime_rate
-        )
+        run = partial(_realtime_failover_run, count=realtime_count, kill_after=kill_after, rate=realtime_rate)
+        return [
+            *trio.run(partial(run, scratch / "failover-realtime")),
+            *trio.run(partial(run, scratch / "handover-realtime", handover=True)),
+        ]
     rows = trio.run(_failover_run, scratch / "failover", count, kill_after)
     rows += trio.run(partial(_failover_run, scratch / "handover", count, kill_after, handover=True))
     replicated = trio.run(partial(_accept_rate, scratch / "accept-sync", accept_count, slaves=1))

@@ -18,8 +18,8 @@ Every request goes to the group's address as the route says now. A replicated
 group's master may change (a failover): the new master holds the same pull
 logs, so the same ranges are acked there. A request refused with ``not_master``
 (or another "try again" code) or left unanswered marks its group as lost: the
-route is asked again, at most once per ``ROUTE_RETRY`` seconds, until the group
-answers; acks and nacks that did not go stay queued and are sent again after
+route is asked again, after 50 ms and then at most every ``ROUTE_RETRY`` seconds, until
+the group answers; acks and nacks that did not go stay queued and are sent again after
 a backoff (``SETTLE_BACKOFF``), pulls after theirs (``PULL_BACKOFF``). When the
 route moves a group, a long poll still held by its old address is given up and
 the waits end at once, so nothing waits on a master that is gone.

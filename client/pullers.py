@@ -4,8 +4,10 @@ One task pulls from each realtime group of the ``consumer`` route (long polls,
 so a message arrives as soon as it is stored), and one more the group's retry
 subject there; a task re-reads the route and starts or stops pullers as groups
 come and go; one sends CONSUMER_HEARTBEAT. A request that fails in a way a
-failover explains marks its group as lost: the route is then asked again at most
-once per ``ROUTE_RETRY`` seconds until the group answers. When the route moves a
+failover explains marks its group as lost: the route is then asked again after
+``ROUTE_RETRY_FIRST`` seconds, the wait doubling up to ``ROUTE_RETRY``, until the group
+answers (a handover moves a group within a few tens of ms; a failover within about a
+second). When the route moves a
 group, a long poll still held by its old address is given up and the waits end
 at once, so nothing waits on a master that is gone.
 """
@@ -32,8 +34,11 @@ log = logging.getLogger("delaymq.client.consumer")
 
 #: Extra time a long poll's request is given beyond the poll itself.
 POLL_MARGIN = 10.0
-#: While a group's requests fail, the consumer route is asked again at most this often (seconds).
-ROUTE_RETRY = 1.0
+#: While a group's requests fail, the consumer route is asked again after this long at first
+#: (seconds), then after twice as long each time, at most ``ROUTE_RETRY``: a failover (about a
+#: second) is followed within a quarter of a second, at four route asks a second per consumer.
+ROUTE_RETRY_FIRST = 0.05
+ROUTE_RETRY = 0.25
 
 
 def is_retryable(error: Exception) -> bool:
@@ -165,12 +170,14 @@ class GroupPullers:
 
     async def _route_loop(self) -> None:
         interval = self._route_ms / 1000
-        pace = min(ROUTE_RETRY, interval)  # never asked more often than this
+        slowest = min(ROUTE_RETRY, interval)
+        pace = min(slowest, ROUTE_RETRY_FIRST)  # the least time between two asks now: doubles while a group is lost
         asked = trio.current_time()  # by open_consumer
         while True:
             with trio.move_on_at(asked + (pace if self._lost else interval)):
                 await self._route_wanted.wait()
             await trio.sleep_until(asked + pace)
+            pace = min(slowest, pace * 2) if self._lost else min(slowest, ROUTE_RETRY_FIRST)
             self._route_wanted = trio.Event()
             if self._lost:  # where is the group now? (the held answer is not stale yet)
                 self.routes.table.cache.invalidate(RouteKind.CONSUMER)

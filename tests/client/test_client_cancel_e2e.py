@@ -39,6 +39,7 @@ from ..support.tasks import start_in_nursery
 #: 2026-01-01T22:00:00Z: two hours before a UTC day ends, so moves cross hours and days.
 EPOCH = 1_767_304_800_000
 META = "meta.test:20880"
+SLOW_FAILOVER_MS = 5_000
 A, B = "sched-a.test:1", "sched-b.test:1"
 SECOND = 1_000
 MINUTE = 60 * SECOND
@@ -156,6 +157,9 @@ async def open_cluster(
     tmp: Path, monkeypatch: pytest.MonkeyPatch, *, flush: str = "sync", **meta_options: Any
 ) -> AsyncIterator[Cluster]:
     """``flush``: the realtime server's (``async`` where fsyncs would only slow a big test down)."""
+    # Days of mock time: servers heartbeating every second, not every 200 ms, keep the run short
+    # (failover is not what these tests look at).
+    meta_options.setdefault("failover_after_ms", SLOW_FAILOVER_MS)
     clock = TrioClock(EPOCH)
     async with AsyncExitStack() as stack:
         nursery = await stack.enter_async_context(trio.open_nursery())

@@ -54,8 +54,12 @@ async def open_cluster(
         stack.callback(nursery.cancel_scope.cancel)
         network = MemoryNetwork(nursery)
         monkeypatch.setattr(trio, "open_tcp_stream", network.open_tcp_stream)
+        # Hours of mock time: servers heartbeating every second, not every 200 ms, keep the run
+        # short (failover is not what these tests look at).
         meta = await stack.enter_async_context(
-            open_metaserver(listen=None, data_dir=tmp_path / "meta", clock=clock, run_blocking=run_inline)
+            open_metaserver(
+                listen=None, data_dir=tmp_path / "meta", clock=clock, run_blocking=run_inline, failover_after_ms=5_000
+            )
         )
         network.serve(META, meta.serve_stream)
         realtime = await stack.enter_async_context(
