@@ -14,6 +14,7 @@ from pathlib import Path
 import trio
 
 from delaymq.cli.main import parse_args
+from delaymq.client import open_producer
 
 from .test_metrics_cluster import scrape, scrape_until, value
 
@@ -59,7 +60,7 @@ async def test_metaserver_and_realtime_commands_serve_metrics_from_their_config(
         rt_config = tmp_path / "realtime.toml"
         rt_config.write_text(
             f'[realtime]\nlisten = "127.0.0.1:0"\nmeta = ["{meta}"]\ndata = "{tmp_path / "rt"}"\n'
-            'group = "realtime-7"\nmin-insync = 0\nmetrics-listen = "127.0.0.1:0"\n'
+            'group = "realtime-7"\nmetrics-listen = "127.0.0.1:0"\n'  # the command's replication defaults
         )
         async with server_process(rt_config, "realtime") as (rt, rt_metrics, _):
             await scrape_until(meta_metrics, "delaymq_metaserver_servers", 1)
@@ -67,6 +68,11 @@ async def test_metaserver_and_realtime_commands_serve_metrics_from_their_config(
             info = [dict(labels) for name, labels in samples if name == "delaymq_server_info"]
             assert info[0]["group"] == "realtime-7" and info[0]["address"] == rt and info[0]["kind"] == "realtime"
             assert value(samples, "delaymq_realtime_messages_stored_total") == 0
+            # A member alone serves with the defaults (sync replication, min-insync 0): stored at once.
+            async with open_producer(meta) as producer:
+                with trio.fail_after(10):
+                    await producer.send("orders", "alone")
+            await scrape_until(rt_metrics, "delaymq_realtime_messages_stored_total", 1)
 
 
 def test_metrics_are_off_unless_asked_for() -> None:
