@@ -481,7 +481,7 @@ async def _failover_run(root: Path, count: int, kill_after: float, *, handover: 
     during = tally.lateness_ms(due_from=takeover.killed_ms, due_until=first_dispatch_ms)
     p50, p99, worst = percentiles(during)
     after_p50, after_p99, after_worst = percentiles(tally.lateness_ms(due_from=first_dispatch_ms))
-    change = "handover asked" if handover else "kill"
+    change = _change(handover)
     return [
         (f"{count:,} scheduled at {count / 10:,.0f} msg/s, sync to 1 slave: accepted", accepted, "msg/s"),
         (f"{change} to promotion", takeover.promoted_ms - takeover.killed_ms, "ms"),
@@ -501,6 +501,11 @@ async def _failover_run(root: Path, count: int, kill_after: float, *, handover: 
         ("early", len(tally.early()), "msgs"),
         ("duplicated at the consumer", tally.duplicated(), "msgs"),
     ]
+
+
+def _change(handover: bool) -> str:
+    """How a run's rows name the moment the master changed."""
+    return "handover asked" if handover else "kill"
 
 
 async def _accept_rate(root: Path, count: int, *, slaves: int) -> float:
@@ -546,10 +551,10 @@ async def _realtime_failover_run(
             nursery.cancel_scope.cancel()
     marked, unmarked = tally.handed_out_again()
     stats = new_master["statistics"]
-    change = "handover asked" if handover else "kill"
+    change = _change(handover)
     return [
         (f"sent at {rate:,.0f} msg/s, sync to 2 slaves: acknowledged", len(tally.acked), "msgs"),
-        (f"slaves' lag just before the {change.split()[0]} (most)", lag, "bytes"),
+        (f"slaves' lag just before the {'handover' if handover else 'kill'} (most)", lag, "bytes"),
         (f"{change} to promotion", takeover.promoted_ms - takeover.killed_ms, "ms"),
         (
             f"{change} to the first SEND stored by the new master",

@@ -240,7 +240,7 @@ class SlaveSession:
         self.state: ReplicaState | None = None
         #: Applying stops here until the master has answered (see the module docstring).
         self.agreed_offset = 0
-        #: What this session cut back (``cut_back``).
+        #: What this slave term cut back (``cut_back``).
         self.cut = CutCounts(messages=0)
         self._alarm = Alarm(member.clock)
         self._lock = trio.Lock()  # one apply step or cut at a time

@@ -310,15 +310,13 @@ class Scheduler:
             log.warning("scheduler %s: no longer master of epoch %d: dispatch stopped", self.group, master.epoch)
 
     def _master_session(self, epoch: int) -> MasterSession:
-        session = MasterSession(
+        return MasterSession(
             self.member,
             epoch=epoch,
             make_wheels=self.settings.make_wheels,
             make_dispatcher=self._make_dispatcher,
             deliver=self._delivery,
         )
-        session.source.on_stale_epoch = self._stale
-        return session
 
     def _make_dispatcher(
         self, wheels: WheelSet, deliver: Deliver, on_recorded: Callable[[dict[int, list[int]]], None]
@@ -360,10 +358,6 @@ class Scheduler:
             if self.registration is not None:
                 self.registration.heartbeat_now()
         self.shell.roles.kick()
-
-    def _stale(self, epoch: int) -> None:
-        if self.registration is not None:
-            self.registration.heartbeat_now()
 
     async def _cut_back(self, offset: int) -> None:
         """A slave's log holds a tail its master never had: cut it (and, under async
